@@ -1,0 +1,58 @@
+"""Attention kernels behind one Python signature each, with selectable backends.
+
+Cache layout (both backends): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None
+        key, value:   [num_tokens, num_kv_heads, head_dim]
+        slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset; -1 is skipped
+
+    paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                    max_query_len, max_seq_len) -> out [num_tokens, num_heads, head_dim]
+        query:           [num_tokens, num_heads, head_dim], sequences packed back to back
+        block_tables:    [num_seqs, max_blocks_per_seq] int32 (entries past a table's end: any)
+        seq_lens:        [num_seqs] int32, context length *including* this step's query tokens
+        query_start_loc: [num_seqs + 1] int32, sequence i owns query rows [qsl[i], qsl[i+1])
+        Query row j of sequence i sits at position seq_len - q_len + j and attends to positions
+        0..that position (lower-right causal): prefill chunks over their cached prefix and decode
+        rows (q_len == 1) in one batch. GQA: query head h reads KV head h // (num_heads / num_kv_heads).
+
+The backend is chosen by configuration (`--attention-backend torch|cupy`), never by a failed
+import: CPU machines never import cupy at module load.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+import torch
+
+BackendName = Literal["torch", "cupy"]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+
+    def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                        max_seq_len: int) -> torch.Tensor: ...
+
+
+def default_backend_name(device: torch.device) -> BackendName:
+    return "cupy" if device.type == "cuda" else "torch"
+
+
+def get_backend(name: BackendName) -> AttentionBackend:
+    if name == "torch":
+        from kernels.paged_attention.reference import TorchBackend
+
+        return TorchBackend()
+    if name == "cupy":
+        # Imported only when asked for: cupy needs a CUDA driver at run time.
+        from kernels.paged_attention.cupy_impl import CupyBackend
+
+        return CupyBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'cupy'")

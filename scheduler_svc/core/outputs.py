@@ -1,0 +1,25 @@
+"""What the scheduler core hands back to its callers after each step: per-sequence deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.core.params import FinishReason, RequestId
+from scheduler_svc.core.plan import TokenLogprobs
+
+
+@dataclass(slots=True)
+class SequenceDelta:
+    """New tokens of one sequence of one request since the last delta; final when finish_reason."""
+
+    request_id: RequestId  # the caller's id (the same for all n sequences)
+    seq_index: int  # 0..n-1
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # empty unless asked for
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,102 @@
+"""Sampling parameters and the engine-level request: what a caller asks for.
+
+Pure data shared by the scheduler core, the worker's sampler and the offline API.
+Field names follow vLLM's `SamplingParams` so users recognise them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NewType
+
+RequestId = NewType("RequestId", str)
+BlockId = NewType("BlockId", int)
+
+
+class InvalidRequestError(ValueError):
+    """A request whose fields are out of range; maps to INVALID_ARGUMENT / HTTP 400."""
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or one of stop_token_ids (stop strings are the gateway's)
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # failed: worker lost and not back in time, or an internal error
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Defaults match vLLM's."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: chosen token only; k: chosen + top k
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    def validate(self, max_n: int = 64, max_logprobs: int = 20) -> None:
+        def bad(msg: str) -> None:
+            raise InvalidRequestError(msg)
+
+        if not 1 <= self.n <= max_n:
+            bad(f"n must be between 1 and {max_n}, got {self.n}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(f"{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
+            bad(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            bad(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.presence_penalty <= 2:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0 < self.repetition_penalty <= 2:
+            bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            bad(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            bad(f"logprobs must be between 0 and {max_logprobs}, got {self.logprobs}")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative token ids")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A request as the engine accepts it: token ids in, one or more sequences out."""
+
+    request_id: RequestId
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
+    priority: int = 0  # lower runs first (vLLM's convention); ties break by arrival
+    cache_salt: str | None = None  # keeps one tenant's prefix cache invisible to another

@@ -1,0 +1,102 @@
+"""The step plan and step result: the contract between the scheduler and a worker group.
+
+A plan carries *changes* only (DESIGN.md, "The scheduler↔worker protocol"):
+- a request's prompt, params and block ids travel once, in `new_requests` (also when a preempted
+  request resumes: then `token_ids` holds prompt + output so far and it is recomputed);
+- every resident request is scheduled for exactly 1 token unless `num_scheduled_tokens` says
+  otherwise (0 = resident but skipped this step; >1 = a prefill chunk);
+- block tables change only through `table_updates` (append, or replace one entry for copy-on-write);
+- the worker keeps its own sampled tokens; they are never echoed back.
+
+The worker derives the rest itself: a request samples in a step when, after the step,
+num_computed_tokens == len(token_ids). These are pure data: `convert.py` maps them to protobuf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.core.params import BlockId, RequestId, SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request that becomes resident on the worker (new, or resumed after preemption)."""
+
+    request_id: RequestId
+    token_ids: list[int]  # prompt, plus the outputs so far when resuming
+    num_prompt_tokens: int  # token_ids[:num_prompt_tokens] is the prompt (penalties need the split)
+    block_ids: list[BlockId]  # the whole table known so far
+    num_computed_tokens: int  # tokens already in the cache (prefix hit); computing starts here
+    num_scheduled_tokens: int  # tokens to compute in this step (>=1)
+    sampling: SamplingParams
+    seq_index: int = 0  # which of the n sequences this is (seeds sampling of forks)
+
+
+@dataclass(slots=True)
+class TableUpdate:
+    """Set block_table[start:start+len(block_ids)] = block_ids (an append when start == len)."""
+
+    request_id: RequestId
+    start: int
+    block_ids: list[BlockId]
+
+
+@dataclass(slots=True)
+class BlockCopy:
+    """Copy-on-write: copy every layer's K and V of block `src` into block `dst` before the step."""
+
+    src: BlockId
+    dst: BlockId
+
+
+@dataclass(slots=True)
+class Fork:
+    """Parallel sampling (n>1): after this step's forward, `parent` sampled its first token.
+
+    Each child takes a copy of the parent's state (tokens, num_computed, block table — shared
+    blocks, ref-counted by the scheduler) and samples its own first token from the parent's
+    final-prompt logits with its own randomness (seq_index = position in the list + 1).
+    """
+
+    parent_id: RequestId
+    child_ids: list[RequestId]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int  # +1 per plan on a stream; a gap is an error
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_ids: list[RequestId] = field(default_factory=list)  # finished or aborted: drop state
+    preempted_ids: list[RequestId] = field(default_factory=list)  # drop state; resumes as new
+    table_updates: list[TableUpdate] = field(default_factory=list)
+    num_scheduled_tokens: dict[RequestId, int] = field(default_factory=dict)  # resident, != 1
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    forks: list[Fork] = field(default_factory=list)
+    traceparent: str = ""  # W3C trace context of the scheduler's step span
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.new_requests or self.finished_ids or self.preempted_ids
+                    or self.table_updates or self.num_scheduled_tokens or self.block_copies
+                    or self.forks)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of the sampled token, and the top-k alternatives (token id, logprob), best first."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One sampled token per request that sampled in this step (forks included)."""
+
+    step_id: int
+    request_ids: list[RequestId] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # empty when none asked
+    forward_seconds: float = 0.0
+    sample_seconds: float = 0.0

@@ -1,0 +1,33 @@
+"""The worker's one frozen config (built from flags in `__main__`, or by the offline LLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    model: str  # a local HF-format directory
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto follows config.json
+    device: str = "auto"  # auto: cuda if available, else cpu
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the worker may use
+    num_gpu_blocks_override: int | None = None  # exact block count (tests, CPU)
+    kv_cache_memory_bytes: int | None = None  # CPU: byte budget for the cache (default 1 GiB)
+    attention_backend: Literal["auto", "torch", "cupy"] = "auto"  # auto: cupy on CUDA, else torch
+    seed: int = 0
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What Init answers: the scheduler sizes its block pool from this."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    model_name: str
