@@ -1,0 +1,103 @@
+"""The gateway's /metrics text: engine stats turned into vLLM-named series at scrape time, and the
+per-request latency histograms in seconds with vLLM's buckets."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagoda.metrics import TTFT_BUCKETS, EngineStatsCollector, GatewayMetrics
+from pagoda.v1 import engine_pb2
+
+MODEL = "pagoda-tiny"
+
+
+def fake_stats() -> engine_pb2.EngineStats:
+    return engine_pb2.EngineStats(
+        num_running=3, num_waiting=2, num_free_blocks=90, num_evictable_blocks=6,
+        num_used_blocks=32, num_total_blocks=128, kv_cache_usage=0.25, prefix_cache_queries=400,
+        prefix_cache_hits=96, num_preemptions=1, prompt_tokens=1234, generation_tokens=567,
+        num_steps=50, step_seconds_sum=1.5, blocks_allocated=70, blocks_freed=38,
+        request_success={"stop": 4, "length": 2}, worker_connected=True)
+
+
+def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} for every sample in the exposition text."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text.decode())
+            for s in family.samples}
+
+
+def scrape_collector(get_stats) -> dict:
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(get_stats, MODEL))
+    return samples(generate_latest(registry))
+
+
+def test_engine_stats_become_vllm_series_with_model_name() -> None:
+    got = scrape_collector(fake_stats)
+    model = (("model_name", MODEL),)
+    assert got == {
+        ("pagoda:engine_up", model): 1.0,
+        ("vllm:num_requests_running", model): 3.0,
+        ("vllm:num_requests_waiting", model): 2.0,
+        ("vllm:kv_cache_usage_perc", model): 0.25,
+        ("pagoda:num_free_blocks", model): 90.0,
+        ("pagoda:num_evictable_blocks", model): 6.0,
+        ("pagoda:num_total_blocks", model): 128.0,
+        ("pagoda:worker_connected", model): 1.0,
+        ("vllm:prefix_cache_queries_total", model): 400.0,
+        ("vllm:prefix_cache_hits_total", model): 96.0,
+        ("vllm:num_preemptions_total", model): 1.0,
+        ("vllm:prompt_tokens_total", model): 1234.0,
+        ("vllm:generation_tokens_total", model): 567.0,
+        ("pagoda:blocks_allocated_total", model): 70.0,
+        ("pagoda:blocks_freed_total", model): 38.0,
+        ("vllm:request_success_total", (("finished_reason", "length"),) + model): 2.0,
+        ("vllm:request_success_total", (("finished_reason", "stop"),) + model): 4.0,
+        ("pagoda:step_duration_seconds_count", model): 50.0,
+        ("pagoda:step_duration_seconds_sum", model): 1.5,
+    }
+
+
+def test_scheduler_down_exposes_only_engine_up_zero() -> None:
+    assert scrape_collector(lambda: None) == {("pagoda:engine_up", (("model_name", MODEL),)): 0.0}
+
+
+def test_stats_are_read_at_each_scrape() -> None:
+    stats = fake_stats()
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(lambda: stats, MODEL))
+    stats.num_waiting = 9
+    text = generate_latest(registry)
+    assert samples(text)[("vllm:num_requests_waiting", (("model_name", MODEL),))] == 9.0
+
+
+def test_gateway_latency_histograms_in_seconds() -> None:
+    metrics = GatewayMetrics()
+    metrics.model_name = MODEL  # learnt from GetInfo after start-up
+    timer = metrics.request_timer(now=100.0)
+    timer.on_tokens(1, now=100.05)   # TTFT 0.05 s
+    timer.on_tokens(2, now=100.25)   # two tokens in 0.2 s: two ITLs of 0.1 s
+    assert abs(timer.time_to_first_token_s - 0.05) < 1e-9
+    assert abs(timer.finish(queue_seconds=0.02, now=102.0) - 2.0) < 1e-9
+
+    async def fetch():
+        return fake_stats()
+
+    got = samples(asyncio.run(metrics.scrape(fetch)))
+    model = ("model_name", MODEL)
+    assert got[("vllm:time_to_first_token_seconds_count", (model,))] == 1.0
+    assert got[("vllm:time_to_first_token_seconds_bucket", (("le", "0.04"), model))] == 0.0
+    assert got[("vllm:time_to_first_token_seconds_bucket", (("le", "0.06"), model))] == 1.0
+    assert got[("vllm:inter_token_latency_seconds_count", (model,))] == 2.0
+    assert abs(got[("vllm:inter_token_latency_seconds_sum", (model,))] - 0.2) < 1e-9
+    assert got[("vllm:e2e_request_latency_seconds_bucket", (("le", "1.5"), model))] == 0.0
+    assert got[("vllm:e2e_request_latency_seconds_bucket", (("le", "2.0"), model))] == 1.0
+    assert got[("vllm:request_queue_time_seconds_bucket", (("le", "0.3"), model))] == 1.0
+    assert got[("vllm:num_requests_running", (model,))] == 3.0  # the engine's series, same scrape
+    ttft_bounds = sorted(float(dict(labels)["le"]) for name, labels in got
+                         if name == "vllm:time_to_first_token_seconds_bucket")
+    assert ttft_bounds == [*TTFT_BUCKETS, float("inf")]
