@@ -1,0 +1,147 @@
+"""Block tables of sequences over one BlockPool: prefix hits, growth, copy-on-write, deferred free.
+
+Every method is O(blocks it touches); nothing walks the whole pool per step.
+"""
+
+from __future__ import annotations
+
+from scheduler_svc.core import prefix_index
+from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.params import BlockId
+from scheduler_svc.core.plan import BlockCopy, StepPlan, TableUpdate
+from scheduler_svc.core.prefix_index import PrefixIndex, block_extra_keys
+from scheduler_svc.core.request import Sequence
+
+
+def position_to_block(pos: int, block_size: int) -> tuple[int, int]:
+    """Token position -> (logical block index, offset inside the block)."""
+    return divmod(pos, block_size)
+
+
+def slot_mapping(block_table: list[BlockId], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions [start, end): slot = block_id * block_size + offset."""
+    return [block_table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.index = PrefixIndex() if enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, self.index)
+        self._deferred: dict[int, list[list[BlockId]]] = {}  # step id -> block lists to free then
+        self.num_deferred = 0  # blocks in those lists (an upper bound of what they will free)
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def _ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        """Extend seq.block_hashes (incrementally) to its first num_blocks full blocks."""
+        hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
+        salt = seq.request.cache_salt
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[i - 1] if i else None
+            # Looked up on the module each time so tests can force collisions by monkeypatching it.
+            hashes.append(prefix_index.hash_block(parent, tokens[i * bs:(i + 1) * bs], block_extra_keys(i, salt)))
+
+    def find_cached_prefix(self, seq: Sequence) -> tuple[list[BlockId], int]:
+        """Verified cached full blocks of a waiting sequence, leaving >= 1 token to compute."""
+        if self.index is None:
+            return [], 0
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        self._ensure_hashes(seq, max_blocks)
+        return self.index.match(seq.block_hashes, seq.token_ids, self.block_size,
+                                seq.request.cache_salt, max_blocks)
+
+    def register_computed(self, seq: Sequence, num_computed: int) -> None:
+        """Register the full blocks of positions < num_computed (their writing step has reported)."""
+        if self.index is None:
+            return
+        full = min(num_computed, len(seq.token_ids)) // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        self._ensure_hashes(seq, full)
+        bs, salt = self.block_size, seq.request.cache_salt
+        for i in range(seq.num_registered_blocks, full):
+            serial = self.index.register(seq.block_table[i], seq.block_hashes[i], seq.last_serial,
+                                         tuple(seq.token_ids[i * bs:(i + 1) * bs]),
+                                         block_extra_keys(i, salt))
+            if serial is None:  # collision: the chain cannot be extended past it
+                seq.num_registered_blocks = len(seq.token_ids) + 1  # never try again
+                return
+            seq.last_serial = serial
+            seq.num_registered_blocks = i + 1
+
+    # -- allocation ---------------------------------------------------------------------------
+    def blocks_to_admit(self, hits: list[BlockId], end: int) -> int:
+        """Blocks admission consumes: new ones for positions < end, plus evictable hits it revives."""
+        revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
+        return -(-end // self.block_size) - len(hits) + revived
+
+    def admit(self, seq: Sequence, hits: list[BlockId], last_serial: int, end: int) -> None:
+        self.pool.touch(hits)  # before allocating, so the hits cannot be evicted by it
+        new = self.pool.allocate(-(-end // self.block_size) - len(hits))
+        assert new is not None, "admit() without a successful blocks_to_admit() check"
+        seq.block_table = hits + new
+        seq.num_registered_blocks = len(hits)
+        seq.last_serial = last_serial
+
+    def blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        """New blocks for positions [computed, computed+num_new): appends plus copy-on-write."""
+        table, bs = seq.block_table, self.block_size
+        start = seq.num_computed_tokens
+        end_block = -(-(start + num_new) // bs)
+        need = max(0, end_block - len(table))
+        ref = self.pool.ref_count
+        for i in range(start // bs, min(end_block, len(table))):
+            if ref(table[i]) > 1:  # shared with another table (fork) or a deferred free
+                need += 1
+        return need
+
+    def grow(self, seq: Sequence, num_new: int, plan: StepPlan) -> None:
+        """Make positions [computed, computed+num_new) writable; the plan carries the changes."""
+        table, bs, pool = seq.block_table, self.block_size, self.pool
+        start = seq.num_computed_tokens
+        end_block = -(-(start + num_new) // bs)
+        for i in range(start // bs, min(end_block, len(table))):
+            src = table[i]
+            if pool.ref_count(src) > 1:  # first write into a shared block: copy it
+                (dst,) = pool.allocate(1)  # type: ignore[misc]  # checked by blocks_needed
+                plan.block_copies.append(BlockCopy(src, dst))
+                plan.table_updates.append(TableUpdate(seq.seq_id, i, [dst]))
+                table[i] = dst
+                pool.free([src])  # ref stays >= 1: another table (or a deferred free) holds it
+        if end_block > len(table):
+            new = pool.allocate(end_block - len(table))
+            assert new is not None, "grow() without a successful blocks_needed() check"
+            plan.table_updates.append(TableUpdate(seq.seq_id, len(table), new))
+            table.extend(new)
+
+    def share(self, blocks: list[BlockId]) -> None:
+        self.pool.touch(blocks)
+
+    # -- freeing ------------------------------------------------------------------------------
+    def release(self, blocks: list[BlockId], after_step: int | None) -> None:
+        """Free blocks now, or once step `after_step` (still in flight, may read them) reports."""
+        if not blocks:
+            return
+        if after_step is None:
+            self.pool.free(blocks)
+        else:
+            self._deferred.setdefault(after_step, []).append(blocks)
+            self.num_deferred += len(blocks)
+
+    def step_reported(self, step_id: int) -> None:
+        for blocks in self._deferred.pop(step_id, ()):
+            self.num_deferred -= len(blocks)
+            self.pool.free(blocks)
+
+    def deferred_blocks(self) -> list[BlockId]:
+        return [b for lists in self._deferred.values() for blocks in lists for b in blocks]
+
+    def release_all_deferred(self) -> None:
+        for step_id in sorted(self._deferred):
+            self.step_reported(step_id)
+
+    def reset(self) -> None:
+        """Worker lost: every block back, the prefix index purged."""
+        self._deferred.clear()
+        self.num_deferred = 0
+        self.pool.reset()

@@ -1,0 +1,158 @@
+"""Per-request state: a Request owns 1..n Sequences; the Sequence is the unit of scheduling.
+
+Sequence 0 of a request uses the request id itself; forked child i uses f"{request_id}#{i}".
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+from scheduler_svc.core.params import BlockId, FinishReason, RequestId, SamplingParams
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def child_seq_id(request_id: RequestId, seq_index: int) -> RequestId:
+    return request_id if seq_index == 0 else RequestId(f"{request_id}#{seq_index}")
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: RequestId
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    max_tokens: int  # effective: sampling.max_tokens, or what max_model_len leaves
+    priority: int
+    arrival_time: float
+    arrival_order: int  # ties of (priority, arrival_time) break by this
+    cache_salt: str | None
+    seqs: list[Sequence] = field(default_factory=list)
+    num_unfinished: int = 0  # of the n sequences, counting those not forked yet
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    admitted: bool = False
+    num_prompt_tokens: int = field(init=False)  # a field, not a property: read on every token
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def n(self) -> int:
+        return self.sampling.n
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: RequestId
+    seq_index: int
+    request: Request
+    token_ids: list[int]  # known tokens: prompt + outputs (not the placeholders)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # includes tokens of in-flight steps (advanced at schedule time)
+    num_placeholders: int = 0  # tokens sampled by in-flight steps, not known yet
+    block_table: list[BlockId] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of token_ids, lazily
+    num_registered_blocks: int = 0  # table[:this] is in (or verified against) the prefix index
+    last_serial: int = 0  # prefix-index serial of block num_registered_blocks-1 (0 = root)
+    generation: int = 0  # +1 on preemption: facts recorded for an older generation are stale
+    resident: bool = False  # the worker holds this sequence's state
+    pending_fork: bool = False  # n>1 and the children are not forked yet (seq 0 only)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_placeholders
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.request.num_prompt_tokens
+
+    @property
+    def num_slots(self) -> int:
+        """Running slots this sequence takes against max_num_seqs (children included, once forked)."""
+        return self.request.n if self.pending_fork else 1
+
+    def may_sample(self) -> bool:
+        """Whether one more sampled token (beyond those in flight) stays within max_tokens."""
+        return self.num_output_tokens + self.num_placeholders < self.request.max_tokens
+
+    def stop_reason(self, token: int, eos_token_ids: tuple[int, ...]) -> FinishReason | None:
+        """Checked after `token` was appended."""
+        sampling = self.request.sampling
+        num_out = self.num_output_tokens
+        if num_out >= sampling.min_tokens:
+            if (not sampling.ignore_eos and token in eos_token_ids) or token in sampling.stop_token_ids:
+                return FinishReason.STOP
+        if num_out >= self.request.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+
+def priority_key(seq: Sequence) -> tuple[int, float, int, int]:
+    """Lower runs first; ties by arrival time, then by arrival order, then by sequence index."""
+    req = seq.request
+    return (req.priority, req.arrival_time, req.arrival_order, seq.seq_index)
+
+
+class WaitingQueue:
+    """FCFS deque (preempted sequences go to the front), or a heap on (priority, arrival)."""
+
+    __slots__ = ("_priority", "_deque", "_heap", "num_tokens")
+
+    def __init__(self, policy: str) -> None:
+        self._priority = policy == "priority"
+        self._deque: deque[Sequence] = deque()
+        self._heap: list[tuple[tuple[int, float, int, int], Sequence]] = []
+        self.num_tokens = 0  # prompt tokens of the waiting sequences (the max_waiting_tokens bound)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self._priority else len(self._deque)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        if self._priority:
+            return iter([seq for _, seq in sorted(self._heap, key=lambda e: e[0])])
+        return iter(self._deque)
+
+    def push_back(self, seq: Sequence) -> None:
+        self.num_tokens += seq.request.num_prompt_tokens
+        if self._priority:
+            heapq.heappush(self._heap, (priority_key(seq), seq))
+        else:
+            self._deque.append(seq)
+
+    def push_front(self, seq: Sequence) -> None:
+        """A preempted sequence: first in FCFS; in its (priority, arrival) place otherwise."""
+        if self._priority:
+            self.push_back(seq)
+        else:
+            self.num_tokens += seq.request.num_prompt_tokens
+            self._deque.appendleft(seq)
+
+    def peek(self) -> Sequence:
+        return self._heap[0][1] if self._priority else self._deque[0]
+
+    def pop(self) -> Sequence:
+        seq = heapq.heappop(self._heap)[1] if self._priority else self._deque.popleft()
+        self.num_tokens -= seq.request.num_prompt_tokens
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        if self._priority:
+            self._heap = [e for e in self._heap if e[1] is not seq]
+            heapq.heapify(self._heap)
+        else:
+            self._deque.remove(seq)
+        self.num_tokens -= seq.request.num_prompt_tokens
+
+    def clear(self) -> list[Sequence]:
+        seqs = list(self)
+        self._deque.clear()
+        self._heap.clear()
+        self.num_tokens = 0
+        return seqs

@@ -1,0 +1,311 @@
+"""The scheduler core: one rule for every token, a paged block pool, and delta step plans.
+
+Policy, in a few lines:
+- Every sequence has `num_computed_tokens`; a step gives it up to (num_tokens - num_computed) tokens,
+  at most `long_prefill_token_threshold` and within the step's token budget. Prefill, chunked
+  prefill, prefix hits and decode are that one rule; a full prefix hit still computes one token.
+- Running sequences go first, in order (FCFS: admission order; "priority": lower value, then
+  arrival). When the pool cannot give a sequence its blocks, the newest (lowest-priority) running
+  sequence is preempted by recompute: all blocks freed, to the front of the waiting queue, resent as
+  a new request when resumed. Nothing is admitted in a step that preempted.
+- Then waiting sequences are admitted in order while `max_num_seqs`, the budget and the pool allow,
+  each starting after its verified prefix-cache hit. The first that does not fit stops admission.
+- n>1: the prompt is prefilled once; the step that samples its first token forks n-1 children that
+  share every block by ref count; the first write into a shared block copies it (copy-on-write).
+- Pipelining: up to `max_inflight_steps` plans may be out; a token sampled by an in-flight step is a
+  placeholder, blocks a finished/preempted sequence held return to the pool only after the last
+  in-flight step reports, and prefix blocks are registered only when their writing step reported.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.errors import QueueFullError
+from scheduler_svc.core.kv_cache_manager import KVCacheManager
+from scheduler_svc.core.outputs import SequenceDelta
+from scheduler_svc.core.params import EngineRequest, InvalidRequestError, RequestId
+from scheduler_svc.core.plan import Fork, NewRequestData, StepPlan, StepResult
+from scheduler_svc.core.request import Request, SeqStatus, Sequence, WaitingQueue, child_seq_id, priority_key
+from scheduler_svc.core.scheduler_lifecycle import SchedulerLifecycleMixin, SchedulerStats
+
+__all__ = ["Scheduler", "SchedulerStats"]
+
+
+@dataclass(slots=True)
+class _InflightStep:
+    step_id: int
+    computed: list[tuple[Sequence, int, int]]  # (seq, its generation, num_computed after the step)
+
+
+class Scheduler(SchedulerLifecycleMixin):
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self._kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self._threshold = config.long_prefill_token_threshold or max(1, config.max_num_batched_tokens // 2)
+        self._requests: dict[RequestId, Request] = {}
+        self._live: dict[RequestId, Sequence] = {}  # unfinished sequences by sequence id
+        self._running: list[Sequence] = []
+        self._running_slots = 0  # sum of seq.num_slots over running
+        self._waiting = WaitingQueue(config.policy)
+        self._inflight: deque[_InflightStep] = deque()
+        self._next_step_id = 1
+        self._finished_resident: list[RequestId] = []  # ended since the last plan; the worker drops them
+        self._arrivals = itertools.count()
+        self._init_counters()
+
+    # -- admission ----------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises InvalidRequestError or QueueFullError (nothing queued then)."""
+        rid, prompt, sampling = request.request_id, request.prompt_token_ids, request.sampling
+        cfg = self.config
+        if rid in self._requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty: at least one token is required")
+        max_tokens = cfg.max_model_len - len(prompt) if sampling.max_tokens is None else sampling.max_tokens
+        if len(prompt) + max(max_tokens, 1) > cfg.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
+                f"requested {len(prompt) + max(max_tokens, 1)} tokens ({len(prompt)} in the messages, "
+                f"{max(max_tokens, 1)} in the completion). Please reduce the length of the messages "
+                f"or completion.")
+        if sampling.n > cfg.max_num_seqs:
+            raise InvalidRequestError(f"n={sampling.n} exceeds max_num_seqs={cfg.max_num_seqs}")
+        blocks = -(-(len(prompt) + max_tokens - 1) // cfg.block_size)
+        if blocks > cfg.num_blocks:
+            raise InvalidRequestError(f"the request needs {blocks} KV blocks but the cache has only "
+                                      f"{cfg.num_blocks}")
+        if len(self._waiting) >= cfg.max_waiting_requests:
+            raise QueueFullError(f"the waiting queue is full: {len(self._waiting)} of "
+                                 f"{cfg.max_waiting_requests} requests waiting; retry later")
+        if cfg.max_waiting_tokens is not None and \
+                self._waiting.num_tokens + len(prompt) > cfg.max_waiting_tokens:
+            raise QueueFullError(f"the waiting queue is full: {self._waiting.num_tokens} of "
+                                 f"{cfg.max_waiting_tokens} prompt tokens waiting; retry later")
+        req = Request(rid, tuple(prompt), sampling, max_tokens, request.priority, request.arrival_time,
+                      next(self._arrivals), request.cache_salt, num_unfinished=sampling.n)
+        seq = Sequence(rid, 0, req, list(prompt), pending_fork=sampling.n > 1)
+        req.seqs.append(seq)
+        self._requests[rid] = req
+        self._live[rid] = seq
+        self._waiting.push_back(seq)
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """The next step plan; None when there is nothing to compute or tell the worker, or when
+        `max_inflight_steps` plans are already out (call `update` first)."""
+        if len(self._inflight) >= self.config.max_inflight_steps:
+            return None
+        plan = StepPlan(step_id=self._next_step_id, finished_ids=self._finished_resident)
+        self._finished_resident = []
+        scheduled: list[tuple[Sequence, int]] = []
+        budget = self._schedule_running(plan, scheduled, self.config.max_num_batched_tokens)
+        if not plan.preempted_ids:
+            self._admit_waiting(plan, scheduled, budget)
+        if not scheduled and not plan.finished_ids and not plan.preempted_ids:
+            return None
+        self._commit(plan, scheduled)
+        self._next_step_id += 1
+        return plan
+
+    def _last_inflight(self) -> int | None:
+        return self._inflight[-1].step_id if self._inflight else None
+
+    def _schedule_running(self, plan: StepPlan, scheduled: list[tuple[Sequence, int]], budget: int) -> int:
+        kv, running, counts = self._kv, self._running, plan.num_scheduled_tokens
+        refs, bs, threshold = kv.pool.ref_counts, self.config.block_size, self._threshold
+        i = 0
+        while i < len(running):
+            seq = running[i]
+            i += 1
+            start = seq.num_computed_tokens
+            gap = len(seq.token_ids) + seq.num_placeholders - start
+            num_new = gap if gap <= threshold and gap <= budget else min(gap, threshold, budget)
+            # A step that would sample a token beyond max_tokens is not scheduled at all.
+            if num_new == 0 or (num_new == gap and not seq.may_sample()):
+                counts[seq.seq_id] = 0
+                continue
+            if num_new == 1 and start % bs and refs[seq.block_table[start // bs]] == 1:
+                scheduled.append((seq, 1))  # fast path: a decode inside its own block
+                budget -= 1
+                continue
+            if not self._make_room(seq, num_new, plan):
+                if seq.status is not SeqStatus.RUNNING:
+                    break  # it preempted itself: it was the last one
+                counts[seq.seq_id] = 0
+                continue
+            kv.grow(seq, num_new, plan)
+            if num_new != 1:
+                counts[seq.seq_id] = num_new
+            scheduled.append((seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
+        """Preempt from the tail until seq's blocks fit (counting deferred frees, which come back
+        when in-flight steps report). False when seq preempted itself or must wait for them."""
+        kv, running = self._kv, self._running
+        need = kv.blocks_needed(seq, num_new)
+        while not kv.pool.can_allocate(need) and kv.pool.num_available + kv.num_deferred < need:
+            victim = running[-1]
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+            need = kv.blocks_needed(seq, num_new)  # a victim may have shared blocks with seq
+        return kv.pool.can_allocate(need)
+
+    def _admit_waiting(self, plan: StepPlan, scheduled: list[tuple[Sequence, int]], budget: int) -> None:
+        cfg, kv, waiting = self.config, self._kv, self._waiting
+        while waiting and budget > 0:
+            seq = waiting.peek()
+            if seq.num_placeholders or self._running_slots + seq.num_slots > cfg.max_num_seqs:
+                return  # its last tokens are still in flight / no room: keep the order, try later
+            hits, last_serial = kv.find_cached_prefix(seq)
+            num_hit = len(hits) * cfg.block_size
+            num_new = min(len(seq.token_ids) - num_hit, self._threshold, budget)
+            if not kv.pool.can_allocate(kv.blocks_to_admit(hits, num_hit + num_new)):
+                return
+            waiting.pop()
+            kv.admit(seq, hits, last_serial, num_hit + num_new)
+            seq.num_computed_tokens = num_hit
+            self._note_admission(seq, num_hit)
+            plan.new_requests.append(NewRequestData(
+                seq.seq_id, list(seq.token_ids), seq.request.num_prompt_tokens, list(seq.block_table),
+                num_hit, num_new, seq.request.sampling, seq.seq_index))
+            seq.resident = True
+            self._add_running(seq)
+            scheduled.append((seq, num_new))
+            budget -= num_new
+
+    def _commit(self, plan: StepPlan, scheduled: list[tuple[Sequence, int]]) -> None:
+        """Advance num_computed (tokens of in-flight steps count), add placeholders, fork."""
+        computed = []
+        num_prefill = num_decode = 0
+        for seq, num_new in scheduled:
+            if num_new == 1 and seq.num_tokens > seq.request.num_prompt_tokens:
+                num_decode += 1
+            else:
+                num_prefill += num_new
+            seq.num_computed_tokens += num_new
+            computed.append((seq, seq.generation, seq.num_computed_tokens))
+            if seq.num_computed_tokens == len(seq.token_ids) + seq.num_placeholders:  # it samples
+                seq.num_placeholders += 1
+                if seq.pending_fork:
+                    self._fork(seq, plan)
+        self._inflight.append(_InflightStep(plan.step_id, computed))
+        self._note_step(num_prefill, num_decode, len(plan.preempted_ids))
+
+    def _fork(self, parent: Sequence, plan: StepPlan) -> None:
+        req = parent.request
+        parent.pending_fork = False
+        self._running_slots -= req.n - 1  # the children take the slots reserved for them
+        children = []
+        for index in range(1, req.n):
+            child = Sequence(child_seq_id(req.request_id, index), index, req, list(parent.token_ids),
+                             num_computed_tokens=parent.num_computed_tokens, num_placeholders=1,
+                             block_table=list(parent.block_table), block_hashes=list(parent.block_hashes),
+                             num_registered_blocks=parent.num_registered_blocks,
+                             last_serial=parent.last_serial, generation=parent.generation, resident=True)
+            self._kv.share(child.block_table)
+            self._live[child.seq_id] = child
+            self._add_running(child)
+            children.append(child)
+        req.seqs.extend(children)
+        plan.forks.append(Fork(parent.seq_id, [c.seq_id for c in children]))
+
+    def _add_running(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.RUNNING
+        self._running_slots += seq.num_slots
+        if self.config.policy == "priority":
+            bisect.insort(self._running, seq, key=priority_key)
+        else:
+            self._running.append(seq)
+
+    def _remove_running(self, seq: Sequence) -> None:
+        if self._running and self._running[-1] is seq:
+            self._running.pop()
+        else:
+            self._running.remove(seq)
+        self._running_slots -= seq.num_slots
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        self._kv.release(seq.block_table, self._last_inflight())
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+        seq.last_serial = 0
+        seq.generation += 1
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self._remove_running(seq)
+        self._drop_blocks(seq)
+        if seq.resident:
+            plan.preempted_ids.append(seq.seq_id)
+            seq.resident = False
+        seq.status = SeqStatus.WAITING
+        self._waiting.push_front(seq)
+        self.num_preemptions += 1
+
+    # -- results ------------------------------------------------------------------------------
+    def update(self, result: StepResult) -> list[SequenceDelta]:
+        """Apply one step's sampled tokens (steps in order); return the sequences' deltas."""
+        if not self._inflight or self._inflight[0].step_id != result.step_id:
+            expected = self._inflight[0].step_id if self._inflight else None
+            raise ValueError(f"result for step {result.step_id}, expected step {expected}")
+        step = self._inflight.popleft()
+        kv, bs = self._kv, self.config.block_size
+        if kv.index is not None:
+            for seq, generation, num_computed in step.computed:
+                if num_computed // bs > seq.num_registered_blocks and seq.generation == generation \
+                        and seq.status is SeqStatus.RUNNING:
+                    kv.register_computed(seq, num_computed)
+        deltas = self._append_tokens(result)
+        kv.step_reported(step.step_id)
+        return deltas
+
+    def _append_tokens(self, result: StepResult) -> list[SequenceDelta]:
+        deltas = []
+        live, eos = self._live, self.config.eos_token_ids
+        logprobs = result.logprobs
+        for i, seq_id in enumerate(result.request_ids):
+            seq = live.get(seq_id)
+            if seq is None:  # finished (e.g. EOS seen while its next token was in flight): discard
+                continue
+            token = result.token_ids[i]
+            seq.num_placeholders -= 1
+            seq.token_ids.append(token)
+            self.generation_tokens += 1
+            req = seq.request
+            delta = SequenceDelta(req.request_id, seq.seq_index, [token],
+                                  [logprobs[i]] if logprobs and logprobs[i] is not None else [],
+                                  None, req.num_prompt_tokens, req.num_cached_tokens)
+            reason = seq.stop_reason(token, eos)
+            if reason is not None:
+                delta.finish_reason = reason
+                self._finish(seq)
+            deltas.append(delta)
+        return deltas
+
+    def _finish(self, seq: Sequence) -> None:
+        """End a sequence once: release its blocks (deferred while in flight), tell the worker."""
+        del self._live[seq.seq_id]
+        if seq.status is SeqStatus.RUNNING:
+            self._remove_running(seq)
+            self._drop_blocks(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self._waiting.remove(seq)
+        if seq.resident:
+            self._finished_resident.append(seq.seq_id)
+            seq.resident = False
+        seq.status = SeqStatus.FINISHED
+        req = seq.request
+        req.num_unfinished -= 1
+        if seq.pending_fork:  # ended before forking: its unborn children end with it
+            req.num_unfinished -= req.n - 1
+        if req.num_unfinished == 0:
+            del self._requests[req.request_id]

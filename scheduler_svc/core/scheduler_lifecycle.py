@@ -1,0 +1,166 @@
+"""The Scheduler's life-cycle and bookkeeping half: abort, worker loss, failure, stats, invariants.
+
+A mixin so scheduler.py stays about the per-step path; it uses the Scheduler's attributes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from scheduler_svc.core.outputs import SequenceDelta
+from scheduler_svc.core.params import FinishReason, RequestId
+from scheduler_svc.core.request import Request, SeqStatus, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int  # sequences
+    num_waiting: int  # sequences
+    num_free_blocks: int
+    num_evictable_blocks: int  # cached prefix blocks with ref 0
+    num_used_blocks: int
+    kv_usage: float  # used / total, 0..1
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of those, tokens served from it
+    num_preemptions: int  # total
+    prompt_tokens: int  # total, counted at a request's first admission
+    generation_tokens: int  # total sampled tokens accepted
+    last_step_prefill_tokens: int
+    last_step_decode_tokens: int
+    last_step_preemptions: int
+    num_resident_tokens: int  # tokens whose KV the running sequences hold (fragmentation studies)
+
+
+class SchedulerLifecycleMixin:
+    def _init_counters(self) -> None:
+        self.num_preemptions = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self._last_step = (0, 0, 0)
+
+    def _note_admission(self, seq: Sequence, num_hit: int) -> None:
+        self.prefix_queries += len(seq.token_ids)
+        self.prefix_hits += num_hit
+        req = seq.request
+        if not req.admitted:  # a resumed request's recomputation is not a cache hit (vLLM #25780)
+            req.admitted = True
+            req.num_cached_tokens = num_hit
+            self.prompt_tokens += req.num_prompt_tokens
+
+    def _note_step(self, num_prefill: int, num_decode: int, num_preempted: int) -> None:
+        self._last_step = (num_prefill, num_decode, num_preempted)
+
+    # -- queries ------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._inflight)
+
+    def num_cached_tokens(self, request_id: RequestId) -> int:
+        req = self._requests.get(request_id)
+        return req.num_cached_tokens if req is not None else 0
+
+    def stats(self) -> SchedulerStats:
+        pool = self._kv.pool
+        return SchedulerStats(
+            len(self._running), len(self._waiting), pool.num_free, pool.num_evictable, pool.num_used,
+            pool.num_used / pool.num_blocks, self.prefix_queries, self.prefix_hits,
+            self.num_preemptions, self.prompt_tokens, self.generation_tokens, *self._last_step,
+            sum(seq.num_computed_tokens for seq in self._running))
+
+    # -- ending requests ----------------------------------------------------------------------
+    def abort(self, request_id: RequestId) -> list[SequenceDelta]:
+        """ABORT deltas for the request's unfinished sequences; [] if unknown or already ended."""
+        req = self._requests.get(request_id)
+        return [] if req is None else self._end_request(req, FinishReason.ABORT)
+
+    def fail_all(self, reason: str) -> list[SequenceDelta]:
+        """ERROR for every unfinished sequence (the worker is gone for good); the core is emptied."""
+        self.last_failure = reason
+        deltas: list[SequenceDelta] = []
+        for req in list(self._requests.values()):
+            deltas += self._end_request(req, FinishReason.ERROR)
+        self._inflight.clear()
+        self._finished_resident = []
+        self._kv.reset()
+        self._next_step_id = 1
+        return deltas
+
+    def _end_request(self, req: Request, reason: FinishReason) -> list[SequenceDelta]:
+        born = {seq.seq_index: seq for seq in req.seqs}
+        deltas = []
+        for index in range(req.n):
+            seq = born.get(index)
+            if seq is not None and seq.status is SeqStatus.FINISHED:
+                continue  # (seq None: a child not forked yet, which ends with its parent)
+            deltas.append(SequenceDelta(req.request_id, index, finish_reason=reason,
+                                        num_prompt_tokens=req.num_prompt_tokens,
+                                        num_cached_tokens=req.num_cached_tokens))
+        for seq in req.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self._finish(seq)
+        return deltas
+
+    # -- worker loss --------------------------------------------------------------------------
+    def reset_after_worker_loss(self) -> None:
+        """A new worker knows nothing: everything resident is preempted to the front of the queue,
+        in-flight steps (and their placeholder tokens) are discarded, the prefix index purged, every
+        block returns to the pool and the next plan is step 1."""
+        for seq in reversed(self._running):  # reversed + push_front: running order is kept
+            seq.block_table = []
+            seq.num_computed_tokens = 0
+            seq.num_registered_blocks = 0
+            seq.last_serial = 0
+            seq.generation += 1
+            seq.resident = False
+            seq.status = SeqStatus.WAITING
+            self._waiting.push_front(seq)
+        self.num_preemptions += len(self._running)
+        self._running = []
+        self._running_slots = 0
+        for seq in self._live.values():
+            seq.num_placeholders = 0  # those tokens will never arrive; resuming recomputes them
+        self._inflight.clear()
+        self._finished_resident = []
+        self._kv.reset()
+        self._next_step_id = 1
+
+    # -- invariants ---------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError with details when the block accounting is off (O(total): tests)."""
+        pool = self._kv.pool
+        pool.check()
+        refs: Counter[int] = Counter()
+        for seq in self._running:
+            if seq.status is not SeqStatus.RUNNING or self._live.get(seq.seq_id) is not seq:
+                raise AssertionError(f"{seq.seq_id} is in the running list with status {seq.status}")
+            if len(set(seq.block_table)) != len(seq.block_table):
+                raise AssertionError(f"{seq.seq_id} holds a block twice: {seq.block_table}")
+            if len(seq.block_table) * self.config.block_size < seq.num_computed_tokens:
+                raise AssertionError(f"{seq.seq_id}: {seq.num_computed_tokens} computed tokens do not "
+                                     f"fit its table {seq.block_table}")
+            refs.update(seq.block_table)
+        for seq in self._waiting:
+            if seq.block_table or seq.status is not SeqStatus.WAITING:
+                raise AssertionError(f"waiting {seq.seq_id} holds blocks {seq.block_table}")
+        for req in self._requests.values():
+            for seq in req.seqs:
+                if seq.status is SeqStatus.FINISHED and seq.block_table:
+                    raise AssertionError(f"finished {seq.seq_id} still references {seq.block_table}")
+        refs.update(self._kv.deferred_blocks())
+        for block in range(pool.num_blocks):
+            if refs[block] != pool.ref_count(block):
+                raise AssertionError(f"block {block}: ref count {pool.ref_count(block)} but held by "
+                                     f"{refs[block]} tables / deferred frees")
+        if len(self._running) + len(self._waiting) != len(self._live):
+            raise AssertionError(f"{len(self._live)} live sequences but {len(self._running)} running + "
+                                 f"{len(self._waiting)} waiting")
+        slots = sum(seq.num_slots for seq in self._running)
+        if slots != self._running_slots or slots > self.config.max_num_seqs:
+            raise AssertionError(f"running slots {self._running_slots} (recount {slots}) vs "
+                                 f"max_num_seqs {self.config.max_num_seqs}")

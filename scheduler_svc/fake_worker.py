@@ -1,0 +1,220 @@
+"""A fake worker that applies step plans exactly as a real one must, without a model.
+
+It keeps the resident state a worker keeps (token ids, num_computed, block table), rejects plans
+that do not apply cleanly (AssertionError), "samples" deterministically from each sequence's token
+history and seq_index, and models the KV cache as one int per slot: the token whose KV was written
+there. Every step checks that each attended position holds the right token, which catches wrong
+prefix hits, bad copy-on-write and stale or reused blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_svc.core.params import RequestId, SamplingParams
+from scheduler_svc.core.plan import StepPlan, StepResult
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64 finaliser: a cheap, well-spread deterministic hash of an int."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def history_hash(token_ids: list[int]) -> int:
+    h = 0
+    for token in token_ids:
+        h = _mix(h ^ (token + 1))
+    return h
+
+
+@dataclass(frozen=True, slots=True)
+class FakeSampler:
+    """next token = f(hash of the whole token history, seq_index): a pure function of the stream."""
+
+    vocab_size: int = 1000
+    eos_token_id: int | None = None
+    eos_probability: float = 0.0
+
+    def sample(self, history: int, seq_index: int, num_outputs: int, sampling: SamplingParams) -> int:
+        x = _mix(history ^ _mix(seq_index + 0x51ED))
+        banned = set(sampling.stop_token_ids) if num_outputs < sampling.min_tokens else set()
+        if self.eos_token_id is not None:
+            if x / 2.0**64 < self.eos_probability and num_outputs >= sampling.min_tokens:
+                return self.eos_token_id
+            banned.add(self.eos_token_id)  # EOS only through eos_probability
+        token = _mix(x) % self.vocab_size
+        while token in banned:
+            token = (token + 1) % self.vocab_size
+        return token
+
+    def reference_stream(self, prompt: list[int], seq_index: int, sampling: SamplingParams,
+                         max_tokens: int, stop_ids: set[int]) -> list[int]:
+        """What a sequence must produce whatever the scheduling: sample until a stop condition."""
+        tokens, out, h = list(prompt), [], history_hash(prompt)
+        while len(out) < max_tokens:
+            token = self.sample(h, seq_index, len(out), sampling)
+            out.append(token)
+            tokens.append(token)
+            h = _mix(h ^ (token + 1))
+            if len(out) >= sampling.min_tokens and token in stop_ids:
+                break
+        return out
+
+
+@dataclass(slots=True)
+class _Resident:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed: int
+    block_table: list[int]
+    seq_index: int
+    sampling: SamplingParams
+    history: int  # history_hash(token_ids)
+
+
+class FakeWorker:
+    def __init__(self, num_blocks: int, block_size: int, sampler: FakeSampler | None = None,
+                 check_kv: bool = True) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.sampler = sampler or FakeSampler()
+        self.check_kv = check_kv
+        self.kv = [-1] * (num_blocks * block_size)  # token written in each slot, -1 = never
+        self.resident: dict[RequestId, _Resident] = {}
+        self.sampled: dict[RequestId, list[int]] = {}  # every token sampled per sequence id
+        self.next_step_id = 1
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        assert plan.step_id == self.next_step_id, f"step {plan.step_id}, expected {self.next_step_id}"
+        self.next_step_id += 1
+        self._drop(plan)
+        self._add_new(plan)
+        self._apply_tables(plan)
+        counts = {rid: plan.num_scheduled_tokens.get(rid, 1) for rid in self.resident}
+        counts.update((new.request_id, new.num_scheduled_tokens) for new in plan.new_requests)
+        samplers = self._forward(counts)
+        return self._sample(plan, samplers)
+
+    def _drop(self, plan: StepPlan) -> None:
+        for rid in (*plan.finished_ids, *plan.preempted_ids):
+            assert rid in self.resident, f"drop of {rid!r}, which is not resident"
+            del self.resident[rid]
+        for rid in plan.num_scheduled_tokens:
+            assert rid in self.resident, f"num_scheduled_tokens for non-resident {rid!r}"
+
+    def _add_new(self, plan: StepPlan) -> None:
+        for new in plan.new_requests:
+            assert new.request_id not in self.resident, f"{new.request_id!r} is already resident"
+            assert 0 < new.num_prompt_tokens <= len(new.token_ids)
+            self._check_blocks(new.block_ids)
+            self.resident[new.request_id] = _Resident(
+                list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens, list(new.block_ids),
+                new.seq_index, new.sampling, history_hash(new.token_ids))
+
+    def _apply_tables(self, plan: StepPlan) -> None:
+        for update in plan.table_updates:
+            state = self.resident.get(update.request_id)
+            assert state is not None, f"table update for unknown {update.request_id!r}"
+            assert 0 <= update.start <= len(state.block_table), "table update leaves a hole"
+            self._check_blocks(update.block_ids)
+            state.block_table[update.start:update.start + len(update.block_ids)] = update.block_ids
+        bs = self.block_size
+        for copy in plan.block_copies:  # before the forward, as the real worker does
+            self._check_blocks([copy.src, copy.dst])
+            self.kv[copy.dst * bs:(copy.dst + 1) * bs] = self.kv[copy.src * bs:(copy.src + 1) * bs]
+
+    def _forward(self, counts: dict[RequestId, int]) -> list[RequestId]:
+        """Write each scheduled token's KV, check what attention reads; return who samples."""
+        bs, kv, written = self.block_size, self.kv, set()
+        samplers = []
+        for rid, count in counts.items():
+            if count == 0:
+                continue
+            state = self.resident[rid]
+            start, end = state.num_computed, state.num_computed + count
+            assert end <= len(state.token_ids), f"{rid!r}: {count} tokens scheduled past its tokens"
+            assert end <= len(state.block_table) * bs, f"{rid!r}: positions up to {end} exceed table"
+            table = state.block_table
+            for pos in range(start, end):
+                slot = table[pos // bs] * bs + pos % bs
+                assert slot not in written, f"slot {slot} written twice in one step"
+                written.add(slot)
+                kv[slot] = state.token_ids[pos]
+            if self.check_kv:
+                self._check_attended(rid, state, end)
+            state.num_computed = end
+            if end == len(state.token_ids):
+                samplers.append(rid)
+        return samplers
+
+    def _check_attended(self, rid: RequestId, state: _Resident, end: int) -> None:
+        bs, table = self.block_size, state.block_table
+        for pos in range(end):
+            slot = table[pos // bs] * bs + pos % bs
+            if self.kv[slot] != state.token_ids[pos]:
+                raise AssertionError(f"{rid!r} position {pos}: slot {slot} holds {self.kv[slot]}, "
+                                     f"expected token {state.token_ids[pos]}")
+
+    def _sample(self, plan: StepPlan, samplers: list[RequestId]) -> StepResult:
+        forks = {fork.parent_id: fork.child_ids for fork in plan.forks}
+        result = StepResult(plan.step_id)
+        for rid in samplers:
+            state = self.resident[rid]
+            for i, child in enumerate(forks.pop(rid, ()), start=1):  # children copy pre-sample state
+                assert child not in self.resident, f"fork child {child!r} exists"
+                self.resident[child] = _Resident(list(state.token_ids), state.num_prompt_tokens,
+                                                 state.num_computed, list(state.block_table), i,
+                                                 state.sampling, state.history)
+                self._sample_one(child, result)
+            self._sample_one(rid, result)
+        assert not forks, f"forks of requests that did not sample: {list(forks)}"
+        return result
+
+    def _sample_one(self, rid: RequestId, result: StepResult) -> None:
+        state = self.resident[rid]
+        token = self.sampler.sample(state.history, state.seq_index,
+                                    len(state.token_ids) - state.num_prompt_tokens, state.sampling)
+        state.token_ids.append(token)
+        state.history = _mix(state.history ^ (token + 1))
+        self.sampled.setdefault(rid, []).append(token)
+        result.request_ids.append(rid)
+        result.token_ids.append(token)
+
+    def _check_blocks(self, block_ids: list[int]) -> None:
+        for block in block_ids:
+            assert 0 <= block < self.num_blocks, f"block id {block} out of range"
+
+
+def drive(scheduler, worker: FakeWorker, pipeline_depth: int = 1, max_steps: int = 100_000,
+          on_step=None) -> dict[tuple[str, int], list]:
+    """Run scheduler + fake worker until no request is left; results are delivered `pipeline_depth`
+    plans late (1 = synchronous). Returns {(request_id, seq_index): [tokens..., finish_reason]}.
+    `on_step(deltas)` runs after every update (tests check invariants there)."""
+    from collections import deque
+
+    streams: dict[tuple[str, int], list] = {}
+    pending: deque[StepResult] = deque()
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests() and not pending:
+            return streams
+        plan = scheduler.schedule() if len(pending) < pipeline_depth else None
+        if plan is not None:
+            pending.append(worker.execute(plan))
+            continue
+        if not pending:
+            raise AssertionError("unfinished requests, nothing in flight, and no plan: deadlock")
+        deltas = scheduler.update(pending.popleft())
+        for delta in deltas:
+            stream = streams.setdefault((delta.request_id, delta.seq_index), [])
+            assert not (stream and stream[-1] is not None and not isinstance(stream[-1], int)), \
+                f"delta after the end of {delta.request_id}#{delta.seq_index}"
+            stream.extend(delta.new_token_ids)
+            if delta.finish_reason is not None:
+                stream.append(delta.finish_reason)
+        if on_step is not None:
+            on_step(deltas)
+    raise AssertionError(f"not finished after {max_steps} steps")

@@ -1,0 +1,131 @@
+"""Property tests: random traces through the scheduler core and the fake worker.
+
+After every step the block accounting holds; every sequence ends exactly once; each finished
+sequence's tokens equal what the deterministic fake sampler must produce for it whatever the
+scheduling (prefix hits, chunking, preemption, forks, pipelining); the fake worker's KV check
+(every attended slot holds the right token) passes on every step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler_svc.core import (
+    EngineRequest,
+    FinishReason,
+    RequestId,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+)
+from scheduler_svc.fake_worker import FakeSampler, FakeWorker
+
+EOS = 0
+MAX_MODEL_LEN = 40
+
+
+@st.composite
+def traces(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    per_seq = -(-MAX_MODEL_LEN // block_size)
+    config = SchedulerConfig(
+        num_blocks=draw(st.integers(per_seq, per_seq * 4)), block_size=block_size,
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=draw(st.integers(3, 8)),
+        max_num_batched_tokens=draw(st.integers(4, 32)),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 3, 7])),
+        enable_prefix_caching=draw(st.booleans()), eos_token_ids=(EOS,),
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        max_inflight_steps=draw(st.sampled_from([1, 2, 3])))
+    bases = draw(st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=20), min_size=1, max_size=3))
+    requests = []
+    for i in range(draw(st.integers(1, 8))):
+        prompt = draw(st.sampled_from(bases)) + draw(st.lists(st.integers(1, 9), min_size=0, max_size=8))
+        prompt = (prompt or [7])[:30]
+        max_tokens = draw(st.integers(1, MAX_MODEL_LEN - len(prompt)))
+        sampling = SamplingParams(
+            n=draw(st.integers(1, 3)), max_tokens=draw(st.sampled_from([max_tokens, None])),
+            min_tokens=draw(st.integers(0, 2)) if max_tokens >= 2 else 0,
+            ignore_eos=draw(st.booleans()), stop_token_ids=tuple(draw(st.sets(st.integers(1, 40), max_size=2))))
+        request = EngineRequest(RequestId(f"r{i}"), tuple(prompt), sampling, priority=draw(st.integers(0, 2)),
+                                cache_salt=draw(st.sampled_from([None, None, "tenant"])))
+        requests.append((draw(st.integers(0, 12)), request))  # (arrival step, request)
+    aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, len(requests) - 1)), max_size=3))
+    worker_loss_step = draw(st.one_of(st.none(), st.integers(1, 30)))
+    return config, requests, aborts, draw(st.floats(0.0, 0.3)), worker_loss_step
+
+
+def expected(sampler: FakeSampler, request: EngineRequest, seq_index: int) -> list[int]:
+    sampling = request.sampling
+    max_tokens = sampling.max_tokens or MAX_MODEL_LEN - len(request.prompt_token_ids)
+    stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else {EOS})
+    return sampler.reference_stream(list(request.prompt_token_ids), seq_index, sampling, max_tokens, stop_ids)
+
+
+def run(config, requests, aborts, eos_probability, worker_loss_step):
+    sampler = FakeSampler(vocab_size=40, eos_token_id=EOS, eos_probability=eos_probability)
+    scheduler = Scheduler(config)
+    worker = FakeWorker(config.num_blocks, config.block_size, sampler)
+    streams: dict[tuple[str, int], list] = {}
+    ended: dict[tuple[str, int], FinishReason] = {}
+
+    def record(deltas):
+        for delta in deltas:
+            key = (delta.request_id, delta.seq_index)
+            assert key not in ended, f"{key} got a delta after it ended"
+            streams.setdefault(key, []).extend(delta.new_token_ids)
+            if delta.finish_reason is not None:
+                ended[key] = delta.finish_reason
+
+    pending: deque = deque()
+    for step in range(2000):
+        for arrival, request in requests:
+            if arrival == step:
+                scheduler.add_request(request)
+        for at, index in aborts:
+            if at == step:
+                record(scheduler.abort(requests[index][1].request_id))
+        if step == worker_loss_step:  # in-flight results are lost with the worker
+            scheduler.reset_after_worker_loss()
+            pending.clear()
+            worker = FakeWorker(config.num_blocks, config.block_size, sampler)
+        scheduler.check_invariants()
+        if step > 12 and not scheduler.has_unfinished_requests() and not pending:
+            break
+        plan = scheduler.schedule()
+        if plan is not None:
+            pending.append(worker.execute(plan))
+        if pending and (plan is None or len(pending) >= config.max_inflight_steps):
+            record(scheduler.update(pending.popleft()))
+        elif plan is None:
+            assert not scheduler.has_unfinished_requests() or step < 12, "deadlock: nothing to do"
+    else:
+        raise AssertionError("trace did not finish")
+    scheduler.check_invariants()
+    stats = scheduler.stats()
+    assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
+    return sampler, streams, ended
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces())
+def test_random_traces_keep_invariants_and_streams(trace):
+    sampler, streams, ended = run(*trace)
+    requests = trace[1]
+    for _, request in requests:
+        for index in range(request.sampling.n):
+            key = (request.request_id, index)
+            assert key in ended, f"{key} never ended"
+            want = expected(sampler, request, index)
+            got = streams.get(key, [])
+            if ended[key] is FinishReason.ABORT:
+                assert got == want[:len(got)], f"{key}: {got} is not a prefix of {want}"
+            else:
+                assert got == want, f"{key}: got {got}, expected {want}"
+                last = got[-1]
+                stop = last in request.sampling.stop_token_ids or (
+                    last == EOS and not request.sampling.ignore_eos)
+                assert ended[key] is (FinishReason.STOP if stop and len(got) >= request.sampling.min_tokens
+                                      else FinishReason.LENGTH)
