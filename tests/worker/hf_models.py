@@ -1,0 +1,112 @@
+"""Tiny random HF transformers checkpoints of each supported architecture, saved into a directory.
+
+Every parameter is perturbed from HF's init (norm weights around 1, biases non-zero) so that a
+wrong mapping of any tensor shows up in the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from kernels import get_backend
+from worker_svc.models.common import AttentionMetadata
+
+VOCAB = 256
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _configs() -> dict[str, transformers.PretrainedConfig]:
+    return {
+        # GQA 2, llama3 rope scaling, untied, saved in several shards
+        "llama": transformers.LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE),
+        "mistral": transformers.MistralConfig(**COMMON, tie_word_embeddings=False, sliding_window=None,
+                                              rope_theta=1000.0),
+        # QKV bias, tied embeddings
+        "qwen2": transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, use_sliding_window=False),
+        # q/k RMSNorm, head_dim (32) != hidden / heads (16), MHA-to-GQA ratio 4
+        "qwen3": transformers.Qwen3Config(**{**COMMON, "num_attention_heads": 8}, head_dim=32,
+                                          tie_word_embeddings=False, use_sliding_window=False),
+    }
+
+
+ARCHITECTURES = tuple(_configs())
+
+
+@torch.no_grad()
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=gen)
+        if name.endswith("norm.weight"):
+            param.copy_(1.0 + 0.2 * noise)
+        elif name.endswith(".bias"):
+            param.copy_(0.1 * noise)
+        else:
+            param.copy_(0.08 * noise)
+
+
+def build_hf_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
+    """Save a tiny `kind` checkpoint (see ARCHITECTURES) into out_dir and return it."""
+    config = _configs()[kind]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb(model, seed)
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    shard = "60KB" if kind == "llama" else "100MB"
+    model.save_pretrained(out_dir, max_shard_size=shard)
+    return out_dir
+
+
+def hf_logits(model_dir: Path, input_ids: list[int]) -> torch.Tensor:
+    """HF's fp32 eager logits [len(input_ids), vocab] for one sequence."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor([input_ids])).logits[0].float()
+
+
+class PagedSequence:
+    """One sequence over a shuffled block table, fed to the model chunk by chunk."""
+
+    def __init__(self, model, cfg, max_len: int, seed: int, block_size: int = 8) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.model = model
+        self.block_size = block_size
+        num_needed = -(-max_len // block_size)
+        num_blocks = 3 * num_needed  # a pool larger than needed, so the table is a real shuffle
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # NaN-poisoned: reading any slot that was not written would poison the logits.
+        self.kv_caches = [(torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+                          for _ in range(cfg.num_layers)]
+        self.table = torch.randperm(num_blocks, generator=gen)[:num_needed]
+        self.num_computed = 0
+
+    def step(self, token_ids: list[int]) -> torch.Tensor:
+        """Run the next len(token_ids) tokens; return their logits [q_len, vocab]."""
+        q_len = len(token_ids)
+        positions = torch.arange(self.num_computed, self.num_computed + q_len)  # [q_len]
+        bs = self.block_size
+        slots = self.table[positions // bs] * bs + positions % bs  # [q_len]
+        seq_len = self.num_computed + q_len
+        attn = AttentionMetadata(
+            slot_mapping=slots.long(),
+            block_tables=self.table[None, :].to(torch.int32),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, q_len], dtype=torch.int32),
+            max_query_len=q_len, max_seq_len=seq_len, backend=get_backend("torch"))
+        with torch.no_grad():
+            hidden = self.model(torch.tensor(token_ids), positions, attn, self.kv_caches)  # [q_len, H]
+            logits = self.model.compute_logits(hidden)
+        self.num_computed = seq_len
+        assert logits.dtype == torch.float32 and logits.shape[0] == q_len
+        return logits

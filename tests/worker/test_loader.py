@@ -1,0 +1,140 @@
+"""Loader, ModelConfig parsing and the embedded tiny model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from pagoda import tiny_model
+from tests.worker.hf_models import PagedSequence, build_hf_model
+from worker_svc.loader import WeightLoadError, load_model, resolve_dtype
+from worker_svc.model_config import ModelConfig, UnsupportedModelError
+from worker_svc.models.llama import LlamaForCausalLM
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_model_dir):  # the session's `python -m pagoda.tiny_model` output (conftest.py)
+    return Path(tiny_model_dir)
+
+
+def _hashes(directory):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def test_tiny_model_is_byte_identical_across_generations(tiny_dir, tmp_path):
+    again = tmp_path / "again"
+    assert tiny_model.write_model(again)
+    assert set(_hashes(tiny_dir)) == {"config.json", "generation_config.json", "model.safetensors",
+                                      "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"}
+    assert _hashes(again) == _hashes(tiny_dir)
+    assert not tiny_model.write_model(again)  # present: skipped
+    assert tiny_model.write_model(again, force=True) and _hashes(again) == _hashes(tiny_dir)
+
+
+def test_tiny_tokenizer_and_chat_template(tiny_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    assert len(tok) == 2048 and tok.bos_token_id == 0 and tok.eos_token_id == 1
+    ids = tok("The river was quiet.")["input_ids"]
+    assert ids[0] == 0 and tok.decode(ids[1:]) == "The river was quiet."
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert text == "<|begin_of_text|><|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [2, 3]
+
+
+def test_tiny_model_matches_hf_and_greedy_does_not_stop(tiny_dir):
+    model, cfg = load_model(tiny_dir, torch.float32, "cpu")
+    assert (cfg.architecture, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == ("LlamaForCausalLM", 2, 64, 2048)
+    assert cfg.eos_token_ids == (1, 3) and resolve_dtype("auto", cfg) == torch.float32
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="eager")
+    prompt, new_tokens = [0, 300, 301, 302, 900, 17], 24
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=1)[0, len(prompt):].tolist()
+    assert not set(expected) & set(cfg.eos_token_ids)
+    seq = PagedSequence(model, cfg, len(prompt) + new_tokens, seed=3, block_size=4)
+    generated, logits = [], seq.step(prompt)
+    for _ in range(new_tokens):
+        generated.append(int(logits[-1].argmax()))
+        logits = seq.step(generated[-1:])
+    assert generated == expected
+
+
+def test_bench_preset_has_about_100m_parameters():
+    cfg = ModelConfig.from_dict(tiny_model.model_config(tiny_model.PRESETS["bench"]))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    assert 90e6 < sum(p.numel() for p in model.parameters()) < 110e6
+    assert resolve_dtype("auto", cfg) == torch.bfloat16
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedModelError) as err:
+        load_model(tmp_path, torch.float32, "cpu")
+    for name in ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM"):
+        assert name in str(err.value)
+
+
+def _copy_with_weights(src, dst, mutate):
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    mutate(weights)
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_missing_weight_is_named(tiny_dir, tmp_path):
+    broken = _copy_with_weights(tiny_dir, tmp_path / "m", lambda w: w.pop("model.layers.2.self_attn.k_proj.weight"))
+    with pytest.raises(WeightLoadError, match=r"model\.layers\.2\.self_attn\.qkv_proj\.weight\[k\]"):
+        load_model(broken, torch.float32, "cpu")
+
+
+def test_unknown_weight_is_named(tiny_dir, tmp_path):
+    broken = _copy_with_weights(tiny_dir, tmp_path / "u", lambda w: w.update(extra_thing=torch.zeros(2)))
+    with pytest.raises(WeightLoadError, match="unknown weight 'extra_thing'"):
+        load_model(broken, torch.float32, "cpu")
+
+
+def test_shape_mismatch_is_an_error(tiny_dir, tmp_path):
+    broken = tmp_path / "s"
+    shutil.copytree(tiny_dir, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["intermediate_size"] = 512
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightLoadError, match=r"mlp\.\w+_proj\.weight: checkpoint shape \(\d+, \d+\) != model shape"):
+        load_model(broken, torch.float32, "cpu")
+
+
+def test_tied_embeddings_share_one_tensor_and_dtype_is_applied(tmp_path):
+    model_dir = build_hf_model("qwen2", tmp_path)
+    model, cfg = load_model(model_dir, torch.bfloat16, "cpu")
+    assert cfg.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert all(not p.requires_grad for p in model.parameters())
+
+
+def test_config_parsing_of_rope_and_eos_variants():
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 10, "eos_token_id": 5}
+    legacy = ModelConfig.from_dict({**base, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+                                    "rope_scaling": {"type": "llama3", "factor": 8.0}},
+                                   {"eos_token_id": [7, 5]})
+    assert legacy.rope_theta == 500000.0 and legacy.rope_scaling == {"rope_type": "llama3", "factor": 8.0}
+    assert legacy.eos_token_ids == (5, 7) and legacy.torch_dtype == "bfloat16"
+    assert (legacy.num_kv_heads, legacy.head_dim) == (4, 16)
+    new = ModelConfig.from_dict({**base, "dtype": "float16",
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert new.rope_theta == 1e6 and new.rope_scaling is None and new.torch_dtype == "float16"
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        resolve_dtype("int8", new)

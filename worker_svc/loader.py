@@ -1,0 +1,135 @@
+"""Load an HF-format directory (config.json + safetensors, single file or sharded) into our model.
+
+HF's separate q/k/v and gate/up weights are copied into the fused `qkv_proj` / `gate_up_proj`
+parameters row-slice by row-slice. Every parameter must be filled exactly once; an unknown or
+missing tensor is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from worker_svc.model_config import ModelConfig
+from worker_svc.models import model_class
+from worker_svc.models.llama import LlamaForCausalLM
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+# Checkpoint tensors that carry no weights (old Llama exports saved the RoPE buffer).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightLoadError(ValueError):
+    """The checkpoint's tensors do not match the model (unknown, missing, or wrong shape)."""
+
+
+def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
+    """"auto" follows config.json's dtype; otherwise the named dtype."""
+    key = model_config.torch_dtype if name == "auto" else name
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported dtype {key!r}; choose auto, float32, bfloat16 or float16")
+    return _DTYPES[key]
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
+               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    cfg = ModelConfig.from_dir(model_dir)
+    device = torch.device(device)
+    with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
+        model = model_class(cfg)(cfg)
+    # Cast on meta first (free), so the device holds only `dtype` storage, never an fp32 copy.
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()  # to_empty re-creates parameters, which unties them
+    model.model.rotary.reset_cache(device, dtype)
+    load_weights(model, Path(model_dir))
+    model.eval().requires_grad_(False)
+    return model, cfg
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (PyTorch .bin is not supported)")
+    return found
+
+
+def _fused_targets(cfg: ModelConfig) -> dict[str, tuple[str, str, int, int]]:
+    """HF projection name -> (our fused name, shard key, first row, row count)."""
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {"q_proj": ("qkv_proj", "q", 0, q), "k_proj": ("qkv_proj", "k", q, kv),
+            "v_proj": ("qkv_proj", "v", q + kv, kv),
+            "gate_proj": ("gate_up_proj", "gate", 0, inter), "up_proj": ("gate_up_proj", "up", inter, inter)}
+
+
+def _expected_shards(params: dict[str, torch.nn.Parameter]) -> dict[str, set[str]]:
+    expected = {}
+    for name in params:
+        if ".qkv_proj." in name:
+            expected[name] = {"q", "k", "v"}
+        elif ".gate_up_proj." in name:
+            expected[name] = {"gate", "up"}
+        else:
+            expected[name] = {""}
+    return expected
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+    cfg: ModelConfig = model.config
+    params = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens
+    fused = _fused_targets(cfg)
+    expected = _expected_shards(params)
+    loaded: dict[str, set[str]] = {name: set() for name in params}
+    files = checkpoint_files(model_dir)
+    total = sum(_num_tensors(f) for f in files)
+    with tqdm(total=total, desc=f"loading {model_dir.name}", unit="tensor", disable=None) as bar:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as reader:
+                for name in reader.keys():
+                    bar.update(1)
+                    if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                        continue
+                    target, shard, start, rows = _target(name, fused, params)
+                    tensor = reader.get_tensor(name)
+                    dest = params[target].data
+                    dest = dest if shard == "" else dest.narrow(0, start, rows)
+                    if tuple(tensor.shape) != tuple(dest.shape):
+                        raise WeightLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                                              f"model shape {tuple(dest.shape)} (config.json mismatch?)")
+                    dest.copy_(tensor)
+                    loaded[target].add(shard)
+    missing = [f"{name}[{shard}]" if shard else name for name, shards in expected.items()
+               for shard in sorted(shards - loaded[name])]
+    if missing:
+        raise WeightLoadError(f"{len(missing)} weights missing from {model_dir}: {', '.join(missing[:8])}")
+
+
+def _num_tensors(file: Path) -> int:
+    with safe_open(file, framework="pt") as reader:
+        return len(reader.keys())
+
+
+def _target(name: str, fused: dict[str, tuple[str, str, int, int]],
+            params: dict[str, torch.nn.Parameter]) -> tuple[str, str, int, int]:
+    """Checkpoint tensor name -> (our parameter name, shard key, first row, row count)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in fused:
+            ours, shard, start, rows = fused[part]
+            target = ".".join(parts[:i] + [ours] + parts[i + 1:])
+            if target in params:
+                return target, shard, start, rows
+    if name in params:
+        return name, "", 0, 0
+    raise WeightLoadError(f"unknown weight {name!r} in checkpoint: the model has no such parameter")

@@ -1,0 +1,127 @@
+"""The model's shape and options, parsed from an HF `config.json` (+ `generation_config.json`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint uses an architecture or option this worker does not implement."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None for plain RoPE; else has "rope_type"
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 (or attention_bias=True)
+    o_bias: bool  # attention_bias=True on Llama/Mistral/Qwen3
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    torch_dtype: str
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    sliding_window: int | None = None  # set when the model uses one (Mistral v0.1); not implemented
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file} not found: --model must be a local HF-format directory")
+        raw = json.loads(config_file.read_text())
+        gen_file = path / "generation_config.json"
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        return cls.from_dict(raw, gen)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        arch = _architecture(raw)
+        if raw.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        if raw.get("mlp_bias", False):
+            raise UnsupportedModelError("mlp_bias=True is not supported")
+        num_heads = int(raw["num_attention_heads"])
+        attention_bias = bool(raw.get("attention_bias", False))
+        rope_theta, rope_scaling = _rope(raw)
+        return cls(
+            architecture=arch,
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // num_heads),
+            vocab_size=int(raw["vocab_size"]),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=attention_bias and arch != "Qwen2ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM",
+            torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            eos_token_ids=_eos_ids(raw, generation or {}),
+            bos_token_id=raw.get("bos_token_id"),
+            sliding_window=_sliding_window(raw),
+        )
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    found = ", ".join(archs) or f"model_type={raw.get('model_type')!r}"
+    raise UnsupportedModelError(
+        f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling) from the legacy `rope_theta`/`rope_scaling` or the newer `rope_parameters`."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+
+
+def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+    ids = _as_ids(raw.get("eos_token_id")) + _as_ids(generation.get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))  # union, first-seen order
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    window = raw.get("sliding_window")
+    if window is None or raw.get("use_sliding_window") is False:
+        return None
+    return int(window)

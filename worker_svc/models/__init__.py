@@ -1,0 +1,17 @@
+"""Model implementations, keyed by the HF `architectures` name they serve."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from worker_svc.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+
+
+def model_class(cfg: ModelConfig) -> type[nn.Module]:
+    from worker_svc.models.llama import LlamaForCausalLM
+
+    # One implementation serves the whole Llama family; flags in ModelConfig select the variants.
+    if cfg.architecture in SUPPORTED_ARCHITECTURES:
+        return LlamaForCausalLM
+    raise UnsupportedModelError(
+        f"unsupported architecture {cfg.architecture}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

@@ -1,0 +1,130 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with QKV bias, Qwen3 with q/k RMSNorm) over flat batches.
+
+Plain eager PyTorch over `[num_tokens, hidden]`, no padding; q/k/v and gate/up are fused projections
+(the loader fuses HF's separate weights). Attention goes only through the paged-KV backend.
+
+Usage (one prefill step of a 5-token prompt into blocks 3 and 7 of a block_size-16 cache):
+
+    model, cfg = load_model("models/pagoda-tiny", torch.float32, torch.device("cpu"))
+    shape = (num_blocks, 16, cfg.num_kv_heads, cfg.head_dim)
+    kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    ids = torch.tensor([0, 20, 30, 40, 50]); pos = torch.arange(5)
+    attn = AttentionMetadata(slot_mapping=3 * 16 + pos, block_tables=torch.tensor([[3, 7]], dtype=torch.int32),
+                             seq_lens=torch.tensor([5], dtype=torch.int32),
+                             query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
+                             max_query_len=5, max_seq_len=5, backend=get_backend("torch"))
+    hidden = model(ids, pos, attn, kv_caches)              # [5, hidden]
+    next_id = model.compute_logits(hidden[-1:]).argmax(-1)  # [1] from fp32 logits [1, vocab]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker_svc.model_config import ModelConfig
+from worker_svc.models.common import AttentionMetadata, RMSNorm, RotaryEmbedding, silu_and_mul
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        # rows: [q (Hq*D) | k (Hkv*D) | v (Hkv*D)]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        attn.backend.write_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
+        out = attn.backend.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
+                                           attn.query_start_loc, self.scale, attn.max_query_len,
+                                           attn.max_seq_len)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        # rows: [gate (I) | up (I)]
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow HF's (`model.layers.N....`, `lm_head`), except the fused
+    `qkv_proj` and `gate_up_proj`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head when the checkpoint ties them (call again after
+        anything that re-creates parameters, e.g. `to_empty`)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        # input_ids, positions: [T] int64; kv_caches[layer] = (k, v) [num_blocks, BS, Hkv, D]
+        # -> final-normed hidden states [T, hidden]
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.model.rotary, attn, kv_cache)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> [N, vocab] float32
+        return self.lm_head(hidden).float()
