@@ -1,0 +1,41 @@
+"""`python -m gateway --scheduler 127.0.0.1:50052 --port 8000 --grpc-port 50051 ...`"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from gateway.config import GatewayConfig
+from gateway.server import serve
+from pagoda.logging import configure_logging
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    parser = argparse.ArgumentParser(prog="python -m gateway", description="Pagoda gateway")
+    parser.add_argument("--scheduler", default="127.0.0.1:50052", help="scheduler host:port")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
+    parser.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port")
+    parser.add_argument("--tokenizer", "--model-dir", dest="tokenizer", default=None,
+                        help="tokenizer directory (default: the model path the scheduler reports)")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $PAGODA_API_KEY)")
+    parser.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
+    parser.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None)
+    args = parser.parse_args(argv)
+    return GatewayConfig(scheduler=args.scheduler, host=args.host, port=args.port, grpc_port=args.grpc_port,
+                         tokenizer=args.tokenizer, served_model_name=args.served_model_name,
+                         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                         log_json=args.log_json)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_args(argv)
+    configure_logging(json=config.log_json, service="gateway")
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""The gateway's one frozen config: built only in `__main__` (or by tests), validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    scheduler: str = "127.0.0.1:50052"
+    """host:port of the scheduler's pagoda.v1.Engine service."""
+    host: str = "127.0.0.1"
+    """Interface both servers bind to."""
+    port: int = 8000
+    """OpenAI-compatible HTTP port (0: pick a free one)."""
+    grpc_port: int = 50051
+    """Public pagoda.v1.Generation gRPC port (0: pick a free one)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; None: the model path the scheduler reports in GetInfo.model_name."""
+    served_model_name: str | None = None
+    """Model id clients send and /v1/models lists; None: the scheduler's model_name (as vLLM)."""
+    api_key: str | None = None
+    """When set, /v1/*, /tokenize, /detokenize, /version and gRPC Generate need `Bearer KEY`."""
+    max_request_bytes: int = 16 * 1024 * 1024
+    """Largest HTTP request body accepted; bigger bodies get 413."""
+    engine_timeout_s: float = 5.0
+    """Deadline for the scheduler's unary calls (GetInfo, GetStats, Abort, health)."""
+    retry_after_s: int = 1
+    """Retry-After header value sent with 429 when the scheduler's queue is full."""
+    log_json: bool | None = None
+    """JSON logs; None: JSON unless stdout is a terminal."""
+
+    def __post_init__(self) -> None:
+        for name in ("port", "grpc_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be a TCP port, got {getattr(self, name)}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty when given")
+        if self.engine_timeout_s <= 0:
+            raise ValueError("engine_timeout_s must be positive")

@@ -1,0 +1,86 @@
+"""Async client of the scheduler's pagoda.v1.Engine service; gRPC failures become GatewayErrors."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.errors import UpstreamError
+from pagoda.v1 import engine_pb2, engine_pb2_grpc
+
+# Token streams and logprobs can be large; the default 4 MB cap is too small for long prompts.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+
+def _upstream(error: grpc.aio.AioRpcError) -> UpstreamError:
+    details = error.details() or error.code().name.lower()
+    if error.code() == grpc.StatusCode.UNAVAILABLE:
+        details = f"the scheduler is unavailable: {details}"
+    return UpstreamError(error.code(), details)
+
+
+class EngineClient:
+    """One channel to the scheduler, reused by every request (create it inside the event loop)."""
+
+    def __init__(self, target: str, timeout_s: float = 5.0) -> None:
+        self.target = target
+        self._timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def generate(self, request: engine_pb2.GenerateRequest
+                       ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        """Stream the responses; leaving the loop early (stop string, disconnect) cancels the
+        call, which the scheduler treats as an abort that frees the request's blocks at once."""
+        call = self._stub.Generate(request)
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as error:
+            raise _upstream(error) from None
+        finally:
+            call.cancel()  # no-op when the stream already ended
+
+    async def abort(self, request_id: str) -> bool:
+        reply = await self._unary(self._stub.Abort, engine_pb2.AbortRequest(request_id=request_id))
+        return reply.found
+
+    async def get_info(self) -> engine_pb2.EngineInfo:
+        return await self._unary(self._stub.GetInfo, engine_pb2.GetInfoRequest())
+
+    async def get_stats(self) -> engine_pb2.EngineStats:
+        return await self._unary(self._stub.GetStats, engine_pb2.GetStatsRequest())
+
+    async def is_serving(self) -> bool:
+        """grpc.health.v1 says SERVING for the whole scheduler (False when it does not answer)."""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""),
+                                             timeout=self._timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def wait_for_info(self, timeout_s: float) -> engine_pb2.EngineInfo:
+        """GetInfo, waiting up to `timeout_s` for the scheduler to come up (startup order)."""
+        try:
+            return await self._stub.GetInfo(engine_pb2.GetInfoRequest(), timeout=timeout_s,
+                                            wait_for_ready=True)
+        except grpc.aio.AioRpcError as error:
+            raise _upstream(error) from None
+
+    async def _unary(self, method, request):
+        try:
+            return await method(request, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise _upstream(error) from None

@@ -1,0 +1,111 @@
+"""The gateway's errors and how each reaches a client: OpenAI-shaped HTTP bodies and gRPC codes.
+
+Upstream gRPC codes map to HTTP through `pagoda.errors` (the project's one table); only the
+errors the gateway itself raises (unknown model, auth, body size, not ready) are listed here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from pagoda.errors import http_status_for_grpc  # the project's one gRPC -> HTTP table
+from scheduler_svc.core.params import InvalidRequestError
+
+
+class GatewayError(Exception):
+    """An error with a client-facing message; subclasses fix the codes."""
+
+    http_status = 500
+    grpc_code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ModelNotFoundError(GatewayError):
+    http_status, grpc_code = 404, grpc.StatusCode.NOT_FOUND
+
+
+class UnauthorizedError(GatewayError):
+    http_status, grpc_code = 401, grpc.StatusCode.UNAUTHENTICATED
+
+
+class RequestTooLargeError(GatewayError):
+    http_status, grpc_code = 413, grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class EngineNotReadyError(GatewayError):
+    """The scheduler has not answered GetInfo yet (or the tokenizer is still loading)."""
+
+    http_status, grpc_code = 503, grpc.StatusCode.UNAVAILABLE
+
+
+class ClientDisconnectedError(GatewayError):
+    """The client went away before the answer was ready (nginx's 499); the request was aborted."""
+
+    http_status, grpc_code = 499, grpc.StatusCode.CANCELLED
+
+
+class UpstreamError(GatewayError):
+    """The scheduler answered a call with a non-OK status; keeps its code for both APIs."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.grpc_code = code
+        self.http_status = http_status_for_grpc(code)
+
+
+class ContextOverflowError(InvalidRequestError):
+    """Prompt + max_tokens exceed max_model_len (vLLM's message, 400)."""
+
+
+_TYPE_NAMES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               409: "ConflictError", 413: "RequestTooLargeError", 429: "RateLimitError",
+               499: "ClientClosedRequest", 501: "NotImplementedError",
+               503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
+
+
+@dataclass(frozen=True, slots=True)
+class ClientError:
+    """What a client is told: status codes for both APIs plus the message."""
+
+    http_status: int
+    grpc_code: grpc.StatusCode
+    message: str
+    param: str | None = None
+
+
+def to_client_error(error: BaseException) -> ClientError:
+    """The one place a gateway exception becomes a status; unknown errors stay generic (500)."""
+    if isinstance(error, GatewayError):
+        return ClientError(error.http_status, error.grpc_code, error.message, error.param)
+    if isinstance(error, InvalidRequestError):
+        return ClientError(400, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    return ClientError(500, grpc.StatusCode.INTERNAL, "internal server error")
+
+
+def openai_error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    error_type = _TYPE_NAMES.get(status, "InternalServerError")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+def context_overflow(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    """Raise vLLM's 400 when the request cannot fit the context; check before sending upstream."""
+    if max_tokens is None:
+        if num_prompt_tokens >= max_model_len:
+            raise ContextOverflowError(
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"messages resulted in {num_prompt_tokens} tokens. Please reduce the length of the "
+                "messages.")
+        return
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise ContextOverflowError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or completion.")

@@ -1,0 +1,153 @@
+"""The core both public APIs share: a tokenized request in, per-sequence text deltas out.
+
+Streams token ids from the scheduler, detokenizes each sequence incrementally, applies stop
+strings (trimming them and cancelling the upstream call once every sequence is done) and counts
+usage. Leaving the iteration early (client gone) cancels the upstream Generate call too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway import metrics
+from gateway.convert import finish_reason_name, sampling_to_pb
+from gateway.engine_client import EngineClient
+from gateway.errors import UpstreamError
+from gateway.stop_strings import StopStringMatcher
+from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagoda.v1 import common_pb2, engine_pb2
+from scheduler_svc.core.params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationInput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()  # stop strings (the engine handles stop token ids)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str = ""
+
+
+@dataclass(slots=True)
+class SequenceChunk:
+    """New output of one of the n sequences since the previous step."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)  # parallel to token_ids
+    finish_reason: str | None = None  # "stop" / "length" / "abort" once finished
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class GenerationStep:
+    chunks: list[SequenceChunk]
+    usage: Usage | None = None  # set on the last step only
+
+
+class _Sequence:
+    """Per-sequence state: detokenizer, stop matcher, counters."""
+
+    __slots__ = ("detokenizer", "matcher", "num_tokens", "finish_reason")
+
+    def __init__(self, tokenizer: Tokenizer, request: GenerationInput) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
+                                                  request.skip_special_tokens)
+        self.matcher = StopStringMatcher(request.stop, request.include_stop_str_in_output)
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, delta: engine_pb2.SequenceDelta, stop_token_ids: tuple[int, ...]) -> SequenceChunk:
+        chunk = SequenceChunk(index=delta.index)
+        has_logprobs = len(delta.logprobs) == len(delta.token_ids)
+        for position, token_id in enumerate(delta.token_ids):
+            if self.finished:
+                break  # tokens sampled after a stop string matched are dropped (and not counted)
+            self.num_tokens += 1
+            chunk.token_ids.append(token_id)
+            if has_logprobs:
+                chunk.logprobs.append(delta.logprobs[position])
+            self._add_text(chunk, self.detokenizer.step(token_id))
+        reason = finish_reason_name(delta.finish_reason)
+        if reason is not None and not self.finished:
+            self._add_text(chunk, self.detokenizer.flush())
+            if not self.finished:
+                chunk.text += self.matcher.flush()
+                self.finish_reason = chunk.finish_reason = reason
+                last = chunk.token_ids[-1] if chunk.token_ids else None
+                chunk.stop_reason = last if reason == "stop" and last in stop_token_ids else None
+        return chunk
+
+    def _add_text(self, chunk: SequenceChunk, text: str) -> None:
+        check = self.matcher.feed(text)
+        chunk.text += check.text
+        if check.stop is not None:
+            self.finish_reason = chunk.finish_reason = "stop"
+            chunk.stop_reason = check.stop
+
+
+def to_engine_request(request: GenerationInput) -> engine_pb2.GenerateRequest:
+    return engine_pb2.GenerateRequest(
+        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+        sampling=sampling_to_pb(request.sampling), priority=request.priority,
+        cache_salt=request.cache_salt)
+
+
+async def generate(client: EngineClient, tokenizer: Tokenizer, request: GenerationInput
+                   ) -> AsyncIterator[GenerationStep]:
+    """Yield one GenerationStep per upstream response; the last one carries usage."""
+    sequences = [_Sequence(tokenizer, request) for _ in range(request.sampling.n)]
+    num_prompt_tokens, num_cached_tokens = len(request.prompt_token_ids), 0
+    timer = metrics.RequestTimer()
+    stream = client.generate(to_engine_request(request))
+    final: GenerationStep | None = None
+    try:
+        async for response in stream:
+            if response.num_prompt_tokens:
+                num_prompt_tokens = response.num_prompt_tokens
+                num_cached_tokens = response.num_cached_tokens
+            chunks = [sequences[d.index].apply(d, request.sampling.stop_token_ids)
+                      for d in response.sequences if d.index < len(sequences)]
+            _raise_on_engine_error(chunks)
+            timer.tokens_arrived(sum(len(c.token_ids) for c in chunks))
+            if all(s.finished for s in sequences):
+                final = GenerationStep(chunks, Usage(num_prompt_tokens,
+                                                     sum(s.num_tokens for s in sequences),
+                                                     num_cached_tokens))
+                break
+            yield GenerationStep(chunks)
+    finally:
+        # Cancels the call unless it ended: a stop string or a gone client aborts upstream now.
+        await stream.aclose()
+    if final is None:
+        raise UpstreamError(grpc.StatusCode.INTERNAL,
+                            "the scheduler ended the stream before every sequence finished")
+    timer.finished(num_prompt_tokens, [s.finish_reason for s in sequences])
+    yield final
+
+
+def _raise_on_engine_error(chunks: list[SequenceChunk]) -> None:
+    if any(c.finish_reason == "error" for c in chunks):
+        raise UpstreamError(grpc.StatusCode.INTERNAL, "the request failed in the engine (worker lost)")

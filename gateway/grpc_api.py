@@ -1,0 +1,77 @@
+"""The public gRPC API: pagoda.v1.Generation/Generate, the text-level twin of the OpenAI routes."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway.auth import grpc_metadata_ok
+from gateway.convert import finish_reason_pb, sampling_from_pb
+from gateway.errors import UnauthorizedError, context_overflow, to_client_error
+from gateway.generation import GenerationInput, GenerationStep, generate
+from gateway.state import GatewayState
+from pagoda.logging import get_logger
+from pagoda.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from scheduler_svc.core.params import InvalidRequestError
+
+log = get_logger(__name__)
+
+
+class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
+    def __init__(self, state: GatewayState) -> None:
+        self._state = state
+
+    async def Generate(self, request: gateway_pb2.GenerationRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerationChunk]:
+        # A client that goes away cancels this coroutine; leaving generate() cancels upstream.
+        try:
+            generation = self._prepare(request, context)
+            async for step in generate(self._state.client, self._state.tokenizer, generation):
+                for chunk in to_chunks(generation.request_id, step):
+                    yield chunk
+        except Exception as error:  # noqa: BLE001 - every failure leaves with a status code
+            client_error = to_client_error(error)
+            log.info("grpc_generate_failed", code=client_error.grpc_code.name, error=client_error.message)
+            await context.abort(client_error.grpc_code, client_error.message)
+
+    def _prepare(self, request: gateway_pb2.GenerationRequest,
+                 context: grpc.aio.ServicerContext) -> GenerationInput:
+        if not grpc_metadata_ok(context.invocation_metadata(), self._state.config.api_key):
+            raise UnauthorizedError("a valid API key is required (metadata authorization: Bearer KEY)")
+        tokenizer, info = self._state.require_ready()
+        self._state.check_model(request.model)
+        if request.WhichOneof("input") == "prompt":
+            prompt_ids = tokenizer.encode(request.prompt)
+        elif request.WhichOneof("input") == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            prompt_ids = tokenizer.encode_chat(messages)
+        else:
+            raise InvalidRequestError("set either prompt or chat")
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt must not be empty")
+        sampling = sampling_from_pb(request.sampling)  # raises InvalidRequestError when out of range
+        context_overflow(info.max_model_len, len(prompt_ids), sampling.max_tokens)
+        return GenerationInput(
+            request_id=request.request_id or f"gen-{uuid.uuid4().hex}", prompt_token_ids=tuple(prompt_ids),
+            sampling=sampling, stop=tuple(request.stop),
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=(request.skip_special_tokens if request.HasField("skip_special_tokens")
+                                 else True),
+            cache_salt=request.cache_salt)
+
+
+def to_chunks(request_id: str, step: GenerationStep) -> list[gateway_pb2.GenerationChunk]:
+    """One chunk per sequence with news; the request's usage rides on the step's last chunk."""
+    chunks = [gateway_pb2.GenerationChunk(
+        request_id=request_id, index=c.index, text=c.text, token_ids=c.token_ids, logprobs=c.logprobs,
+        finish_reason=finish_reason_pb(c.finish_reason))
+        for c in step.chunks if c.text or c.token_ids or c.finish_reason]
+    if step.usage is not None:
+        if not chunks:
+            chunks.append(gateway_pb2.GenerationChunk(request_id=request_id))
+        chunks[-1].usage.CopyFrom(common_pb2.Usage(
+            prompt_tokens=step.usage.prompt_tokens, completion_tokens=step.usage.completion_tokens,
+            cached_tokens=step.usage.cached_tokens))
+    return chunks

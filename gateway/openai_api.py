@@ -1,0 +1,131 @@
+"""The OpenAI-compatible HTTP API (FastAPI): routes, error handlers, middleware wiring."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from gateway import metrics
+from gateway.errors import GatewayError, openai_error_body, to_client_error
+from gateway.http_middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCounterMiddleware
+from gateway.openai_chat import chat_prompt_ids, create_chat_completion
+from gateway.openai_completions import create_completion
+from gateway.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from gateway.state import GatewayState
+from pagoda.logging import get_logger
+from scheduler_svc.core.params import InvalidRequestError
+
+log = get_logger(__name__)
+VERSION = "0.1.0"
+
+
+def error_response(error: BaseException, retry_after_s: int = 1) -> JSONResponse:
+    client_error = to_client_error(error)
+    if client_error.http_status >= 500:
+        log.warning("request_failed", status=client_error.http_status, error=str(error),
+                    error_type=type(error).__name__)
+    headers = {"Retry-After": str(retry_after_s)} if client_error.http_status in (429, 503) else None
+    return JSONResponse(openai_error_body(client_error.http_status, client_error.message, client_error.param),
+                        status_code=client_error.http_status, headers=headers)
+
+
+def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    first = error.errors()[0] if error.errors() else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    return (f"{param}: {first.get('msg', 'invalid request')}" if param
+            else str(first.get("msg", "invalid request"))), param
+
+
+def create_app(state: GatewayState) -> FastAPI:
+    app = FastAPI(title="Pagoda gateway", version=VERSION)
+    app.state.gateway = state
+    _add_routes(app, state)
+    _add_error_handlers(app, state.config.retry_after_s)
+    routes = frozenset(route.path for route in app.routes)
+    # Outermost first at run time: count, then auth, then the size cap.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.max_request_bytes)
+    app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key)
+    app.add_middleware(RequestCounterMiddleware, routes=routes)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(error)  # 400, not FastAPI's 422 (as vLLM)
+        return JSONResponse(openai_error_body(400, message, param), status_code=400)
+
+    async def on_error(_request: Request, error: Exception) -> JSONResponse:
+        return error_response(error, retry_after_s)
+
+    # The specific classes are handled in ExceptionMiddleware; Exception (anything unexpected) by
+    # Starlette's outermost handler, which also logs the traceback.
+    for error_class in (GatewayError, InvalidRequestError, Exception):
+        app.add_exception_handler(error_class, on_error)
+
+
+def _add_routes(app: FastAPI, state: GatewayState) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(body, request, state)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(body, request, state)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        _, info = state.require_ready()
+        name = state.served_model_name
+        card = {"id": name, "object": "model", "created": 0, "owned_by": "pagoda", "root": info.model_name,
+                "parent": None, "max_model_len": info.max_model_len, "permission": []}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        tokenizer, info = state.require_ready()
+        state.check_model(body.model)
+        if body.messages is not None:
+            chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            tokens = chat_prompt_ids(chat, tokenizer)
+        elif body.prompt is not None:
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise InvalidRequestError("either prompt or messages is required")
+        reply = {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            reply["token_strs"] = tokenizer.hf.convert_ids_to_tokens(tokens)
+        return reply
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        tokenizer, info = state.require_ready()
+        state.check_model(body.model)
+        if info.vocab_size and any(not 0 <= t < info.vocab_size for t in body.tokens):
+            raise InvalidRequestError(f"token ids must be in [0, {info.vocab_size})")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)  # alive: the process answers; /ready says if it can serve
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        serving = state.ready and await state.client.is_serving()
+        return JSONResponse({"ready": serving}, status_code=200 if serving else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.exposition()
+        return Response(content=body, media_type=content_type)

@@ -1,0 +1,116 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, replies out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.generation import GenerationStep, SequenceChunk, generate
+from gateway.openai_common import (
+    build_generation_input,
+    new_request_id,
+    sse_stream,
+    until_disconnected,
+    usage_info,
+)
+from gateway.openai_protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+)
+from gateway.state import GatewayState
+from gateway.tokenizer import Tokenizer
+from scheduler_svc.core.params import InvalidRequestError
+
+
+def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    messages = [m.as_template_dict() for m in body.messages]
+    try:
+        return tokenizer.encode_chat(messages, body.add_generation_prompt,
+                                     **(body.chat_template_kwargs or {}))
+    except ValueError as error:  # no template, or the template rejected the conversation
+        raise InvalidRequestError(str(error)) from None
+    except Exception as error:  # noqa: BLE001 - jinja's TemplateError and friends
+        raise InvalidRequestError(f"the chat template failed: {error}") from None
+
+
+def _top(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
+    text = tokenizer.token_text(token_id)
+    return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+
+def chat_logprobs(tokenizer: Tokenizer, chunk: SequenceChunk) -> ChatLogprobs:
+    content = []
+    for token_id, logprob in zip(chunk.token_ids, chunk.logprobs, strict=False):
+        chosen = _top(tokenizer, token_id, logprob.logprob)
+        content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[
+            _top(tokenizer, t.token_id, t.logprob) for t in logprob.top]))
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(body: ChatCompletionRequest, http: Request,
+                                 state: GatewayState) -> Response:
+    tokenizer, info = state.require_ready()
+    model = state.check_model(body.model)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    request = build_generation_input(body, new_request_id("chatcmpl"), chat_prompt_ids(body, tokenizer),
+                                     body.effective_max_tokens, logprobs, info.max_model_len)
+    steps = generate(state.client, tokenizer, request)
+    if not body.stream:
+        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=""),
+                              logprobs=ChatLogprobs(content=[]) if body.logprobs else None)
+                   for i in range(body.n)]
+        usage = await until_disconnected(http, _collect(steps, choices, tokenizer))
+        return JSONResponse(ChatCompletionResponse(id=request.request_id, model=model, choices=choices,
+                                                   usage=usage_info(usage)).model_dump())
+    first = await until_disconnected(http, anext(steps))  # upstream errors keep their HTTP status
+    events = _stream(first, steps, body, tokenizer, request.request_id, model)
+    return StreamingResponse(sse_stream(events), media_type="text/event-stream")
+
+
+async def _collect(steps: AsyncIterator[GenerationStep], choices: list[ChatChoice], tokenizer: Tokenizer):
+    async for step in steps:
+        for chunk in step.chunks:
+            choice = choices[chunk.index]
+            choice.message.content += chunk.text
+            if choice.logprobs is not None:
+                choice.logprobs.content.extend(chat_logprobs(tokenizer, chunk).content)
+            if chunk.finish_reason is not None:
+                choice.finish_reason, choice.stop_reason = chunk.finish_reason, chunk.stop_reason
+        if step.usage is not None:
+            return step.usage
+    raise RuntimeError("generation ended without usage")  # generate() always ends with usage
+
+
+async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], body: ChatCompletionRequest,
+                  tokenizer: Tokenizer, request_id: str, model: str) -> AsyncIterator[ChatCompletionChunk]:
+    created = int(time.time())
+
+    def chunk_of(choices: list[ChatStreamChoice], usage=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
+                                   usage=usage)
+
+    # OpenAI's first chunk of each choice carries the role only.
+    yield chunk_of([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                    for i in range(body.n)])
+    step: GenerationStep | None = first
+    while step is not None:
+        deltas = [ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                   logprobs=chat_logprobs(tokenizer, c) if body.logprobs else None,
+                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                  for c in step.chunks if c.text or c.finish_reason or (body.logprobs and c.token_ids)]
+        if deltas:
+            yield chunk_of(deltas)
+        if step.usage is not None and body.include_usage:
+            yield chunk_of([], usage_info(step.usage))
+        step = await anext(steps, None) if step.usage is None else None

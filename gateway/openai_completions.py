@@ -1,0 +1,128 @@
+"""POST /v1/completions: prompt text or token ids in, completions (JSON or SSE) out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.generation import GenerationStep, SequenceChunk, generate
+from gateway.openai_common import (
+    build_generation_input,
+    check_token_ids,
+    new_request_id,
+    sse_stream,
+    until_disconnected,
+    usage_info,
+)
+from gateway.openai_protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from gateway.state import GatewayState
+from gateway.tokenizer import Tokenizer
+from scheduler_svc.core.params import InvalidRequestError
+
+
+def prompt_token_ids(prompt: str | list, tokenizer: Tokenizer, vocab_size: int) -> tuple[list[int], str]:
+    """(token ids, prompt text) for a string, a token id list, or a list of one of those."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise InvalidRequestError("batched prompts are not supported: send one prompt per request")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt), prompt
+    check_token_ids(prompt, vocab_size)
+    return list(prompt), tokenizer.decode(prompt)
+
+
+class CompletionChoices:
+    """Accumulates each of the n choices: text, logprobs with their text offsets, finish."""
+
+    def __init__(self, n: int, tokenizer: Tokenizer, echo_text: str, with_logprobs: bool) -> None:
+        self._tokenizer = tokenizer
+        self._with_logprobs = with_logprobs
+        self._pending_echo = [echo_text] * n  # sent with each choice's first delta
+        self._offsets = [0] * n  # length of the text each choice has so far
+        self.choices = [CompletionChoice(index=i, text="", logprobs=self._empty_logprobs())
+                        for i in range(n)]
+
+    def _empty_logprobs(self) -> CompletionLogprobs | None:
+        return CompletionLogprobs() if self._with_logprobs else None
+
+    def add(self, chunk: SequenceChunk) -> CompletionChoice:
+        """Fold `chunk` into its choice; return the delta for a stream."""
+        delta = CompletionChoice(index=chunk.index, text=self._pending_echo[chunk.index] + chunk.text,
+                                 logprobs=self._empty_logprobs(), finish_reason=chunk.finish_reason,
+                                 stop_reason=chunk.stop_reason)
+        self._pending_echo[chunk.index] = ""
+        if delta.logprobs is not None:
+            self._add_logprobs(delta.logprobs, chunk, self._offsets[chunk.index] + len(delta.text) - len(chunk.text))
+        self._offsets[chunk.index] += len(delta.text)
+        choice = self.choices[chunk.index]
+        choice.text += delta.text
+        if choice.logprobs is not None and delta.logprobs is not None:
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(choice.logprobs, name).extend(getattr(delta.logprobs, name))
+        if chunk.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = chunk.finish_reason, chunk.stop_reason
+        return delta
+
+    def _add_logprobs(self, out: CompletionLogprobs, chunk: SequenceChunk, offset: int) -> None:
+        for token_id, logprob in zip(chunk.token_ids, chunk.logprobs, strict=False):
+            token = self._tokenizer.token_text(token_id)
+            top = {self._tokenizer.token_text(t.token_id): t.logprob for t in logprob.top}
+            top.setdefault(token, logprob.logprob)
+            out.tokens.append(token)
+            out.token_logprobs.append(logprob.logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(token)
+
+
+async def create_completion(body: CompletionRequest, http: Request, state: GatewayState) -> Response:
+    tokenizer, info = state.require_ready()
+    model = state.check_model(body.model)
+    if body.echo and body.logprobs is not None:
+        raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)")
+    prompt_ids, prompt_text = prompt_token_ids(body.prompt, tokenizer, info.vocab_size)
+    request = build_generation_input(body, new_request_id("cmpl"), prompt_ids, body.max_tokens,
+                                     body.logprobs, info.max_model_len)
+    choices = CompletionChoices(body.n, tokenizer, prompt_text if body.echo else "",
+                                body.logprobs is not None)
+    steps = generate(state.client, tokenizer, request)
+    if not body.stream:
+        usage = await until_disconnected(http, _collect(steps, choices))
+        return JSONResponse(CompletionResponse(id=request.request_id, model=model, choices=choices.choices,
+                                               usage=usage_info(usage)).model_dump())
+    first = await until_disconnected(http, anext(steps))  # upstream errors keep their HTTP status
+    events = _stream(first, steps, choices, request.request_id, model, body.include_usage)
+    return StreamingResponse(sse_stream(events), media_type="text/event-stream")
+
+
+async def _collect(steps: AsyncIterator[GenerationStep], choices: CompletionChoices):
+    async for step in steps:
+        for chunk in step.chunks:
+            choices.add(chunk)
+        if step.usage is not None:
+            return step.usage
+    raise RuntimeError("generation ended without usage")  # generate() always ends with usage
+
+
+async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], choices: CompletionChoices,
+                  request_id: str, model: str, include_usage: bool) -> AsyncIterator[CompletionResponse]:
+    created = int(time.time())
+    step: GenerationStep | None = first
+    while step is not None:
+        deltas = [choices.add(c) for c in step.chunks]
+        deltas = [d for d in deltas if d.text or d.finish_reason or (d.logprobs and d.logprobs.tokens)]
+        if deltas:
+            yield CompletionResponse(id=request_id, created=created, model=model, choices=deltas)
+        if step.usage is not None and include_usage:
+            yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                     usage=usage_info(step.usage))
+        step = await anext(steps, None) if step.usage is None else None

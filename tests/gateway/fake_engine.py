@@ -1,0 +1,98 @@
+"""A test double of the scheduler's pagoda.v1.Engine: streams scripted token ids, injects failures.
+
+Deterministic: sequence i of every request streams `scripts[i % len(scripts)]`, `tokens_per_response`
+ids per message, finishing with "length" at max_tokens and "stop" when the script runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+
+from pagoda.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+
+@dataclass(slots=True)
+class FakeEngine(engine_pb2_grpc.EngineServicer):
+    model_name: str
+    scripts: list[list[int]]
+    max_model_len: int = 256
+    vocab_size: int = 2048
+    tokens_per_response: int = 2
+    fail_code: grpc.StatusCode | None = None  # Generate fails with this before any token
+    fail_after_responses: int | None = None  # then INTERNAL mid-stream
+    gate: asyncio.Event | None = None  # when set: each response waits for it (clients can leave)
+    requests: list[engine_pb2.GenerateRequest] = field(default_factory=list)
+    active: set[str] = field(default_factory=set)  # request ids streaming now
+    cancelled: list[str] = field(default_factory=list)  # request ids whose caller left early
+    responses_sent: int = 0
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if self.fail_code is not None:
+            await context.abort(self.fail_code, f"fake engine says {self.fail_code.name}")
+        self.active.add(request.request_id)
+        finished = False
+        try:
+            async for response in self._responses(request):
+                if self.fail_after_responses is not None and self.responses_sent >= self.fail_after_responses:
+                    await context.abort(grpc.StatusCode.INTERNAL, "fake engine failed mid-stream")
+                if self.gate is not None:
+                    await self.gate.wait()
+                self.responses_sent += 1
+                finished = response.finished
+                yield response
+        finally:
+            self.active.discard(request.request_id)
+            if not finished:
+                self.cancelled.append(request.request_id)
+
+    async def _responses(self, request):
+        sampling = request.sampling
+        n = sampling.n if sampling.HasField("n") else 1
+        limit = sampling.max_tokens if sampling.HasField("max_tokens") else self.max_model_len
+        limit = min(limit, self.max_model_len - len(request.prompt_token_ids))
+        outputs = [self.scripts[i % len(self.scripts)] for i in range(n)]
+        total = max(min(len(tokens), limit) for tokens in outputs)
+        for start in range(0, total, self.tokens_per_response):
+            deltas = [self._delta(i, tokens, start, limit, sampling) for i, tokens in enumerate(outputs)]
+            deltas = [d for d in deltas if d is not None]
+            yield engine_pb2.GenerateResponse(
+                request_id=request.request_id, sequences=deltas,
+                num_prompt_tokens=len(request.prompt_token_ids) if start == 0 else 0,
+                num_cached_tokens=0, finished=start + self.tokens_per_response >= total)
+            await asyncio.sleep(0)  # let the caller run between responses, like a real engine
+
+    def _delta(self, index, tokens, start, limit, sampling):
+        end = min(start + self.tokens_per_response, len(tokens), limit)
+        if start >= end:
+            return None
+        delta = engine_pb2.SequenceDelta(index=index, token_ids=tokens[start:end])
+        if sampling.HasField("logprobs"):
+            for position in range(start, end):
+                delta.logprobs.append(fake_logprobs(tokens[position], position, sampling.logprobs))
+        if end >= limit:
+            delta.finish_reason = common_pb2.FINISH_REASON_LENGTH
+        elif end >= len(tokens):
+            delta.finish_reason = common_pb2.FINISH_REASON_STOP
+        return delta
+
+    async def Abort(self, request, context):
+        return engine_pb2.AbortResponse(found=request.request_id in self.active)
+
+    async def GetInfo(self, request, context):
+        return engine_pb2.EngineInfo(model_name=self.model_name, max_model_len=self.max_model_len,
+                                     block_size=16, num_blocks=64, eos_token_ids=[1],
+                                     vocab_size=self.vocab_size, max_num_seqs=8)
+
+    async def GetStats(self, request, context):
+        return engine_pb2.EngineStats(idle=not self.active, invariant_ok=True)
+
+
+def fake_logprobs(token_id: int, position: int, num_top: int) -> common_pb2.TokenLogprobs:
+    """Chosen token's logprob -0.5 - 0.1*position; top k: the token itself, then token_id+1, ..."""
+    chosen = -0.5 - 0.1 * position
+    top = [common_pb2.TopLogprob(token_id=token_id + j, logprob=chosen - j) for j in range(num_top)]
+    return common_pb2.TokenLogprobs(logprob=chosen, top=top)
