@@ -1,0 +1,159 @@
+"""`python -m pagoda.launcher --model DIR` (what `make run` calls): the whole stack on 127.0.0.1.
+
+Starts the worker, the scheduler and (when gateway/__main__.py exists) the gateway as separate
+processes, waits until each answers grpc.health.v1, prints the addresses, restarts a child that
+dies (the scheduler reconnects to a restarted worker and recomputes), and stops everything in
+reverse order on Ctrl-C / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagoda.healthcheck import check_serving
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; beyond that the launcher gives up
+RESTART_WINDOW_S = 60.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    health_target: str
+    needs_serving: bool  # False: "answers health" is enough (a worker is NOT_SERVING until Init)
+    proc: subprocess.Popen | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], cwd=REPO)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ready(self) -> bool:
+        serving, status = check_serving(self.health_target, timeout_s=1.0)
+        if self.needs_serving:
+            return serving
+        return serving or status == "NOT_SERVING"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if not self.alive():
+            return
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def build_children(args: argparse.Namespace) -> list[Child]:
+    worker = f"127.0.0.1:{args.worker_port}"
+    scheduler = f"127.0.0.1:{args.scheduler_port}"
+    model = ["--fake"] if args.fake else ["--model", args.model]
+    children = [
+        Child("worker", ["worker_svc", *model, "--port", str(args.worker_port),
+                         "--tensor-parallel-size", str(args.tensor_parallel_size),
+                         "--device", args.device], worker, needs_serving=False),
+        Child("scheduler", ["scheduler_svc", "--workers", worker, "--port", str(args.scheduler_port)],
+              scheduler, needs_serving=True),
+    ]
+    if (REPO / "gateway" / "__main__.py").exists() and not args.no_gateway:
+        tokenizer = [] if args.fake else ["--tokenizer", args.model]
+        children.append(Child("gateway", ["gateway", "--scheduler", scheduler, "--port", str(args.gateway_port),
+                                          "--grpc-port", str(args.grpc_port), *tokenizer],
+                              f"127.0.0.1:{args.grpc_port}", needs_serving=True))
+    return children
+
+
+def wait_ready(child: Child, stop: threading.Event, deadline_s: float) -> bool:
+    end = time.monotonic() + deadline_s
+    while not stop.is_set():
+        if not child.alive():
+            print(f"[launcher] {child.name} exited with {child.proc.returncode}", file=sys.stderr)
+            return False
+        if child.ready():
+            return True
+        if time.monotonic() > end:
+            print(f"[launcher] {child.name} not ready after {deadline_s:.0f}s", file=sys.stderr)
+            return False
+        stop.wait(0.2)  # poll interval, bounded by the deadline
+    return False
+
+
+def supervise(children: list[Child], stop: threading.Event, deadline_s: float) -> int:
+    """Restart dead children until stopped; 1 if one keeps dying."""
+    while not stop.wait(0.5):
+        for child in children:
+            if child.alive():
+                continue
+            now = time.monotonic()
+            child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S] + [now]
+            if len(child.restarts) > MAX_RESTARTS:
+                print(f"[launcher] {child.name} died {MAX_RESTARTS} times in {RESTART_WINDOW_S:.0f}s; "
+                      "giving up", file=sys.stderr)
+                return 1
+            print(f"[launcher] {child.name} died ({child.proc.returncode}); restarting", file=sys.stderr)
+            child.start()
+            wait_ready(child, stop, deadline_s)
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pagoda.launcher", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="models/pagoda-tiny")
+    p.add_argument("--fake", action="store_true", help="a model-less worker (deterministic fake tokens)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--worker-port", type=int, default=50061)
+    p.add_argument("--scheduler-port", type=int, default=50052)
+    p.add_argument("--gateway-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--no-gateway", action="store_true")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    children = build_children(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    code = 1
+    try:
+        for child in children:
+            child.start()
+            if not wait_ready(child, stop, args.startup_timeout):
+                return 1 if not stop.is_set() else 0
+        print_addresses(args, children)
+        code = supervise(children, stop, args.startup_timeout)
+    finally:
+        for child in reversed(children):
+            child.stop()
+        print("[launcher] stopped", file=sys.stderr)
+    return code
+
+
+def print_addresses(args: argparse.Namespace, children: list[Child]) -> None:
+    lines = [f"  worker     grpc  127.0.0.1:{args.worker_port}",
+             f"  scheduler  grpc  127.0.0.1:{args.scheduler_port}  (pagoda.v1.Engine)"]
+    if any(c.name == "gateway" for c in children):
+        lines += [f"  gateway    http  http://127.0.0.1:{args.gateway_port}/v1  (OpenAI API)",
+                  f"  gateway    grpc  127.0.0.1:{args.grpc_port}"]
+    print("Pagoda is serving:\n" + "\n".join(lines) + "\nCtrl-C stops everything.", flush=True)
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""`python -m scheduler_svc --workers 127.0.0.1:50061 --port 50052`: the scheduler process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from pagoda.logging import configure_logging
+from scheduler_svc.server import EngineServiceConfig, serve
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m scheduler_svc", description=__doc__)
+    p.add_argument("--workers", default="127.0.0.1:50061",
+                   help="comma-separated worker addresses (the rank-0 driver of each group)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50052)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--max-waiting-requests", type=int, default=4096)
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    p.add_argument("--no-pipelining", action="store_true", help="one plan in flight at a time")
+    p.add_argument("--worker-timeout", type=float, default=30.0,
+                   help="seconds a lost worker may take to come back before requests fail")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> EngineServiceConfig:
+    return EngineServiceConfig(
+        workers=tuple(w.strip() for w in args.workers.split(",") if w.strip()),
+        host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_waiting_requests=args.max_waiting_requests, scheduling_policy=args.scheduling_policy,
+        pipelining=not args.no_pipelining, worker_timeout_s=args.worker_timeout)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    configure_logging(level=args.log_level, service="scheduler")
+    asyncio.run(serve(build_config(args)))
+
+
+if __name__ == "__main__":
+    main()

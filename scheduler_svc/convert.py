@@ -1,0 +1,106 @@
+"""The Engine API codec: protobuf <-> the scheduler core's dataclasses, both directions.
+
+The only module of the scheduler service that imports both `pagoda.v1` and `scheduler_svc.core`
+(plans and results use worker_svc.convert, the one definition of the Steps wire format).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping
+
+from pagoda.v1 import common_pb2, engine_pb2
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.outputs import SequenceDelta
+from scheduler_svc.core.params import EngineRequest, FinishReason, RequestId
+from worker_svc.config import WorkerInfo
+from worker_svc.convert import logprobs_from_pb, logprobs_to_pb, sampling_from_pb, sampling_to_pb
+
+_FINISH_TO_PB = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+
+
+def request_from_pb(pb: engine_pb2.GenerateRequest, arrival_time: float) -> EngineRequest:
+    """Raises InvalidRequestError on bad sampling params. An empty id gets a fresh one."""
+    return EngineRequest(
+        request_id=RequestId(pb.request_id or f"req-{uuid.uuid4().hex}"),
+        prompt_token_ids=tuple(pb.prompt_token_ids), sampling=sampling_from_pb(pb.sampling),
+        arrival_time=arrival_time, priority=pb.priority, cache_salt=pb.cache_salt or None)
+
+
+def request_to_pb(request: EngineRequest) -> engine_pb2.GenerateRequest:
+    return engine_pb2.GenerateRequest(
+        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+        sampling=sampling_to_pb(request.sampling), priority=request.priority,
+        cache_salt=request.cache_salt or "")
+
+
+def delta_to_pb(delta: SequenceDelta) -> engine_pb2.SequenceDelta:
+    return engine_pb2.SequenceDelta(
+        index=delta.seq_index, token_ids=delta.new_token_ids,
+        logprobs=[logprobs_to_pb(lp) for lp in delta.new_logprobs],
+        finish_reason=_FINISH_TO_PB[delta.finish_reason])
+
+
+def delta_from_pb(pb: engine_pb2.SequenceDelta, request_id: str) -> SequenceDelta:
+    return SequenceDelta(
+        request_id=RequestId(request_id), seq_index=pb.index, new_token_ids=list(pb.token_ids),
+        new_logprobs=[logprobs_from_pb(lp) for lp in pb.logprobs],
+        finish_reason=_FINISH_FROM_PB[pb.finish_reason])
+
+
+def response_to_pb(request_id: str, deltas: Iterable[SequenceDelta], finished: bool,
+                   queue_seconds: float = 0.0) -> engine_pb2.GenerateResponse:
+    deltas = list(deltas)
+    first = deltas[0] if deltas else None
+    return engine_pb2.GenerateResponse(
+        request_id=request_id, sequences=[delta_to_pb(d) for d in deltas],
+        num_prompt_tokens=first.num_prompt_tokens if first else 0,
+        num_cached_tokens=first.num_cached_tokens if first else 0,
+        queue_seconds=queue_seconds, finished=finished)
+
+
+def finish_reason_name(reason: FinishReason | None) -> str:
+    return reason.value if reason is not None else "none"
+
+
+def info_to_pb(info: WorkerInfo, config: SchedulerConfig) -> engine_pb2.EngineInfo:
+    return engine_pb2.EngineInfo(
+        model_name=info.model_name, max_model_len=config.max_model_len,
+        block_size=config.block_size, num_blocks=config.num_blocks,
+        eos_token_ids=config.eos_token_ids, vocab_size=info.vocab_size,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        max_waiting_requests=config.max_waiting_requests)
+
+
+# SchedulerStats attribute -> EngineStats field (the names differ only where listed).
+_STATS_FIELDS = {
+    "num_running": "num_running", "num_waiting": "num_waiting",
+    "num_free_blocks": "num_free_blocks", "num_evictable_blocks": "num_evictable_blocks",
+    "num_used_blocks": "num_used_blocks", "num_total_blocks": "num_total_blocks",
+    "kv_usage": "kv_cache_usage", "prefix_queries": "prefix_cache_queries",
+    "prefix_hits": "prefix_cache_hits", "num_preemptions": "num_preemptions",
+    "prompt_tokens": "prompt_tokens", "generation_tokens": "generation_tokens",
+    "blocks_allocated": "blocks_allocated", "blocks_freed": "blocks_freed",
+}
+
+
+def stats_to_pb(core_stats: object, *, num_total_blocks: int, num_steps: int, idle: bool,
+                invariant_ok: bool, request_success: Mapping[str, int], worker_connected: bool,
+                step_seconds_sum: float) -> engine_pb2.EngineStats:
+    pb = engine_pb2.EngineStats(
+        num_total_blocks=num_total_blocks, num_steps=num_steps, idle=idle, invariant_ok=invariant_ok,
+        request_success=dict(request_success), worker_connected=worker_connected,
+        step_seconds_sum=step_seconds_sum)
+    for attr, field in _STATS_FIELDS.items():
+        value = getattr(core_stats, attr, None)  # counters the core does not keep stay 0
+        if value is not None:
+            setattr(pb, field, value)
+    return pb

@@ -1,0 +1,269 @@
+"""The scheduler's asyncio engine loop: schedule -> send plan -> await result -> update -> stream.
+
+Two tasks share one Steps stream: the sender schedules and writes plans while fewer than
+`max_inflight_steps` are in flight (2 = pipelining: the next plan leaves before the last result is
+back), the receiver applies results in step order and pushes each request's deltas to its queue.
+When there is nothing to do the sender sleeps on `_wake` (set by new requests, aborts and results),
+never by polling. Both tasks call the (synchronous) core between awaits, so the core never sees
+concurrent calls.
+
+Worker loss (stream error or an in-band rejection): `reset_after_worker_loss()`, reconnect (Init =
+new epoch) with backoff and recompute; requests are failed with UNAVAILABLE only when the worker
+is not back within `worker_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import grpc
+
+from pagoda.errors import DuplicateRequestError, ShuttingDownError, WorkerUnavailableError
+from pagoda.logging import get_logger
+from scheduler_svc.core.outputs import SequenceDelta
+from scheduler_svc.core.params import EngineRequest, FinishReason, RequestId
+from scheduler_svc.core.plan import StepPlan
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.worker_client import StepStream, WorkerClient, WorkerLostError
+
+log = get_logger(__name__)
+
+
+@dataclass(slots=True)
+class StreamUpdate:
+    deltas: list[SequenceDelta]
+    finished: bool  # every sequence of the request has finished: the last update
+    queue_seconds: float = 0.0  # arrival to first scheduled; set on the first update only
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """What a Generate call reads: StreamUpdates, or an exception that ends the call."""
+
+    request_id: RequestId
+    n: int
+    arrival: float  # time.monotonic()
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    num_finished: int = 0
+    first_scheduled: float | None = None
+    sent_first: bool = False
+    done: bool = False
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, client: WorkerClient, *, worker_timeout_s: float = 30.0,
+                 on_health=None) -> None:
+        self.scheduler = scheduler
+        self._client = client
+        self._worker_timeout_s = worker_timeout_s
+        self._on_health = on_health  # async callable(bool): flips grpc health
+        self._streams: dict[RequestId, RequestStream] = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._failed = False  # the worker stayed away past the timeout: reject new requests
+        self.connected = False
+        self.num_steps = 0
+        self.step_seconds_sum = 0.0
+        self.request_success: Counter[str] = Counter()
+        self.invariant_ok = True  # the result of the last check made while idle
+        self._sent_at: dict[int, float] = {}
+        self._last_result_at = 0.0
+
+    # -- requests (called by the servicer) --------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> RequestStream:
+        """Raises DuplicateRequestError, WorkerUnavailableError, InvalidRequestError, QueueFullError."""
+        if self._stopping:
+            raise ShuttingDownError("the engine is shutting down")
+        if self._failed:
+            raise WorkerUnavailableError("no worker is connected")
+        if request.request_id in self._streams:
+            raise DuplicateRequestError(f"request id {request.request_id!r} is already running")
+        self.scheduler.add_request(request)
+        stream = RequestStream(request.request_id, request.sampling.n, time.monotonic())
+        self._streams[request.request_id] = stream
+        log.info("request_added", request_id=request.request_id, num_prompt_tokens=len(
+            request.prompt_token_ids), n=request.sampling.n, max_tokens=request.sampling.max_tokens)
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: RequestId, reason: str = "abort_rpc") -> bool:
+        """Abort now; blocks still used by an in-flight step are freed when it reports."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        self._dispatch(self.scheduler.abort(request_id))
+        if not stream.done:  # the core had nothing left to report: close the stream ourselves
+            self._close(stream, [SequenceDelta(request_id, i, finish_reason=FinishReason.ABORT)
+                                 for i in range(stream.n)], FinishReason.ABORT)
+        log.info("request_aborted", request_id=request_id, reason=reason)
+        self._wake.set()  # the next plan tells the worker to drop the request
+        return True
+
+    @property
+    def idle(self) -> bool:
+        return not self.scheduler.has_unfinished_requests() and self.scheduler.num_inflight_steps == 0
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until stop(): one Steps stream per worker epoch, resync on loss."""
+        while not self._stopping:
+            stream = self._client.open_stream()
+            self._set_connected(True)
+            try:
+                await self._serve(stream)
+            except WorkerLostError as error:
+                log.warning("worker_lost", worker=self._client.target, error=str(error),
+                            num_inflight_steps=self.scheduler.num_inflight_steps)
+            except Exception as error:  # noqa: BLE001 - a bug: fail what is running, resync, go on
+                log.exception("engine_step_failed", error=str(error))
+                self._fail_all(RuntimeError(f"internal error: {error}"))
+            finally:
+                stream.cancel()
+            if self._stopping:
+                break
+            self._set_connected(False)
+            self.scheduler.reset_after_worker_loss()
+            self._sent_at.clear()
+            await self._reconnect()
+
+    async def _serve(self, stream: StepStream) -> None:
+        self._wake.set()  # schedule whatever is waiting (also after a resync)
+        tasks = [asyncio.create_task(self._send_loop(stream)),
+                 asyncio.create_task(self._recv_loop(stream))]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # re-raise WorkerLostError (or a bug)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _send_loop(self, stream: StepStream) -> None:
+        max_inflight = self.scheduler.config.max_inflight_steps
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.scheduler.num_inflight_steps < max_inflight:
+                plan = self.scheduler.schedule()
+                if plan is None:
+                    break
+                self._note_sent(plan)
+                await stream.send(plan)
+
+    async def _recv_loop(self, stream: StepStream) -> None:
+        while True:
+            result = await stream.recv()
+            now = time.monotonic()
+            started = max(self._sent_at.pop(result.step_id, now), self._last_result_at)
+            self.step_seconds_sum += now - started
+            self._last_result_at = now
+            self.num_steps += 1
+            self._dispatch(self.scheduler.update(result))
+            if self.idle:
+                self.check_invariants()
+            self._wake.set()
+
+    def _note_sent(self, plan: StepPlan) -> None:
+        now = time.monotonic()
+        self._sent_at[plan.step_id] = now
+        for new in plan.new_requests:
+            stream = self._streams.get(new.request_id)
+            if stream is not None and stream.first_scheduled is None:
+                stream.first_scheduled = now
+
+    async def _reconnect(self) -> None:
+        """Init again with backoff; fail every request once the worker is away too long."""
+        deadline = time.monotonic() + self._worker_timeout_s
+        while not self._stopping:
+            try:
+                await self._client.connect(timeout_s=max(deadline - time.monotonic(), 1.0))
+                self._failed = False
+                log.info("worker_reconnected", worker=self._client.target)
+                return
+            except WorkerUnavailableError as error:
+                if not self._failed:
+                    self._fail_all(error)
+            except grpc.aio.AioRpcError as error:  # the worker answers but Init failed: retry
+                log.error("worker_init_failed", worker=self._client.target, code=error.code().name,
+                          details=error.details())
+                if not self._failed and time.monotonic() >= deadline:
+                    self._fail_all(WorkerUnavailableError(f"worker Init failed: {error.details()}"))
+                await asyncio.sleep(1.0)  # back off before the next Init
+
+    def _fail_all(self, error: Exception) -> None:
+        self._failed = True
+        self._dispatch(self.scheduler.fail_all(str(error)))
+        for stream in list(self._streams.values()):  # sequences the core did not report
+            self._streams.pop(stream.request_id)
+            stream.done = True
+            stream.queue.put_nowait(error)
+        log.error("requests_failed", reason=str(error))
+        self._notify_health(False)
+
+    # -- fan-out ----------------------------------------------------------------------------------
+
+    def _dispatch(self, deltas: list[SequenceDelta]) -> None:
+        by_request: dict[RequestId, list[SequenceDelta]] = defaultdict(list)
+        for delta in deltas:
+            by_request[delta.request_id].append(delta)
+        for request_id, request_deltas in by_request.items():
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue  # already closed (aborted by its caller)
+            if any(d.finish_reason == FinishReason.ERROR for d in request_deltas):
+                self._streams.pop(request_id)
+                stream.done = True
+                stream.queue.put_nowait(WorkerUnavailableError("the worker was lost"))
+                continue
+            stream.num_finished += sum(d.finished for d in request_deltas)
+            if stream.num_finished >= stream.n:
+                self._close(stream, request_deltas, request_deltas[-1].finish_reason)
+            else:
+                stream.queue.put_nowait(self._update(stream, request_deltas, finished=False))
+
+    def _close(self, stream: RequestStream, deltas: list[SequenceDelta], reason) -> None:
+        self._streams.pop(stream.request_id, None)
+        stream.done = True
+        stream.queue.put_nowait(self._update(stream, deltas, finished=True))
+        reason_name = reason.value if reason is not None else "none"
+        self.request_success[reason_name] += 1
+        log.info("request_finished", request_id=stream.request_id, finish_reason=reason_name,
+                 e2e_seconds=round(time.monotonic() - stream.arrival, 6))
+
+    @staticmethod
+    def _update(stream: RequestStream, deltas: list[SequenceDelta], finished: bool) -> StreamUpdate:
+        update = StreamUpdate(deltas, finished)
+        if not stream.sent_first:
+            stream.sent_first = True
+            started = stream.first_scheduled or time.monotonic()
+            update.queue_seconds = max(started - stream.arrival, 0.0)
+        return update
+
+    # -- health and shutdown ----------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        try:
+            self.scheduler.check_invariants()
+            self.invariant_ok = True
+        except Exception as error:  # noqa: BLE001 - reported through GetStats and the log
+            self.invariant_ok = False
+            log.error("invariant_violated", error=str(error))
+
+    def _set_connected(self, connected: bool) -> None:
+        self.connected = connected
+        if connected:
+            self._notify_health(True)
+
+    def _notify_health(self, serving: bool) -> None:
+        if self._on_health is not None:
+            asyncio.get_running_loop().create_task(self._on_health(serving))
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()

@@ -1,0 +1,123 @@
+"""Wiring of the scheduler process: connect the worker, size the core, serve the Engine API.
+
+Order (DESIGN.md, "Startup"): listen with health NOT_SERVING -> connect + Init the worker (retry
+until it answers) -> build SchedulerConfig from its answer and the flags -> start the engine loop ->
+SERVING. SIGTERM/SIGINT stop the server with a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass
+from typing import Literal
+
+import grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagoda.grpc_health import HealthState
+from pagoda.logging import get_logger
+from pagoda.v1 import engine_pb2, engine_pb2_grpc
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.engine_loop import EngineLoop
+from scheduler_svc.service import EngineServicer
+from scheduler_svc.worker_client import WorkerClient
+from worker_svc.config import WorkerInfo
+
+log = get_logger(__name__)
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+
+
+@dataclass(frozen=True, slots=True)
+class EngineServiceConfig:
+    """Everything the scheduler process needs; built only in `__main__` (or by tests)."""
+
+    workers: tuple[str, ...]  # rank-0 driver of each worker group; one group is served today
+    host: str = "127.0.0.1"
+    port: int = 50052
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # cap below the worker's; None: the worker's
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    max_waiting_requests: int = 4096
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    pipelining: bool = True  # 2 plans in flight
+    worker_timeout_s: float = 30.0  # fail requests when the worker is not back within this
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError("at least one worker address is required")
+        if self.worker_timeout_s <= 0:
+            raise ValueError("worker_timeout_s must be positive")
+
+
+def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> SchedulerConfig:
+    max_model_len = min(info.max_model_len, config.max_model_len or info.max_model_len)
+    return SchedulerConfig(
+        num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        enable_prefix_caching=config.enable_prefix_caching,
+        max_waiting_requests=config.max_waiting_requests, eos_token_ids=info.eos_token_ids,
+        policy=config.scheduling_policy, max_inflight_steps=2 if config.pipelining else 1)
+
+
+@dataclass(slots=True)
+class RunningEngine:
+    """A started scheduler server (tests use the port and the engine; `stop()` ends it)."""
+
+    server: grpc.aio.Server
+    engine: EngineLoop
+    client: WorkerClient
+    loop_task: asyncio.Task
+    port: int
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        self.engine.stop()
+        self.loop_task.cancel()
+        await asyncio.gather(self.loop_task, return_exceptions=True)
+        await self.server.stop(grace_s)
+        await self.client.close()
+
+
+async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
+    server = grpc.aio.server()
+    servicer = EngineServicer()
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    health = HealthState(SERVICE_NAME)
+    health.add_to_server(server)
+    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()  # health answers NOT_SERVING while the worker comes up
+    await health.set_serving(False)
+    if len(config.workers) > 1:
+        log.warning("extra_workers_ignored", used=config.workers[0], ignored=config.workers[1:])
+    client = WorkerClient(config.workers[0], config.max_num_batched_tokens, config.max_num_seqs)
+    info = await client.connect(timeout_s=None)
+    sched_config = scheduler_config(info, config)
+    engine = EngineLoop(Scheduler(sched_config), client, worker_timeout_s=config.worker_timeout_s,
+                        on_health=health.set_serving)
+    servicer.attach(engine, info)
+    loop_task = asyncio.create_task(engine.run(), name="engine-loop")
+    await health.set_serving(True)
+    log.info("scheduler_serving", address=f"{config.host}:{port}", num_blocks=sched_config.num_blocks,
+             max_model_len=sched_config.max_model_len, pipelining=config.pipelining)
+    return RunningEngine(server, engine, client, loop_task, port)
+
+
+async def serve(config: EngineServiceConfig, grace_s: float = 2.0) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    start = asyncio.create_task(start_engine_server(config))
+    await asyncio.wait([start, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():  # stopped while still waiting for the worker
+        start.cancel()
+        return
+    running = start.result()
+    await stop.wait()
+    log.info("scheduler_stopping")
+    await running.stop(grace_s)

@@ -1,0 +1,93 @@
+"""The Engine servicer: Generate / Abort / GetInfo / GetStats, thin over the engine loop.
+
+Each method: validate -> convert -> call the engine -> convert back. Domain errors become gRPC
+statuses through the one table in pagoda/errors.py. A Generate call that ends before its request
+finished (client cancelled, deadline, disconnect) aborts the request at once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from pagoda.errors import WorkerUnavailableError, grpc_status_for
+from pagoda.logging import bound_contextvars, get_logger
+from pagoda.v1 import engine_pb2, engine_pb2_grpc
+from scheduler_svc import convert
+from scheduler_svc.core.params import RequestId
+from scheduler_svc.engine_loop import EngineLoop
+from worker_svc.config import WorkerInfo
+
+log = get_logger(__name__)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    """End the call with the status the error table gives `error` (raises)."""
+    code, details = grpc_status_for(error)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("request_failed", error=str(error))
+    await context.abort(code, details)
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    """Registered before the server starts; answers UNAVAILABLE until `attach` (worker Init done)."""
+
+    def __init__(self) -> None:
+        self._engine_or_none: EngineLoop | None = None
+        self._info: WorkerInfo | None = None
+
+    def attach(self, engine: EngineLoop, info: WorkerInfo) -> None:
+        self._engine_or_none, self._info = engine, info
+
+    @property
+    def _engine(self) -> EngineLoop:
+        if self._engine_or_none is None:
+            raise WorkerUnavailableError("the scheduler is waiting for its worker")
+        return self._engine_or_none
+
+    async def Generate(self, request: engine_pb2.GenerateRequest, context):
+        try:
+            engine_request = convert.request_from_pb(request, arrival_time=time.time())
+            stream = self._engine.add_request(engine_request)
+        except Exception as error:  # noqa: BLE001 - mapped by the error table
+            await abort_with(context, error)
+        request_id = engine_request.request_id
+        with bound_contextvars(request_id=request_id):
+            finished = False
+            try:
+                while not finished:
+                    update = await stream.queue.get()
+                    if isinstance(update, Exception):
+                        finished = True
+                        await abort_with(context, update)
+                    finished = update.finished
+                    yield convert.response_to_pb(request_id, update.deltas, update.finished,
+                                                 update.queue_seconds)
+            finally:
+                if not finished:  # cancelled by the client: free its blocks now
+                    self._engine.abort(request_id, reason="client_cancelled")
+
+    async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
+        if self._engine_or_none is None:
+            return engine_pb2.AbortResponse(found=False)
+        found = self._engine.abort(RequestId(request.request_id), reason="abort_rpc")
+        return engine_pb2.AbortResponse(found=found)
+
+    async def GetInfo(self, request, context) -> engine_pb2.EngineInfo:
+        if self._info is None:
+            await abort_with(context, WorkerUnavailableError("the scheduler is waiting for its worker"))
+        return convert.info_to_pb(self._info, self._engine.scheduler.config)
+
+    async def GetStats(self, request, context) -> engine_pb2.EngineStats:
+        if self._engine_or_none is None:
+            return engine_pb2.EngineStats(worker_connected=False)
+        engine = self._engine
+        idle = engine.idle
+        if idle:
+            engine.check_invariants()
+        return convert.stats_to_pb(
+            engine.scheduler.stats(), num_total_blocks=engine.scheduler.config.num_blocks,
+            num_steps=engine.num_steps, idle=idle, invariant_ok=engine.invariant_ok,
+            request_success=engine.request_success, worker_connected=engine.connected,
+            step_seconds_sum=engine.step_seconds_sum)

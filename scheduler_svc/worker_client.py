@@ -1,0 +1,112 @@
+"""The scheduler's side of the worker protocol: connect + Init, and one ordered Steps stream.
+
+`WorkerClient` owns one channel per worker (reused across reconnects, as the gRPC performance
+guide advises); `StepStream` wraps one bidirectional Steps call: `send(plan)` writes without waiting
+for the previous result (pipelining), `recv()` returns results in plan order. Any stream failure
+or in-band rejection raises `WorkerLostError`, which the engine loop answers with a resync.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from pagoda.errors import WorkerUnavailableError
+from pagoda.logging import get_logger
+from pagoda.v1 import worker_pb2, worker_pb2_grpc
+from scheduler_svc.core.plan import StepPlan, StepResult
+from worker_svc import convert
+from worker_svc.config import WorkerInfo
+
+log = get_logger(__name__)
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    # Reconnect quickly after a worker restart (gRPC's default backoff grows to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class WorkerLostError(Exception):
+    """The Steps stream broke (worker died, network) or the worker rejected a plan: resync."""
+
+
+class PlanRejectedError(WorkerLostError):
+    def __init__(self, step_id: int, code: str, message: str) -> None:
+        super().__init__(f"step {step_id} rejected ({code}): {message}")
+        self.step_id, self.code, self.message = step_id, code, message
+
+
+class StepStream:
+    """One Steps call. Plans are stamped with the epoch of the Init that preceded the stream."""
+
+    def __init__(self, call, epoch: int) -> None:
+        self._call = call
+        self.epoch = epoch
+
+    async def send(self, plan: StepPlan) -> None:
+        try:
+            await self._call.write(convert.plan_to_pb(plan, self.epoch))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as error:
+            raise WorkerLostError(f"sending step {plan.step_id} failed: {error}") from error
+
+    async def recv(self) -> StepResult:
+        try:
+            pb = await self._call.read()
+        except grpc.aio.AioRpcError as error:
+            raise WorkerLostError(f"Steps stream failed: {error.code().name} {error.details()}") from error
+        if pb is grpc.aio.EOF:
+            raise WorkerLostError("the worker closed the Steps stream")
+        if pb.HasField("error"):
+            code = worker_pb2.StepError.Code.Name(pb.error.code)
+            raise PlanRejectedError(pb.step_id, code, pb.error.message)
+        return convert.result_from_pb(pb)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class WorkerClient:
+    def __init__(self, target: str, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.target = target
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._init_request = worker_pb2.InitRequest(
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+        self.epoch: int | None = None
+        self.info: WorkerInfo | None = None
+
+    async def connect(self, timeout_s: float | None = None) -> WorkerInfo:
+        """Init the worker (a new epoch, no resident state), waiting for it to come up.
+
+        gRPC retries the connection with backoff while we wait (`wait_for_ready`); a worker that
+        answers UNAVAILABLE is retried until `timeout_s` (None: forever).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                pb = await self._stub.Init(self._init_request, wait_for_ready=True,
+                                           timeout=remaining if remaining is not None else 3600)
+                break
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in _RETRYABLE:
+                    raise
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise WorkerUnavailableError(
+                        f"worker {self.target} not reachable within {timeout_s:.1f}s") from error
+        self.epoch, self.info = convert.info_from_pb(pb)
+        log.info("worker_connected", worker=self.target, epoch=self.epoch,
+                 num_blocks=self.info.num_blocks, model=self.info.model_name)
+        return self.info
+
+    def open_stream(self) -> StepStream:
+        assert self.epoch is not None, "connect() first"
+        return StepStream(self._stub.Steps(), self.epoch)
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,71 @@
+"""`python -m worker_svc --model DIR --port 50061`: one worker process (vLLM's flag names)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from pagoda.logging import configure_logging, get_logger
+from worker_svc.config import WorkerConfig
+
+log = get_logger("worker_svc")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m worker_svc", description=__doc__)
+    p.add_argument("--model", help="local HF-format model directory (required unless --fake)")
+    p.add_argument("--fake", action="store_true",
+                   help="no model: deterministic fake tokens, answers at once (tests, benchmarks)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cupy"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="sizes the memory profile; the scheduler's Init may lower it")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, attention_backend=args.attention_backend,
+        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    configure_logging(level=args.log_level, service="worker")
+    from worker_svc.server import serve
+
+    asyncio.run(serve(build_runner(args), args.host, args.port))
+
+
+def build_runner(args: argparse.Namespace):
+    if args.fake:
+        from worker_svc.fake_runner import FakeStepRunner
+
+        return FakeStepRunner(num_blocks=args.num_gpu_blocks_override or 4096,
+                              block_size=args.block_size, max_model_len=args.max_model_len or 4096,
+                              check_kv=False)
+    if not args.model:
+        raise SystemExit("--model is required (or --fake)")
+    from worker_svc.model_runner import ModelRunner  # torch import: after flags parse
+
+    runner = ModelRunner(build_config(args), max_num_batched_tokens=args.max_num_batched_tokens)
+    log.info("model_loaded", model=args.model, device=str(runner.device))
+    return runner
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The Steps wire codec: protobuf <-> the plan/result dataclasses, both directions.
+
+The only module of the worker that imports both the protos and the core dataclasses. The
+scheduler's worker client uses the same functions (plans out, results in), so the wire format is
+defined once. Pure functions; domain classes never see protobuf.
+"""
+
+from __future__ import annotations
+
+from pagoda.v1 import common_pb2, worker_pb2
+from scheduler_svc.core.params import BlockId, RequestId, SamplingParams
+from scheduler_svc.core.plan import (
+    BlockCopy,
+    Fork,
+    NewRequestData,
+    StepPlan,
+    StepResult,
+    TableUpdate,
+    TokenLogprobs,
+)
+from worker_svc.config import WorkerInfo
+
+# proto3 `optional` fields whose absence means the dataclass default (not zero).
+_OPTIONAL_SAMPLING = ("n", "temperature", "top_p", "seed", "logprobs", "repetition_penalty")
+
+
+# -- sampling parameters ----------------------------------------------------------------------
+
+def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """Validates (raises InvalidRequestError). An absent max_tokens means up to the context."""
+    kwargs = {name: getattr(pb, name) for name in _OPTIONAL_SAMPLING if pb.HasField(name)}
+    return SamplingParams(
+        **kwargs,
+        top_k=pb.top_k, min_p=pb.min_p,
+        max_tokens=pb.max_tokens if pb.HasField("max_tokens") else None,
+        min_tokens=pb.min_tokens, stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
+        presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty,
+    )
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(
+        n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        min_p=params.min_p, min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty)
+    for name in ("seed", "max_tokens", "logprobs"):
+        value = getattr(params, name)
+        if value is not None:
+            setattr(pb, name, value)
+    return pb
+
+
+def logprobs_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        logprob=lp.logprob, top=[common_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+
+
+def logprobs_from_pb(pb: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(logprob=pb.logprob, top=[(t.token_id, t.logprob) for t in pb.top])
+
+
+# -- step plans -------------------------------------------------------------------------------
+
+def plan_to_pb(plan: StepPlan, epoch: int) -> worker_pb2.StepPlan:
+    return worker_pb2.StepPlan(
+        step_id=plan.step_id, epoch=epoch,
+        new_requests=[_new_request_to_pb(r) for r in plan.new_requests],
+        finished_ids=plan.finished_ids, preempted_ids=plan.preempted_ids,
+        table_updates=[worker_pb2.TableUpdate(request_id=u.request_id, start=u.start,
+                                              block_ids=u.block_ids) for u in plan.table_updates],
+        num_scheduled_tokens=plan.num_scheduled_tokens,
+        block_copies=[worker_pb2.BlockCopy(src=c.src, dst=c.dst) for c in plan.block_copies],
+        forks=[worker_pb2.Fork(parent_id=f.parent_id, child_ids=f.child_ids) for f in plan.forks],
+        traceparent=plan.traceparent)
+
+
+def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
+    """(epoch, plan)."""
+    plan = StepPlan(
+        step_id=pb.step_id,
+        new_requests=[_new_request_from_pb(r) for r in pb.new_requests],
+        finished_ids=[RequestId(i) for i in pb.finished_ids],
+        preempted_ids=[RequestId(i) for i in pb.preempted_ids],
+        table_updates=[TableUpdate(RequestId(u.request_id), u.start, [BlockId(b) for b in u.block_ids])
+                       for u in pb.table_updates],
+        num_scheduled_tokens={RequestId(k): v for k, v in pb.num_scheduled_tokens.items()},
+        block_copies=[BlockCopy(BlockId(c.src), BlockId(c.dst)) for c in pb.block_copies],
+        forks=[Fork(RequestId(f.parent_id), [RequestId(c) for c in f.child_ids]) for f in pb.forks],
+        traceparent=pb.traceparent)
+    return pb.epoch, plan
+
+
+def _new_request_to_pb(r: NewRequestData) -> worker_pb2.NewRequest:
+    return worker_pb2.NewRequest(
+        request_id=r.request_id, token_ids=r.token_ids, num_prompt_tokens=r.num_prompt_tokens,
+        block_ids=r.block_ids, num_computed_tokens=r.num_computed_tokens,
+        num_scheduled_tokens=r.num_scheduled_tokens, sampling=sampling_to_pb(r.sampling),
+        seq_index=r.seq_index)
+
+
+def _new_request_from_pb(pb: worker_pb2.NewRequest) -> NewRequestData:
+    return NewRequestData(
+        request_id=RequestId(pb.request_id), token_ids=list(pb.token_ids),
+        num_prompt_tokens=pb.num_prompt_tokens, block_ids=[BlockId(b) for b in pb.block_ids],
+        num_computed_tokens=pb.num_computed_tokens, num_scheduled_tokens=pb.num_scheduled_tokens,
+        sampling=sampling_from_pb(pb.sampling), seq_index=pb.seq_index)
+
+
+# -- step results -----------------------------------------------------------------------------
+
+def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
+    # logprobs is "empty, or parallel to token_ids": a row without logprobs is sent as an empty one.
+    logprobs = ([logprobs_to_pb(lp) if lp is not None else common_pb2.TokenLogprobs()
+                 for lp in result.logprobs] if any(lp is not None for lp in result.logprobs) else [])
+    return worker_pb2.StepResult(
+        step_id=result.step_id, request_ids=result.request_ids, token_ids=result.token_ids,
+        logprobs=logprobs, forward_seconds=result.forward_seconds,
+        sample_seconds=result.sample_seconds)
+
+
+def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
+    """Only for results without `error` (the caller checks `pb.HasField("error")` first)."""
+    return StepResult(
+        step_id=pb.step_id, request_ids=[RequestId(i) for i in pb.request_ids],
+        token_ids=list(pb.token_ids), logprobs=[logprobs_from_pb(lp) for lp in pb.logprobs],
+        forward_seconds=pb.forward_seconds, sample_seconds=pb.sample_seconds)
+
+
+def error_result_pb(step_id: int, code: int, message: str) -> worker_pb2.StepResult:
+    return worker_pb2.StepResult(step_id=step_id,
+                                 error=worker_pb2.StepError(code=code, message=message))
+
+
+# -- Init ------------------------------------------------------------------------------------
+
+def info_to_pb(info: WorkerInfo, epoch: int) -> worker_pb2.InitResponse:
+    return worker_pb2.InitResponse(
+        num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
+        eos_token_ids=info.eos_token_ids, epoch=epoch, vocab_size=info.vocab_size,
+        model_name=info.model_name)
+
+
+def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
+    """(epoch, info)."""
+    return pb.epoch, WorkerInfo(
+        num_blocks=pb.num_blocks, block_size=pb.block_size, max_model_len=pb.max_model_len,
+        eos_token_ids=tuple(pb.eos_token_ids), vocab_size=pb.vocab_size, model_name=pb.model_name)

@@ -1,0 +1,88 @@
+"""A model-less step runner for the worker service: FakeWorker behind ModelRunner's interface.
+
+Used by the service tests, the overhead benchmark and `python -m worker_svc --fake` (a worker that
+answers instantly, for gateway/scheduler tests without torch weights). Plans are validated with
+the real worker's `validate_plan` before anything changes, exactly as ModelRunner does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from scheduler_svc.core.params import RequestId
+from scheduler_svc.core.plan import StepPlan, StepResult
+from scheduler_svc.fake_worker import FakeSampler, FakeWorker
+from worker_svc.config import WorkerInfo
+from worker_svc.errors import NotInitializedError
+from worker_svc.plan_validation import validate_plan
+
+
+class _StateView:
+    """The three fields validate_plan reads, over FakeWorker's resident record."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state) -> None:
+        self._state = state
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._state.token_ids
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self._state.block_table
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._state.num_computed
+
+
+class _ResidentView(Mapping):
+    def __init__(self, resident: dict) -> None:
+        self._resident = resident
+
+    def __getitem__(self, key: RequestId) -> _StateView:
+        return _StateView(self._resident[key])
+
+    def __iter__(self) -> Iterator[RequestId]:
+        return iter(self._resident)
+
+    def __len__(self) -> int:
+        return len(self._resident)
+
+
+class FakeStepRunner:
+    def __init__(self, num_blocks: int = 4096, block_size: int = 16, max_model_len: int = 4096,
+                 vocab_size: int = 1000, eos_token_id: int | None = None, check_kv: bool = True) -> None:
+        self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
+        self.sampler = FakeSampler(vocab_size=vocab_size, eos_token_id=eos_token_id)
+        self.check_kv = check_kv
+        self.worker: FakeWorker | None = None
+        self.eos_token_ids = () if eos_token_id is None else (eos_token_id,)
+
+    def initialize(self) -> WorkerInfo:
+        self.reset()
+        return WorkerInfo(num_blocks=self.num_blocks, block_size=self.block_size,
+                          max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+                          vocab_size=self.sampler.vocab_size, model_name="fake")
+
+    def reset(self) -> None:
+        self.worker = FakeWorker(self.num_blocks, self.block_size, self.sampler, self.check_kv)
+        self._baseline = True  # the next plan may start at any step id (as ModelRunner.reset)
+
+    @property
+    def num_resident(self) -> int:
+        return 0 if self.worker is None else len(self.worker.resident)
+
+    def validate(self, plan: StepPlan) -> None:
+        if self.worker is None:
+            raise NotInitializedError("initialize() must run before any step")
+        validate_plan(plan, _ResidentView(self.worker.resident), self.num_blocks, self.block_size)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        assert self.worker is not None
+        if self._baseline:
+            self.worker.next_step_id = plan.step_id
+            self._baseline = False
+        return self.worker.execute(plan)

@@ -1,0 +1,48 @@
+"""Wiring of the worker's grpc.aio server: servicer, health, reflection, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagoda.grpc_health import HealthState
+from pagoda.logging import get_logger
+from pagoda.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc.service import StepRunner, WorkerServicer
+
+log = get_logger(__name__)
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+# Plans with big prompts and results with logprobs can pass the 4 MB default.
+MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
+                   ("grpc.max_send_message_length", 64 << 20)]
+
+
+async def start_worker_server(runner: StepRunner, host: str, port: int
+                              ) -> tuple[grpc.aio.Server, WorkerServicer, int]:
+    """Start serving (health NOT_SERVING until Init); returns (server, servicer, bound port)."""
+    server = grpc.aio.server(options=MESSAGE_OPTIONS)
+    health = HealthState(SERVICE_NAME)
+    servicer = WorkerServicer(runner, health)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health.add_to_server(server)
+    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await health.set_serving(False)
+    log.info("worker_listening", address=f"{host}:{bound}")
+    return server, servicer, bound
+
+
+async def serve(runner: StepRunner, host: str, port: int, grace_s: float = 2.0) -> None:
+    server, servicer, _ = await start_worker_server(runner, host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("worker_stopping")
+    await server.stop(grace_s)
+    servicer.close()

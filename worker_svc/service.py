@@ -1,0 +1,141 @@
+"""The Worker servicer: Init and the ordered Steps stream, a thin adapter over a step runner.
+
+Ordering and safety (DESIGN.md, protocol principle 4): every plan carries the epoch of the last
+Init and step_id = previous + 1. A stale epoch, a step gap or a plan that does not fit the resident
+state is answered with `StepResult.error` and changes nothing; the scheduler then resyncs (Init).
+
+Concurrency: the runner is touched only from one worker thread (`self._executor`), so steps, Init
+and resets are serialised, while the event loop keeps receiving and decoding the next plan as the
+current step computes (this is what pipelining buys).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from pagoda.grpc_health import HealthState
+from pagoda.logging import bound_contextvars, get_logger
+from pagoda.v1 import worker_pb2, worker_pb2_grpc
+from scheduler_svc.core.params import InvalidRequestError
+from scheduler_svc.core.plan import StepPlan, StepResult
+from worker_svc import convert
+from worker_svc.config import WorkerInfo
+from worker_svc.errors import PlanError
+
+log = get_logger(__name__)
+Code = worker_pb2.StepError.Code
+_END = object()  # the plan stream ended
+
+
+class StepRunner(Protocol):
+    """What the servicer needs from ModelRunner (or a fake): see worker_svc/model_runner.py."""
+
+    def initialize(self) -> WorkerInfo: ...
+    def validate(self, plan: StepPlan) -> None: ...
+    def execute(self, plan: StepPlan) -> StepResult: ...
+    def reset(self) -> None: ...
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, runner: StepRunner, health: HealthState) -> None:
+        self._runner = runner
+        self._health = health
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
+        self._info: WorkerInfo | None = None
+        self.epoch = 0
+        self._last_step_id: int | None = None  # None: the next plan sets the baseline
+        self._needs_init = False  # a step failed half-way: the resident state is unknown
+
+    async def Init(self, request: worker_pb2.InitRequest, context) -> worker_pb2.InitResponse:
+        await self._in_thread(self._init, request)
+        self.epoch = max(time.time_ns(), self.epoch + 1)  # new on every start and every Init
+        self._last_step_id = None
+        self._needs_init = False
+        await self._health.set_serving(True)
+        assert self._info is not None
+        log.info("worker_initialized", epoch=self.epoch, num_blocks=self._info.num_blocks,
+                 block_size=self._info.block_size, max_model_len=self._info.max_model_len)
+        return convert.info_to_pb(self._info, self.epoch)
+
+    def _init(self, request: worker_pb2.InitRequest) -> None:
+        """Allocate once (the first Init), drop resident state on every Init."""
+        if self._info is None:
+            if request.max_num_batched_tokens and hasattr(self._runner, "max_num_batched_tokens"):
+                self._runner.max_num_batched_tokens = request.max_num_batched_tokens
+            self._info = self._runner.initialize()
+        else:
+            self._runner.reset()
+
+    async def Steps(self, request_iterator, context):
+        plans: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(self._read_plans(request_iterator, plans))
+        log.info("steps_stream_opened", epoch=self.epoch)
+        try:
+            while (item := await plans.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield await self._run_step(item)
+        finally:
+            reader.cancel()
+            log.info("steps_stream_closed", epoch=self.epoch, last_step_id=self._last_step_id)
+
+    @staticmethod
+    async def _read_plans(request_iterator, plans: asyncio.Queue) -> None:
+        """Receive the next plans while the current step computes."""
+        try:
+            async for plan_pb in request_iterator:
+                plans.put_nowait(plan_pb)
+        except Exception as error:  # noqa: BLE001 - handed to the stream loop, which re-raises
+            plans.put_nowait(error)
+        plans.put_nowait(_END)
+
+    async def _run_step(self, plan_pb: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        step_id = plan_pb.step_id
+        with bound_contextvars(step_id=step_id):
+            rejection = self._check_order(plan_pb)
+            if rejection is None:
+                try:
+                    _, plan = convert.plan_from_pb(plan_pb)
+                except InvalidRequestError as error:
+                    rejection = (Code.INVALID_PLAN, f"bad sampling params: {error}")
+            if rejection is not None:
+                log.warning("plan_rejected", code=Code.Name(rejection[0]), reason=rejection[1])
+                return convert.error_result_pb(step_id, *rejection)
+            return await self._in_thread(self._execute, plan)
+
+    def _check_order(self, plan_pb: worker_pb2.StepPlan) -> tuple[int, str] | None:
+        if self._info is None:
+            return Code.STALE_EPOCH, "the worker is not initialised: call Init first"
+        if self._needs_init:
+            return Code.STALE_EPOCH, "a step failed and left the state unknown: call Init"
+        if plan_pb.epoch != self.epoch:
+            return Code.STALE_EPOCH, f"plan epoch {plan_pb.epoch} is not the worker's epoch {self.epoch}"
+        last = self._last_step_id
+        if last is not None and plan_pb.step_id != last + 1:
+            return Code.STEP_GAP, f"step {plan_pb.step_id} does not follow step {last}"
+        return None
+
+    def _execute(self, plan: StepPlan) -> worker_pb2.StepResult:
+        """Runs on the step thread. Validation happens before any state changes."""
+        try:
+            self._runner.validate(plan)
+        except PlanError as error:
+            log.warning("plan_rejected", code="INVALID_PLAN", reason=str(error))
+            return convert.error_result_pb(plan.step_id, Code.INVALID_PLAN, str(error))
+        try:
+            result = self._runner.execute(plan)
+        except Exception as error:  # noqa: BLE001 - reported in-band; the scheduler resyncs
+            log.exception("step_failed", error=str(error))
+            self._needs_init = True
+            return convert.error_result_pb(plan.step_id, Code.INTERNAL, f"step failed: {error}")
+        self._last_step_id = plan.step_id
+        return convert.result_to_pb(result)
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
