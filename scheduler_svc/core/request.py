@@ -38,10 +38,16 @@ class Request:
     num_unfinished: int = 0  # of the n sequences, counting those not forked yet
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted: bool = False
-    num_prompt_tokens: int = field(init=False)  # a field, not a property: read on every token
+    # Tokens that may end this request (its stop ids, plus EOS unless ignore_eos): the scheduler
+    # sets it in add_request, so a step calls stop_reason() only for such a token or at the limit.
+    stop_token_set: frozenset[int] = frozenset()
+    # Fields, not properties: read for every sequence on every step.
+    num_prompt_tokens: int = field(init=False)
+    max_num_tokens: int = field(init=False)  # prompt + max_tokens: no token is sampled beyond it
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.max_num_tokens = self.num_prompt_tokens + self.max_tokens
 
     @property
     def n(self) -> int:
@@ -80,7 +86,7 @@ class Sequence:
 
     def may_sample(self) -> bool:
         """Whether one more sampled token (beyond those in flight) stays within max_tokens."""
-        return self.num_output_tokens + self.num_placeholders < self.request.max_tokens
+        return len(self.token_ids) + self.num_placeholders < self.request.max_num_tokens
 
     def stop_reason(self, token: int, eos_token_ids: tuple[int, ...]) -> FinishReason | None:
         """Checked after `token` was appended."""

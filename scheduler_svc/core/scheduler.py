@@ -22,14 +22,13 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.core.errors import QueueFullError
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.outputs import SequenceDelta
-from scheduler_svc.core.params import EngineRequest, InvalidRequestError, RequestId
-from scheduler_svc.core.plan import Fork, NewRequestData, StepPlan, StepResult
+from scheduler_svc.core.params import RequestId
+from scheduler_svc.core.plan import Fork, NewRequestData, StepPlan, StepResult, TableUpdate
 from scheduler_svc.core.request import Request, SeqStatus, Sequence, WaitingQueue, child_seq_id, priority_key
 from scheduler_svc.core.scheduler_lifecycle import SchedulerLifecycleMixin, SchedulerStats
 
@@ -39,7 +38,23 @@ __all__ = ["Scheduler", "SchedulerStats"]
 @dataclass(slots=True)
 class _InflightStep:
     step_id: int
-    computed: list[tuple[Sequence, int, int]]  # (seq, its generation, num_computed after the step)
+    # (seq, its generation, num_computed after the step) of the sequences whose step completes a
+    # block they have not registered: the others have nothing to register when the step reports.
+    computed: list[tuple[Sequence, int, int]]
+
+
+@dataclass(slots=True)
+class _StepDraft:
+    """What schedule() accumulates while it builds one plan (each sequence is committed, i.e.
+    advanced, as soon as it is scheduled: the ones already scheduled are never preempted later)."""
+
+    plan: StepPlan
+    budget: int  # tokens left in this step
+    computed: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    fork_parents: list[Sequence] = field(default_factory=list)  # forked once admission is done
+    num_scheduled: int = 0  # sequences
+    num_prefill: int = 0  # tokens
+    num_decode: int = 0  # sequences (one token each)
 
 
 class Scheduler(SchedulerLifecycleMixin):
@@ -58,43 +73,6 @@ class Scheduler(SchedulerLifecycleMixin):
         self._arrivals = itertools.count()
         self._init_counters()
 
-    # -- admission ----------------------------------------------------------------------------
-    def add_request(self, request: EngineRequest) -> None:
-        """Queue a request; raises InvalidRequestError or QueueFullError (nothing queued then)."""
-        rid, prompt, sampling = request.request_id, request.prompt_token_ids, request.sampling
-        cfg = self.config
-        if rid in self._requests:
-            raise InvalidRequestError(f"request id {rid!r} is already in use")
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty: at least one token is required")
-        max_tokens = cfg.max_model_len - len(prompt) if sampling.max_tokens is None else sampling.max_tokens
-        if len(prompt) + max(max_tokens, 1) > cfg.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
-                f"requested {len(prompt) + max(max_tokens, 1)} tokens ({len(prompt)} in the messages, "
-                f"{max(max_tokens, 1)} in the completion). Please reduce the length of the messages "
-                f"or completion.")
-        if sampling.n > cfg.max_num_seqs:
-            raise InvalidRequestError(f"n={sampling.n} exceeds max_num_seqs={cfg.max_num_seqs}")
-        blocks = -(-(len(prompt) + max_tokens - 1) // cfg.block_size)
-        if blocks > cfg.num_blocks:
-            raise InvalidRequestError(f"the request needs {blocks} KV blocks but the cache has only "
-                                      f"{cfg.num_blocks}")
-        if len(self._waiting) >= cfg.max_waiting_requests:
-            raise QueueFullError(f"the waiting queue is full: {len(self._waiting)} of "
-                                 f"{cfg.max_waiting_requests} requests waiting; retry later")
-        if cfg.max_waiting_tokens is not None and \
-                self._waiting.num_tokens + len(prompt) > cfg.max_waiting_tokens:
-            raise QueueFullError(f"the waiting queue is full: {self._waiting.num_tokens} of "
-                                 f"{cfg.max_waiting_tokens} prompt tokens waiting; retry later")
-        req = Request(rid, tuple(prompt), sampling, max_tokens, request.priority, request.arrival_time,
-                      next(self._arrivals), request.cache_salt, num_unfinished=sampling.n)
-        seq = Sequence(rid, 0, req, list(prompt), pending_fork=sampling.n > 1)
-        req.seqs.append(seq)
-        self._requests[rid] = req
-        self._live[rid] = seq
-        self._waiting.push_back(seq)
-
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The next step plan; None when there is nothing to compute or tell the worker, or when
@@ -103,48 +81,97 @@ class Scheduler(SchedulerLifecycleMixin):
             return None
         plan = StepPlan(step_id=self._next_step_id, finished_ids=self._finished_resident)
         self._finished_resident = []
-        scheduled: list[tuple[Sequence, int]] = []
-        budget = self._schedule_running(plan, scheduled, self.config.max_num_batched_tokens)
+        draft = _StepDraft(plan, self.config.max_num_batched_tokens)
+        self._schedule_running(draft)
         if not plan.preempted_ids:
-            self._admit_waiting(plan, scheduled, budget)
-        if not scheduled and not plan.finished_ids and not plan.preempted_ids:
+            self._admit_waiting(draft)
+        if not draft.num_scheduled and not plan.finished_ids and not plan.preempted_ids:
             return None
-        self._commit(plan, scheduled)
+        for parent in draft.fork_parents:  # after admission: the children run behind admitted ones
+            self._fork(parent, plan)
+        self._inflight.append(_InflightStep(plan.step_id, draft.computed))
+        self._note_step(draft.num_prefill, draft.num_decode, len(plan.preempted_ids))
         self._next_step_id += 1
         return plan
 
     def _last_inflight(self) -> int | None:
         return self._inflight[-1].step_id if self._inflight else None
 
-    def _schedule_running(self, plan: StepPlan, scheduled: list[tuple[Sequence, int]], budget: int) -> int:
-        kv, running, counts = self._kv, self._running, plan.num_scheduled_tokens
-        refs, bs, threshold = kv.pool.ref_counts, self.config.block_size, self._threshold
+    def _schedule_running(self, draft: _StepDraft) -> None:
+        kv, running, plan = self._kv, self._running, draft.plan
+        counts, computed = plan.num_scheduled_tokens, draft.computed
+        pool, table_updates = kv.pool, plan.table_updates
+        refs, bs, threshold = pool.ref_counts, self.config.block_size, self._threshold
+        budget, num_decode = draft.budget, 0
         i = 0
         while i < len(running):
             seq = running[i]
             i += 1
             start = seq.num_computed_tokens
-            gap = len(seq.token_ids) + seq.num_placeholders - start
+            total = len(seq.token_ids) + seq.num_placeholders
+            req = seq.request
+            # The steady state, inlined: one decode token that may be sampled, written inside a
+            # block the sequence holds alone, or opening one fresh block (no copy-on-write, no
+            # preemption). The general path below, grow() and _commit_seq would do exactly
+            # this, at several times the cost.
+            fits = False
+            if total - start == 1 and budget > 0 < threshold \
+                    and req.num_prompt_tokens < total < req.max_num_tokens:
+                table = seq.block_table
+                if start % bs:
+                    fits = refs[table[start // bs]] == 1
+                elif start == len(table) * bs and pool.can_allocate(1):
+                    new = pool.allocate(1)
+                    table_updates.append(TableUpdate(seq.seq_id, len(table), new))
+                    table += new
+                    fits = True
+            if fits:
+                seq.num_computed_tokens = total
+                seq.num_placeholders += 1
+                if total // bs > seq.num_registered_blocks:
+                    computed.append((seq, seq.generation, total))
+                if seq.pending_fork:
+                    draft.fork_parents.append(seq)
+                num_decode += 1
+                budget -= 1
+                continue
+            gap = total - start
             num_new = gap if gap <= threshold and gap <= budget else min(gap, threshold, budget)
             # A step that would sample a token beyond max_tokens is not scheduled at all.
             if num_new == 0 or (num_new == gap and not seq.may_sample()):
                 counts[seq.seq_id] = 0
                 continue
-            if num_new == 1 and start % bs and refs[seq.block_table[start // bs]] == 1:
-                scheduled.append((seq, 1))  # fast path: a decode inside its own block
-                budget -= 1
-                continue
-            if not self._make_room(seq, num_new, plan):
-                if seq.status is not SeqStatus.RUNNING:
-                    break  # it preempted itself: it was the last one
-                counts[seq.seq_id] = 0
-                continue
-            kv.grow(seq, num_new, plan)
+            if not (num_new == 1 and start % bs and refs[seq.block_table[start // bs]] == 1):
+                if not self._make_room(seq, num_new, plan):
+                    if seq.status is not SeqStatus.RUNNING:
+                        break  # it preempted itself: it was the last one
+                    counts[seq.seq_id] = 0
+                    continue
+                kv.grow(seq, num_new, plan)
             if num_new != 1:
                 counts[seq.seq_id] = num_new
-            scheduled.append((seq, num_new))
+            self._commit_seq(draft, seq, num_new)
             budget -= num_new
-        return budget
+        draft.budget = budget
+        draft.num_decode += num_decode
+        draft.num_scheduled += num_decode
+
+    def _commit_seq(self, draft: _StepDraft, seq: Sequence, num_new: int) -> None:
+        """Advance num_computed (tokens of in-flight steps count); add a placeholder if it samples."""
+        total = len(seq.token_ids) + seq.num_placeholders
+        if num_new == 1 and total > seq.request.num_prompt_tokens:
+            draft.num_decode += 1
+        else:
+            draft.num_prefill += num_new
+        draft.num_scheduled += 1
+        end = seq.num_computed_tokens + num_new
+        seq.num_computed_tokens = end
+        if end // self.config.block_size > seq.num_registered_blocks:
+            draft.computed.append((seq, seq.generation, end))
+        if end == total:  # it samples
+            seq.num_placeholders += 1
+            if seq.pending_fork:
+                draft.fork_parents.append(seq)
 
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Preempt from the tail until seq's blocks fit (counting deferred frees, which come back
@@ -159,15 +186,15 @@ class Scheduler(SchedulerLifecycleMixin):
             need = kv.blocks_needed(seq, num_new)  # a victim may have shared blocks with seq
         return kv.pool.can_allocate(need)
 
-    def _admit_waiting(self, plan: StepPlan, scheduled: list[tuple[Sequence, int]], budget: int) -> None:
-        cfg, kv, waiting = self.config, self._kv, self._waiting
-        while waiting and budget > 0:
+    def _admit_waiting(self, draft: _StepDraft) -> None:
+        cfg, kv, waiting, plan = self.config, self._kv, self._waiting, draft.plan
+        while waiting and draft.budget > 0:
             seq = waiting.peek()
             if seq.num_placeholders or self._running_slots + seq.num_slots > cfg.max_num_seqs:
                 return  # its last tokens are still in flight / no room: keep the order, try later
             hits, last_serial = kv.find_cached_prefix(seq)
             num_hit = len(hits) * cfg.block_size
-            num_new = min(len(seq.token_ids) - num_hit, self._threshold, budget)
+            num_new = min(len(seq.token_ids) - num_hit, self._threshold, draft.budget)
             if not kv.pool.can_allocate(kv.blocks_to_admit(hits, num_hit + num_new)):
                 return
             waiting.pop()
@@ -179,26 +206,8 @@ class Scheduler(SchedulerLifecycleMixin):
                 num_hit, num_new, seq.request.sampling, seq.seq_index))
             seq.resident = True
             self._add_running(seq)
-            scheduled.append((seq, num_new))
-            budget -= num_new
-
-    def _commit(self, plan: StepPlan, scheduled: list[tuple[Sequence, int]]) -> None:
-        """Advance num_computed (tokens of in-flight steps count), add placeholders, fork."""
-        computed = []
-        num_prefill = num_decode = 0
-        for seq, num_new in scheduled:
-            if num_new == 1 and seq.num_tokens > seq.request.num_prompt_tokens:
-                num_decode += 1
-            else:
-                num_prefill += num_new
-            seq.num_computed_tokens += num_new
-            computed.append((seq, seq.generation, seq.num_computed_tokens))
-            if seq.num_computed_tokens == len(seq.token_ids) + seq.num_placeholders:  # it samples
-                seq.num_placeholders += 1
-                if seq.pending_fork:
-                    self._fork(seq, plan)
-        self._inflight.append(_InflightStep(plan.step_id, computed))
-        self._note_step(num_prefill, num_decode, len(plan.preempted_ids))
+            self._commit_seq(draft, seq, num_new)
+            draft.budget -= num_new
 
     def _fork(self, parent: Sequence, plan: StepPlan) -> None:
         req = parent.request
@@ -269,43 +278,29 @@ class Scheduler(SchedulerLifecycleMixin):
         return deltas
 
     def _append_tokens(self, result: StepResult) -> list[SequenceDelta]:
-        deltas = []
+        deltas: list[SequenceDelta] = []
         live, eos = self._live, self.config.eos_token_ids
-        logprobs = result.logprobs
+        token_ids, logprobs = result.token_ids, result.logprobs
+        num_accepted = 0
         for i, seq_id in enumerate(result.request_ids):
             seq = live.get(seq_id)
             if seq is None:  # finished (e.g. EOS seen while its next token was in flight): discard
                 continue
-            token = result.token_ids[i]
+            token = token_ids[i]
             seq.num_placeholders -= 1
-            seq.token_ids.append(token)
-            self.generation_tokens += 1
+            tokens = seq.token_ids
+            tokens.append(token)
+            num_accepted += 1
             req = seq.request
             delta = SequenceDelta(req.request_id, seq.seq_index, [token],
                                   [logprobs[i]] if logprobs and logprobs[i] is not None else [],
                                   None, req.num_prompt_tokens, req.num_cached_tokens)
-            reason = seq.stop_reason(token, eos)
-            if reason is not None:
-                delta.finish_reason = reason
-                self._finish(seq)
+            # stop_reason() can only answer for a stop token or at max_tokens: test that first.
+            if token in req.stop_token_set or len(tokens) >= req.max_num_tokens:
+                reason = seq.stop_reason(token, eos)
+                if reason is not None:
+                    delta.finish_reason = reason
+                    self._finish(seq)
             deltas.append(delta)
+        self.generation_tokens += num_accepted
         return deltas
-
-    def _finish(self, seq: Sequence) -> None:
-        """End a sequence once: release its blocks (deferred while in flight), tell the worker."""
-        del self._live[seq.seq_id]
-        if seq.status is SeqStatus.RUNNING:
-            self._remove_running(seq)
-            self._drop_blocks(seq)
-        elif seq.status is SeqStatus.WAITING:
-            self._waiting.remove(seq)
-        if seq.resident:
-            self._finished_resident.append(seq.seq_id)
-            seq.resident = False
-        seq.status = SeqStatus.FINISHED
-        req = seq.request
-        req.num_unfinished -= 1
-        if seq.pending_fork:  # ended before forking: its unborn children end with it
-            req.num_unfinished -= req.n - 1
-        if req.num_unfinished == 0:
-            del self._requests[req.request_id]

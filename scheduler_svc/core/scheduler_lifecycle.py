@@ -1,4 +1,5 @@
-"""The Scheduler's life-cycle and bookkeeping half: abort, worker loss, failure, stats, invariants.
+"""The Scheduler's life-cycle and bookkeeping half: admission checks, ending sequences, abort,
+worker loss, failure, stats, invariants.
 
 A mixin so scheduler.py stays about the per-step path; it uses the Scheduler's attributes.
 """
@@ -8,8 +9,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from scheduler_svc.core.errors import QueueFullError
 from scheduler_svc.core.outputs import SequenceDelta
-from scheduler_svc.core.params import FinishReason, RequestId
+from scheduler_svc.core.params import EngineRequest, FinishReason, InvalidRequestError, RequestId
 from scheduler_svc.core.request import Request, SeqStatus, Sequence
 
 
@@ -52,6 +54,46 @@ class SchedulerLifecycleMixin:
 
     def _note_step(self, num_prefill: int, num_decode: int, num_preempted: int) -> None:
         self._last_step = (num_prefill, num_decode, num_preempted)
+
+    # -- admission (validation; the per-step path is in scheduler.py) ----------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises InvalidRequestError or QueueFullError (nothing queued then)."""
+        rid, prompt, sampling = request.request_id, request.prompt_token_ids, request.sampling
+        cfg = self.config
+        if rid in self._requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty: at least one token is required")
+        max_tokens = cfg.max_model_len - len(prompt) if sampling.max_tokens is None else sampling.max_tokens
+        if len(prompt) + max(max_tokens, 1) > cfg.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
+                f"requested {len(prompt) + max(max_tokens, 1)} tokens ({len(prompt)} in the messages, "
+                f"{max(max_tokens, 1)} in the completion). Please reduce the length of the messages "
+                f"or completion.")
+        if sampling.n > cfg.max_num_seqs:
+            raise InvalidRequestError(f"n={sampling.n} exceeds max_num_seqs={cfg.max_num_seqs}")
+        blocks = -(-(len(prompt) + max_tokens - 1) // cfg.block_size)
+        if blocks > cfg.num_blocks:
+            raise InvalidRequestError(f"the request needs {blocks} KV blocks but the cache has only "
+                                      f"{cfg.num_blocks}")
+        if len(self._waiting) >= cfg.max_waiting_requests:
+            raise QueueFullError(f"the waiting queue is full: {len(self._waiting)} of "
+                                 f"{cfg.max_waiting_requests} requests waiting; retry later")
+        if cfg.max_waiting_tokens is not None and \
+                self._waiting.num_tokens + len(prompt) > cfg.max_waiting_tokens:
+            raise QueueFullError(f"the waiting queue is full: {self._waiting.num_tokens} of "
+                                 f"{cfg.max_waiting_tokens} prompt tokens waiting; retry later")
+        stop_set = frozenset(sampling.stop_token_ids if sampling.ignore_eos
+                             else (*sampling.stop_token_ids, *cfg.eos_token_ids))
+        req = Request(rid, tuple(prompt), sampling, max_tokens, request.priority, request.arrival_time,
+                      next(self._arrivals), request.cache_salt, num_unfinished=sampling.n,
+                      stop_token_set=stop_set)
+        seq = Sequence(rid, 0, req, list(prompt), pending_fork=sampling.n > 1)
+        req.seqs.append(seq)
+        self._requests[rid] = req
+        self._live[rid] = seq
+        self._waiting.push_back(seq)
 
     # -- queries ------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -105,6 +147,25 @@ class SchedulerLifecycleMixin:
             if seq.status is not SeqStatus.FINISHED:
                 self._finish(seq)
         return deltas
+
+    def _finish(self, seq: Sequence) -> None:
+        """End a sequence once: release its blocks (deferred while in flight), tell the worker."""
+        del self._live[seq.seq_id]
+        if seq.status is SeqStatus.RUNNING:
+            self._remove_running(seq)
+            self._drop_blocks(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self._waiting.remove(seq)
+        if seq.resident:
+            self._finished_resident.append(seq.seq_id)
+            seq.resident = False
+        seq.status = SeqStatus.FINISHED
+        req = seq.request
+        req.num_unfinished -= 1
+        if seq.pending_fork:  # ended before forking: its unborn children end with it
+            req.num_unfinished -= req.n - 1
+        if req.num_unfinished == 0:
+            del self._requests[req.request_id]
 
     # -- worker loss --------------------------------------------------------------------------
     def reset_after_worker_loss(self) -> None:
