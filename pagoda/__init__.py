@@ -1,0 +1,32 @@
+"""Pagoda: a vLLM-like inference server. `from pagoda import LLM, SamplingParams` for offline use.
+
+Exports are lazy (module `__getattr__`), so `import pagoda` stays cheap and never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagoda.llm import LLM, CompletionOutput, RequestOutput
+    from scheduler_svc.core.params import SamplingParams
+
+_EXPORTS = {
+    "LLM": "pagoda.llm",
+    "RequestOutput": "pagoda.llm",
+    "CompletionOutput": "pagoda.llm",
+    "SamplingParams": "scheduler_svc.core.params",
+}
+
+__all__ = ["CompletionOutput", "LLM", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'pagoda' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value

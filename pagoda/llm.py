@@ -1,0 +1,168 @@
+"""The offline API, shaped like vLLM's: `LLM(model=DIR).generate(prompts, sampling_params)`.
+
+One process, synchronous loop: scheduler.schedule -> runner.execute -> scheduler.update, until
+every request of the batch has finished. Same scheduler core and model runner as the services.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.outputs import SequenceDelta
+from scheduler_svc.core.params import EngineRequest, RequestId, SamplingParams
+from scheduler_svc.core.plan import TokenLogprobs
+from scheduler_svc.core.scheduler import Scheduler
+from worker_svc.config import WorkerConfig
+from worker_svc.model_runner import ModelRunner
+
+Prompt = str | dict[str, Any]  # a string, or {"prompt_token_ids": [...]}
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" / "length"
+    logprobs: list[TokenLogprobs] | None = None  # one per token when asked for; raw-model logprobs
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    finished: bool = False
+
+
+class LLM:
+    def __init__(self, model: str, dtype: str = "auto", block_size: int = 16, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 num_gpu_blocks_override: int | None = None, enable_prefix_caching: bool = True,
+                 seed: int = 0, kv_cache_memory_bytes: int | None = None,
+                 attention_backend: str = "auto", tensor_parallel_size: int = 1, device: str = "auto",
+                 long_prefill_token_threshold: int = 0) -> None:
+        worker_config = WorkerConfig(
+            model=model, dtype=dtype, device=device, block_size=block_size, max_model_len=max_model_len,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
+            seed=seed, tensor_parallel_size=tensor_parallel_size)
+        self.runner = ModelRunner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
+        self.worker_info = self.runner.initialize()
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=self.worker_info.num_blocks, block_size=self.worker_info.block_size,
+            max_model_len=self.worker_info.max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            enable_prefix_caching=enable_prefix_caching,
+            eos_token_ids=self.worker_info.eos_token_ids))
+        self.model_dir = model
+        self._tokenizer: Any = None
+        self._request_counter = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer  # slow import: only when text is involved
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return self._tokenizer
+
+    def stats(self) -> Any:
+        """The scheduler's counters (prefix hits/queries in tokens, preemptions, ...)."""
+        return self.scheduler.stats()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; one RequestOutput per prompt, in input order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        params = _per_prompt_params(sampling_params, len(prompts))
+        outputs: dict[RequestId, RequestOutput] = {}
+        try:
+            for prompt, sampling in zip(prompts, params, strict=True):
+                request_id = RequestId(str(next(self._request_counter)))
+                text, token_ids = self._tokenize(prompt)
+                self.scheduler.add_request(EngineRequest(request_id, tuple(token_ids), sampling))
+                outputs[request_id] = RequestOutput(
+                    request_id, text, list(token_ids),
+                    [CompletionOutput(i, logprobs=[] if sampling.logprobs is not None else None)
+                     for i in range(sampling.n)])
+        except Exception:
+            for request_id in outputs:  # one bad prompt rejects the batch: leave nothing queued
+                self.scheduler.abort(request_id)
+            raise
+        try:
+            self._run_to_completion(outputs, use_tqdm)
+        except BaseException as error:  # incl. KeyboardInterrupt: the next generate starts clean
+            self.scheduler.fail_all(f"offline generate failed: {error!r}")
+            self.runner.reset()
+            raise
+        for output in outputs.values():
+            for completion in output.outputs:
+                completion.text = self._detokenize(completion.token_ids)
+        return list(outputs.values())
+
+    def _run_to_completion(self, outputs: dict[RequestId, RequestOutput], use_tqdm: bool) -> None:
+        from tqdm.auto import tqdm
+
+        unfinished = {rid: len(out.outputs) for rid, out in outputs.items()}  # sequences left
+        with tqdm(total=len(outputs), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.scheduler.has_unfinished_requests():
+                plan = self.scheduler.schedule()
+                if plan is None:
+                    raise RuntimeError("the scheduler has unfinished requests but planned no step")
+                result = self.runner.execute(plan)
+                for delta in self.scheduler.update(result):
+                    if _apply_delta(outputs, delta):
+                        unfinished[delta.request_id] -= 1
+                        if unfinished[delta.request_id] == 0:
+                            outputs[delta.request_id].finished = True
+                            bar.update(1)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt)}")
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        try:
+            tokenizer = self.tokenizer
+        except (OSError, ValueError):  # a model directory without a tokenizer: ids only
+            return ""
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _per_prompt_params(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                       num_prompts: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"{len(params)} sampling params for {num_prompts} prompts")
+    return params
+
+
+def _apply_delta(outputs: dict[RequestId, RequestOutput], delta: SequenceDelta) -> bool:
+    """Fold one delta into its output; True when it finished its sequence."""
+    output = outputs[delta.request_id]
+    completion = output.outputs[delta.seq_index]
+    completion.token_ids.extend(delta.new_token_ids)
+    if completion.logprobs is not None:
+        completion.logprobs.extend(delta.new_logprobs)
+    output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
+    if delta.finish_reason is None:
+        return False
+    completion.finish_reason = delta.finish_reason.value
+    return True

@@ -1,0 +1,89 @@
+"""Resident request state on the worker, and the flat input tensors of one step built from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from scheduler_svc.core.params import RequestId, SamplingParams
+from worker_svc.models.common import AttentionMetadata
+from worker_svc.sampler import SamplingRow
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """One resident sequence. Invariant: num_computed_tokens <= len(token_ids), and the cache holds
+    K/V for positions [0, num_computed_tokens) in the blocks of block_ids."""
+
+    request_id: RequestId
+    token_ids: list[int]  # prompt + outputs so far (the worker appends its own samples)
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingParams
+    seq_index: int = 0
+
+    def sampling_row(self) -> SamplingRow:
+        return SamplingRow(self.sampling, self.token_ids, self.num_prompt_tokens, self.seq_index)
+
+    def fork(self, child_id: RequestId, seq_index: int) -> CachedRequestState:
+        """A child sharing every block (the scheduler ref-counts them); lists are copied."""
+        return CachedRequestState(child_id, list(self.token_ids), self.num_prompt_tokens,
+                                  list(self.block_ids), self.num_computed_tokens, self.sampling,
+                                  seq_index)
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    state: CachedRequestState
+    num_tokens: int  # computed this step, starting at state.num_computed_tokens
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64: the last query row of each sequence
+
+
+def build_model_inputs(seqs: list[ScheduledSeq], block_size: int, backend: object,
+                       device: torch.device) -> ModelInputs:
+    """Flatten the scheduled sequences back to back (sequence i owns rows [qsl[i], qsl[i+1]))."""
+    query_lens = np.array([s.num_tokens for s in seqs], dtype=np.int64)  # [S]
+    starts = np.array([s.state.num_computed_tokens for s in seqs], dtype=np.int64)  # [S]
+    seq_lens = starts + query_lens  # [S]: context including this step's tokens
+    query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+
+    seq_of_token = np.repeat(np.arange(len(seqs)), query_lens)  # [T]
+    positions = np.arange(num_tokens) - query_start_loc[seq_of_token] + starts[seq_of_token]  # [T]
+    input_ids = np.fromiter(
+        (t for s in seqs for t in s.state.token_ids[s.state.num_computed_tokens:
+                                                    s.state.num_computed_tokens + s.num_tokens]),
+        dtype=np.int64, count=num_tokens)
+
+    max_blocks = max(1, max(len(s.state.block_ids) for s in seqs))
+    block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)  # entries past a table's end: 0
+    for i, s in enumerate(seqs):
+        block_tables[i, : len(s.state.block_ids)] = s.state.block_ids
+    slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+    def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(array).to(device=device, dtype=dtype)
+
+    attn = AttentionMetadata(
+        slot_mapping=to_device(slot_mapping, torch.int64),
+        block_tables=to_device(block_tables, torch.int32),
+        seq_lens=to_device(seq_lens, torch.int32),
+        query_start_loc=to_device(query_start_loc, torch.int32),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        backend=backend,
+    )
+    return ModelInputs(input_ids=to_device(input_ids, torch.int64),
+                       positions=to_device(positions, torch.int64), attn=attn,
+                       logits_indices=to_device(query_start_loc[1:] - 1, torch.int64))

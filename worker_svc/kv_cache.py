@@ -1,0 +1,76 @@
+"""The physical paged KV cache: every layer's K and V blocks in one tensor, and how many blocks fit.
+
+Block ids always come from the scheduler; this module only owns the memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_CPU_CACHE_BYTES = 1 << 30  # 1 GiB when kv_cache_memory_bytes is not set
+
+
+@dataclass(frozen=True, slots=True)
+class CacheShape:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block over all layers."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+
+
+class KVCache:
+    """storage: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+
+    `layers[i]` is (k_cache, v_cache) of layer i, each a contiguous view
+    [num_blocks, block_size, num_kv_heads, head_dim] of the one storage tensor, so a block copy
+    over every layer is a single indexed op.
+    """
+
+    def __init__(self, shape: CacheShape, num_blocks: int, device: torch.device) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.storage = torch.zeros(
+            (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
+            dtype=shape.dtype, device=device)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (self.storage[i, 0], self.storage[i, 1]) for i in range(shape.num_layers)]
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy-on-write: every layer's K and V of block src[i] into block dst[i]."""
+        if not src:
+            return
+        device = self.storage.device
+        src_index = torch.tensor(list(src), dtype=torch.long, device=device)
+        dst_index = torch.tensor(list(dst), dtype=torch.long, device=device)
+        # [L, 2, num_copies, block_size, H, D]; gathered first, so a dst that is also a src is safe.
+        self.storage[:, :, dst_index] = self.storage[:, :, src_index]
+
+
+def num_blocks_for_budget(budget_bytes: int, shape: CacheShape) -> int:
+    return max(0, budget_bytes // shape.bytes_per_block)
+
+
+def cpu_num_blocks(kv_cache_memory_bytes: int | None, shape: CacheShape) -> int:
+    return num_blocks_for_budget(kv_cache_memory_bytes or DEFAULT_CPU_CACHE_BYTES, shape)
+
+
+def cuda_num_blocks(device: torch.device, gpu_memory_utilization: float, shape: CacheShape,
+                    peak_allocated_bytes: int) -> int:
+    """Blocks that fit in utilization * total memory, minus the profiled peak (weights included)
+    and the memory other processes / non-torch allocations hold."""
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = (total - free) - torch.cuda.memory_reserved(device)
+    budget = int(total * gpu_memory_utilization) - peak_allocated_bytes - max(0, non_torch)
+    return num_blocks_for_budget(budget, shape)

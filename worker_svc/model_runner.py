@@ -1,0 +1,202 @@
+"""The model runner: applies step plans to the resident state, runs the forward pass, samples.
+
+Steps are applied strictly in order. `validate` checks a whole plan before anything changes, so a
+bad plan leaves the worker exactly as it was (the scheduler then resyncs).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from kernels import default_backend_name, get_backend
+from scheduler_svc.core.params import RequestId, SamplingParams
+from scheduler_svc.core.plan import Fork, StepPlan, StepResult
+from worker_svc.config import WorkerConfig, WorkerInfo
+from worker_svc.errors import NotInitializedError, PlanError
+from worker_svc.input_batch import CachedRequestState, ScheduledSeq, build_model_inputs
+from worker_svc.kv_cache import CacheShape, KVCache, cpu_num_blocks, cuda_num_blocks
+from worker_svc.loader import load_model, resolve_dtype
+from worker_svc.model_config import ModelConfig
+from worker_svc.plan_validation import validate_plan
+from worker_svc.sampler import Sampler, SamplingRow
+
+PROFILE_SAMPLING_ROWS = 256  # logits rows the memory profile samples (a full decode batch)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: WorkerConfig, max_num_batched_tokens: int = 8192) -> None:
+        if config.tensor_parallel_size != 1:
+            raise NotImplementedError("ModelRunner runs one device; tensor parallelism is not built yet")
+        self.config = config
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(config.model))
+        self.model, self.model_config = load_model(config.model, self.dtype, self.device)
+        backend = config.attention_backend
+        self.backend = get_backend(default_backend_name(self.device) if backend == "auto" else backend)
+        self.max_model_len = self._resolve_max_model_len()
+        self.sampler = Sampler(self.model_config.eos_token_ids, self.device, config.seed)
+        self.requests: dict[RequestId, CachedRequestState] = {}
+        self.kv_cache: KVCache | None = None
+        self._last_step_id: int | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def initialize(self) -> WorkerInfo:
+        """Profile memory (CUDA), allocate the KV cache, and say what the scheduler may use."""
+        shape = CacheShape(self.model_config.num_layers, self.config.block_size,
+                           self.model_config.num_kv_heads, self.model_config.head_dim, self.dtype)
+        if self.config.num_gpu_blocks_override is not None:
+            num_blocks = self.config.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            peak = self._profile_peak_memory(shape)
+            num_blocks = cuda_num_blocks(self.device, self.config.gpu_memory_utilization, shape, peak)
+        else:
+            num_blocks = cpu_num_blocks(self.config.kv_cache_memory_bytes, shape)
+        self.kv_cache = None  # free the old cache before allocating a new one
+        self.kv_cache = KVCache(shape, num_blocks, self.device)
+        self.reset()
+        return WorkerInfo(num_blocks=num_blocks, block_size=self.config.block_size,
+                          max_model_len=self.max_model_len,
+                          eos_token_ids=tuple(self.model_config.eos_token_ids),
+                          vocab_size=self.model_config.vocab_size, model_name=self.config.model)
+
+    def reset(self) -> None:
+        """Drop every resident request; the next plan may start at any step id."""
+        self.requests.clear()
+        self._last_step_id = None
+
+    @property
+    def num_resident(self) -> int:
+        return len(self.requests)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def validate(self, plan: StepPlan) -> None:
+        """Raise PlanError if `plan` cannot apply to the resident state; changes nothing."""
+        if self.kv_cache is None:
+            raise NotInitializedError("initialize() must run before any step")
+        if self._last_step_id is not None and plan.step_id != self._last_step_id + 1:
+            raise PlanError(f"step {plan.step_id} does not follow step {self._last_step_id}")
+        validate_plan(plan, self.requests, self.kv_cache.num_blocks, self.config.block_size)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.validate(plan)
+        self._last_step_id = plan.step_id
+        seqs = self._apply(plan)
+        result = StepResult(step_id=plan.step_id)
+        if not seqs:
+            return result
+        forks = {fork.parent_id: fork for fork in plan.forks}
+        started = time.perf_counter()
+        logits, rows, states = self._forward(seqs, forks)
+        sampled_at = self._sync_clock()
+        output = self.sampler(logits, rows)
+        for state, token in zip(states, output.token_ids, strict=True):
+            state.token_ids.append(token)
+        result.request_ids = [state.request_id for state in states]
+        result.token_ids = output.token_ids
+        result.logprobs = output.logprobs
+        result.forward_seconds = sampled_at - started
+        result.sample_seconds = time.perf_counter() - sampled_at
+        return result
+
+    def _apply(self, plan: StepPlan) -> list[ScheduledSeq]:
+        """Apply the plan's changes; return the sequences computed this step, in resident order."""
+        for request_id in (*plan.finished_ids, *plan.preempted_ids):
+            del self.requests[request_id]
+        counts = dict(plan.num_scheduled_tokens)
+        for new in plan.new_requests:
+            self.requests[new.request_id] = CachedRequestState(
+                new.request_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
+                new.num_computed_tokens, new.sampling, new.seq_index)
+            counts[new.request_id] = new.num_scheduled_tokens
+        for update in plan.table_updates:
+            table = self.requests[update.request_id].block_ids
+            table[update.start:update.start + len(update.block_ids)] = update.block_ids
+        if plan.block_copies:
+            assert self.kv_cache is not None
+            self.kv_cache.copy_blocks([c.src for c in plan.block_copies],
+                                      [c.dst for c in plan.block_copies])
+        scheduled = ((state, counts.get(rid, 1)) for rid, state in self.requests.items())
+        return [ScheduledSeq(state, n) for state, n in scheduled if n > 0]
+
+    @torch.inference_mode()
+    def _forward(self, seqs: list[ScheduledSeq], forks: dict[RequestId, Fork]
+                 ) -> tuple[torch.Tensor, list[SamplingRow], list[CachedRequestState]]:
+        """Forward every scheduled token; logits [N, V] only for the rows that sample.
+
+        A fork's children sample from the parent's final-prompt logits row (repeated), each with
+        its own seq_index; they become resident here as copies of the parent before its token.
+        """
+        assert self.kv_cache is not None
+        inputs = build_model_inputs(seqs, self.config.block_size, self.backend, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.layers)
+        logit_rows: list[int] = []
+        rows: list[SamplingRow] = []
+        states: list[CachedRequestState] = []
+        for i, seq in enumerate(seqs):
+            state = seq.state
+            state.num_computed_tokens += seq.num_tokens
+            if state.num_computed_tokens != len(state.token_ids):
+                continue  # a prefill chunk that is not the last: nothing to sample
+            family = [state]
+            fork = forks.get(state.request_id)
+            if fork is not None:
+                family += [state.fork(child, seq_index=j + 1) for j, child in enumerate(fork.child_ids)]
+            for member in family:
+                self.requests[member.request_id] = member
+                logit_rows.append(i)
+                rows.append(member.sampling_row())
+                states.append(member)
+        index = inputs.logits_indices[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
+        logits = self.model.compute_logits(hidden[index]).float()  # [N, V]
+        return logits, rows, states
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _sync_clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit
+        if not 0 < wanted <= limit:
+            raise ValueError(f"max_model_len {wanted} must be in [1, {limit}] (the model's limit)")
+        return wanted
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self, shape: CacheShape) -> int:
+        """Peak bytes allocated (weights included) by a forward of max_num_batched_tokens dummy
+        tokens and a full batch of sampled logits, on a one-block scratch cache."""
+        num_tokens = min(self.max_num_batched_tokens, self.max_model_len)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch = KVCache(shape, 1, self.device)
+        params = SamplingParams(max_tokens=None)
+        state = CachedRequestState(RequestId("profile"), [0] * num_tokens, num_tokens,
+                                   [0] * math.ceil(num_tokens / shape.block_size), 0, params)
+        inputs = build_model_inputs([ScheduledSeq(state, num_tokens)], shape.block_size,
+                                    self.backend, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, scratch.layers)
+        num_rows = min(PROFILE_SAMPLING_ROWS, num_tokens)
+        logits = self.model.compute_logits(hidden[:num_rows]).float()
+        self.sampler(logits, [state.sampling_row()] * num_rows)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch, hidden, logits, inputs
+        torch.cuda.empty_cache()
+        return peak
