@@ -102,7 +102,7 @@ def sse_events(body: str) -> list[str]:
     return [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
 
 
-async def wait_until(predicate, deadline_s: float = 5.0) -> None:
+async def wait_until(predicate, deadline_s: float = 20.0) -> None:
     """Poll `predicate` until true; fail after `deadline_s` (the server side notices cancels async)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline_s
