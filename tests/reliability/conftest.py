@@ -1,0 +1,111 @@
+"""Real-process stacks for the fault tests, on top of `tests/e2e/conftest.py`'s ServiceProcess.
+
+`start_stack(log_dir, ...)` starts worker (fake unless a model is given) -> scheduler -> gateway on
+free loopback ports and returns a `Stack`; `restart_worker` / `restart_scheduler` start a fresh
+process on the same port, as the launcher (or compose's `restart: unless-stopped`) would.
+The fake worker answers at once, so fault tests whose outcome does not depend on the model stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+
+from pagoda.v1 import engine_pb2, engine_pb2_grpc
+from tests.e2e.conftest import (
+    DEFAULT_MODEL,
+    ServiceProcess,
+    flag_args,
+    free_port,
+    tiny_model_dir,  # noqa: F401 - a fixture for this package
+)
+from tests.e2e.gateway_conftest import start_gateway
+
+# Also the tokenizer of the fake worker's gateway: its ids (< 1000) are all in the tiny vocab.
+TOKENIZER_DIR = DEFAULT_MODEL
+
+
+def worker_process(log_dir: Path, port: int, model: Path | None = None, **flags) -> ServiceProcess:
+    args = ["--port", str(port), *(["--model", str(model)] if model else ["--fake"]), *flag_args(flags)]
+    worker = ServiceProcess("worker", "worker_svc", args, port, log_dir)
+    worker.wait_answering()
+    return worker
+
+
+def scheduler_process(worker_target: str, log_dir: Path, port: int, **flags) -> ServiceProcess:
+    args = ["--port", str(port), "--workers", worker_target, *flag_args(flags)]
+    return ServiceProcess("scheduler", "scheduler_svc", args, port, log_dir)
+
+
+@dataclass
+class Stack:
+    log_dir: Path
+    worker: ServiceProcess
+    scheduler: ServiceProcess
+    gateway: ServiceProcess | None = None
+    http_url: str = ""
+    model: Path | None = None
+    worker_flags: dict = field(default_factory=dict)
+    scheduler_flags: dict = field(default_factory=dict)
+
+    def restart_worker(self) -> None:
+        self.worker = worker_process(self.log_dir, self.worker.port, self.model, **self.worker_flags)
+
+    def restart_scheduler(self) -> None:
+        self.scheduler = scheduler_process(self.worker.target, self.log_dir, self.scheduler.port,
+                                           **self.scheduler_flags)
+        self.scheduler.wait_serving()
+
+    def kill_worker(self) -> None:
+        os.kill(self.worker.proc.pid, signal.SIGKILL)
+        self.worker.proc.wait(10)
+
+    def stats(self) -> engine_pb2.EngineStats:
+        with grpc.insecure_channel(self.scheduler.target) as channel:
+            return engine_pb2_grpc.EngineStub(channel).GetStats(engine_pb2.GetStatsRequest(), timeout=5)
+
+    def stop(self) -> None:
+        for process in (self.gateway, self.scheduler, self.worker):
+            if process is not None:
+                process.stop()
+
+
+def start_stack(log_dir: Path, *, model: Path | None = None, gateway: bool = True,
+                gateway_args: tuple[str, ...] = (), worker_flags: dict | None = None,
+                scheduler_flags: dict | None = None) -> Stack:
+    worker_flags = {"num_gpu_blocks_override": 512, **(worker_flags or {})}
+    scheduler_flags = dict(scheduler_flags or {})
+    worker = worker_process(log_dir, free_port(), model, **worker_flags)
+    scheduler = scheduler_process(worker.target, log_dir, free_port(), **scheduler_flags)
+    stack = Stack(log_dir, worker, scheduler, model=model, worker_flags=worker_flags,
+                  scheduler_flags=scheduler_flags)
+    try:
+        scheduler.wait_serving()
+        if gateway:
+            tokenizer = () if model else ("--tokenizer", str(TOKENIZER_DIR))
+            stack.gateway, stack.http_url = start_gateway(scheduler.target, log_dir, *tokenizer,
+                                                          *gateway_args)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def completion(http_url: str, prompt="The river", timeout_s: float = 30.0, headers=None,
+               **fields) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, **fields}
+    return httpx.post(f"{http_url}/v1/completions", json=body, timeout=timeout_s, headers=headers)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
