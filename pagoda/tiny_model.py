@@ -27,6 +27,7 @@ SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]  # ids 0..3, in this order
 VOCAB_SIZE = 2048
 SEED = 1234
 INIT_STD = 0.02
+QK_ELEMENT_STD = 1.6  # std of each q / k element for a unit-RMS input (see random_weights)
 SPECIAL_ROW_STD = 0.002  # LM-head rows of special tokens: their logits stay near 0, never the argmax
 
 
@@ -127,13 +128,18 @@ def random_weights(preset: Preset) -> dict[str, torch.Tensor]:
         return torch.ones(n, dtype=dtype)
 
     q, kv = p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim
+    # Sharp attention: with INIT_STD everywhere, q.k scores have std ~0.1, attention is nearly
+    # uniform and outputs barely depend on positions or on which cached block holds which token,
+    # so a paging or RoPE bug could pass the parity tests. q and k elements of std ~1.6 give scores
+    # of std ~1: a single misplaced position then changes ~20% of later greedy tokens.
+    qk_std = QK_ELEMENT_STD / p.hidden_size**0.5
     weights = {"model.embed_tokens.weight": normal(VOCAB_SIZE, p.hidden_size)}
     for i in range(p.num_layers):
         pre = f"model.layers.{i}."
         weights.update({
             pre + "input_layernorm.weight": ones(p.hidden_size),
-            pre + "self_attn.q_proj.weight": normal(q, p.hidden_size),
-            pre + "self_attn.k_proj.weight": normal(kv, p.hidden_size),
+            pre + "self_attn.q_proj.weight": normal(q, p.hidden_size, std=qk_std),
+            pre + "self_attn.k_proj.weight": normal(kv, p.hidden_size, std=qk_std),
             pre + "self_attn.v_proj.weight": normal(kv, p.hidden_size),
             pre + "self_attn.o_proj.weight": normal(p.hidden_size, q),
             pre + "post_attention_layernorm.weight": ones(p.hidden_size),
