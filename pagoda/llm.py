@@ -2,6 +2,8 @@
 
 One process, synchronous loop: scheduler.schedule -> runner.execute -> scheduler.update, until
 every request of the batch has finished. Same scheduler core and model runner as the services.
+With tensor_parallel_size=N this process is rank 0 and spawns N-1 follower processes; `close()`
+(or leaving a `with LLM(...)` block, or interpreter exit) stops them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from scheduler_svc.core.params import EngineRequest, RequestId, SamplingParams
 from scheduler_svc.core.plan import TokenLogprobs
 from scheduler_svc.core.scheduler import Scheduler
 from worker_svc.config import WorkerConfig
-from worker_svc.model_runner import ModelRunner
+from worker_svc.tp_worker import create_runner
 
 Prompt = str | dict[str, Any]  # a string, or {"prompt_token_ids": [...]}
 
@@ -53,8 +55,12 @@ class LLM:
             num_gpu_blocks_override=num_gpu_blocks_override,
             kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
             seed=seed, tensor_parallel_size=tensor_parallel_size)
-        self.runner = ModelRunner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
-        self.worker_info = self.runner.initialize()
+        self.runner = create_runner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
+        try:
+            self.worker_info = self.runner.initialize()
+        except BaseException:
+            self.close()
+            raise
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=self.worker_info.num_blocks, block_size=self.worker_info.block_size,
             max_model_len=self.worker_info.max_model_len, max_num_seqs=max_num_seqs,
@@ -65,6 +71,18 @@ class LLM:
         self.model_dir = model
         self._tokenizer: Any = None
         self._request_counter = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel follower processes (nothing to do at TP=1). Idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:

@@ -3,6 +3,10 @@
 HF's separate q/k/v and gate/up weights are copied into the fused `qkv_proj` / `gate_up_proj`
 parameters row-slice by row-slice. Every parameter must be filled exactly once; an unknown or
 missing tensor is an error naming it.
+
+Tensor parallelism: each rank reads only its slice of a sharded tensor (`safe_open.get_slice`):
+rows of q/k/v and gate/up (column-parallel), columns of o_proj and down_proj (row-parallel);
+everything else, biases of row-parallel layers included, is read whole (replicated).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.model_config import ModelConfig
 from worker_svc.models import model_class
 from worker_svc.models.llama import LlamaForCausalLM
@@ -36,12 +41,12 @@ def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
     return _DTYPES[key]
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
-               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
+               tp: TensorParallel = SINGLE) -> tuple[LlamaForCausalLM, ModelConfig]:
     cfg = ModelConfig.from_dir(model_dir)
     device = torch.device(device)
     with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
-        model = model_class(cfg)(cfg)
+        model = model_class(cfg)(cfg, tp)
     # Cast on meta first (free), so the device holds only `dtype` storage, never an fp32 copy.
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()  # to_empty re-creates parameters, which unties them
@@ -65,9 +70,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def _fused_targets(cfg: ModelConfig) -> dict[str, tuple[str, str, int, int]]:
-    """HF projection name -> (our fused name, shard key, first row, row count)."""
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+def _fused_targets(cfg: ModelConfig, tp_size: int = 1) -> dict[str, tuple[str, str, int, int]]:
+    """HF projection name -> (our fused name, shard key, first row, row count), in this rank's
+    fused parameter (each rank holds 1/tp_size of every part)."""
+    q, kv = cfg.num_heads * cfg.head_dim // tp_size, cfg.num_kv_heads * cfg.head_dim // tp_size
+    inter = cfg.intermediate_size // tp_size
     return {"q_proj": ("qkv_proj", "q", 0, q), "k_proj": ("qkv_proj", "k", q, kv),
             "v_proj": ("qkv_proj", "v", q + kv, kv),
             "gate_proj": ("gate_up_proj", "gate", 0, inter), "up_proj": ("gate_up_proj", "up", inter, inter)}
@@ -88,7 +95,8 @@ def _expected_shards(params: dict[str, torch.nn.Parameter]) -> dict[str, set[str
 def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     cfg: ModelConfig = model.config
     params = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens
-    fused = _fused_targets(cfg)
+    tp: TensorParallel = model.tp
+    fused = _fused_targets(cfg, tp.size)
     expected = _expected_shards(params)
     loaded: dict[str, set[str]] = {name: set() for name in params}
     files = checkpoint_files(model_dir)
@@ -101,7 +109,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
                     if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                         continue
                     target, shard, start, rows = _target(name, fused, params)
-                    tensor = reader.get_tensor(name)
+                    tensor = _read_shard(reader, name, tp) if tp.size > 1 else reader.get_tensor(name)
                     dest = params[target].data
                     dest = dest if shard == "" else dest.narrow(0, start, rows)
                     if tuple(tensor.shape) != tuple(dest.shape):
@@ -113,6 +121,32 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
                for shard in sorted(shards - loaded[name])]
     if missing:
         raise WeightLoadError(f"{len(missing)} weights missing from {model_dir}: {', '.join(missing[:8])}")
+
+
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split output rows
+_ROW_PARALLEL = ("o_proj", "down_proj")  # split input columns (weights only; biases replicated)
+
+
+def _read_shard(reader, name: str, tp: TensorParallel) -> torch.Tensor:
+    """This rank's slice of a checkpoint tensor, read without loading the rest."""
+    parts = name.split(".")
+    module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+    if module in _COLUMN_PARALLEL:
+        dim = 0
+    elif module in _ROW_PARALLEL and kind == "weight":
+        dim = 1
+    else:
+        return reader.get_tensor(name)
+    tensor_slice = reader.get_slice(name)
+    full = tensor_slice.get_shape()[dim]
+    if full % tp.size:
+        raise WeightLoadError(f"{name}: dimension {dim} ({full}) is not divisible by "
+                              f"tensor_parallel_size {tp.size}")
+    step = full // tp.size
+    start = tp.rank * step
+    if dim == 0:
+        return tensor_slice[start:start + step]
+    return tensor_slice[:, start:start + step]
 
 
 def _num_tensors(file: Path) -> int:

@@ -2,6 +2,11 @@
 
 Steps are applied strictly in order. `validate` checks a whole plan before anything changes, so a
 bad plan leaves the worker exactly as it was (the scheduler then resyncs).
+
+Under tensor parallelism one ModelRunner runs per rank over its shard (worker_svc/tp_worker.py
+drives them). Every rank applies every plan and runs the forward; only rank 0 (the driver)
+computes logits and samples. A follower keeps the states that sampled (`unsampled`) and gets their
+tokens from rank 0 with the next plan (`append_sampled`), before that plan is applied.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from kernels import default_backend_name, get_backend
 from scheduler_svc.core.params import RequestId, SamplingParams
 from scheduler_svc.core.plan import Fork, StepPlan, StepResult
 from worker_svc.config import WorkerConfig, WorkerInfo
+from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.errors import NotInitializedError, PlanError
 from worker_svc.input_batch import CachedRequestState, ScheduledSeq, build_model_inputs
 from worker_svc.kv_cache import CacheShape, KVCache, cpu_num_blocks, cuda_num_blocks
@@ -26,21 +32,27 @@ from worker_svc.sampler import Sampler, SamplingRow
 PROFILE_SAMPLING_ROWS = 256  # logits rows the memory profile samples (a full decode batch)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+def resolve_device(name: str, tp_rank: int = 0, tp_size: int = 1) -> torch.device:
+    """Under TP on CUDA, rank r takes the r-th visible GPU (choose them with CUDA_VISIBLE_DEVICES)."""
+    device = torch.device("cuda" if name == "auto" and torch.cuda.is_available() else
+                          "cpu" if name == "auto" else name)
+    if device.type == "cuda" and tp_size > 1:
+        return torch.device("cuda", tp_rank)
+    return device
 
 
 class ModelRunner:
-    def __init__(self, config: WorkerConfig, max_num_batched_tokens: int = 8192) -> None:
-        if config.tensor_parallel_size != 1:
-            raise NotImplementedError("ModelRunner runs one device; tensor parallelism is not built yet")
+    def __init__(self, config: WorkerConfig, max_num_batched_tokens: int = 8192,
+                 tp: TensorParallel = SINGLE) -> None:
+        if config.tensor_parallel_size != tp.size:
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} needs a group of that "
+                             "size: build it with worker_svc.tp_worker.create_runner")
         self.config = config
+        self.tp = tp
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, tp.rank, tp.size)
         self.dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(config.model))
-        self.model, self.model_config = load_model(config.model, self.dtype, self.device)
+        self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp)
         backend = config.attention_backend
         self.backend = get_backend(default_backend_name(self.device) if backend == "auto" else backend)
         self.max_model_len = self._resolve_max_model_len()
@@ -48,13 +60,15 @@ class ModelRunner:
         self.requests: dict[RequestId, CachedRequestState] = {}
         self.kv_cache: KVCache | None = None
         self._last_step_id: int | None = None
+        self.unsampled: list[CachedRequestState] = []  # TP follower: awaiting rank 0's tokens
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def initialize(self) -> WorkerInfo:
         """Profile memory (CUDA), allocate the KV cache, and say what the scheduler may use."""
         shape = CacheShape(self.model_config.num_layers, self.config.block_size,
-                           self.model_config.num_kv_heads, self.model_config.head_dim, self.dtype)
+                           self.model_config.num_kv_heads // self.tp.size,  # this rank's heads
+                           self.model_config.head_dim, self.dtype)
         if self.config.num_gpu_blocks_override is not None:
             num_blocks = self.config.num_gpu_blocks_override
         elif self.device.type == "cuda":
@@ -62,6 +76,8 @@ class ModelRunner:
             num_blocks = cuda_num_blocks(self.device, self.config.gpu_memory_utilization, shape, peak)
         else:
             num_blocks = cpu_num_blocks(self.config.kv_cache_memory_bytes, shape)
+        if self.tp.size > 1:  # block ids mean the same slots on every rank
+            num_blocks = self.tp.min_over_ranks(num_blocks)
         self.kv_cache = None  # free the old cache before allocating a new one
         self.kv_cache = KVCache(shape, num_blocks, self.device)
         self.reset()
@@ -74,6 +90,7 @@ class ModelRunner:
         """Drop every resident request; the next plan may start at any step id."""
         self.requests.clear()
         self._last_step_id = None
+        self.unsampled = []
 
     @property
     def num_resident(self) -> int:
@@ -99,6 +116,9 @@ class ModelRunner:
         forks = {fork.parent_id: fork for fork in plan.forks}
         started = time.perf_counter()
         logits, rows, states = self._forward(seqs, forks)
+        if logits is None:  # a TP follower: rank 0 samples and sends the tokens with the next plan
+            self.unsampled = states
+            return result
         sampled_at = self._sync_clock()
         output = self.sampler(logits, rows)
         for state, token in zip(states, output.token_ids, strict=True):
@@ -109,6 +129,12 @@ class ModelRunner:
         result.forward_seconds = sampled_at - started
         result.sample_seconds = time.perf_counter() - sampled_at
         return result
+
+    def append_sampled(self, token_ids: list[int]) -> None:
+        """TP follower: the tokens rank 0 sampled for `unsampled` in the last step, in order."""
+        for state, token in zip(self.unsampled, token_ids, strict=True):
+            state.token_ids.append(token)
+        self.unsampled = []
 
     def _apply(self, plan: StepPlan) -> list[ScheduledSeq]:
         """Apply the plan's changes; return the sequences computed this step, in resident order."""
@@ -132,8 +158,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, seqs: list[ScheduledSeq], forks: dict[RequestId, Fork]
-                 ) -> tuple[torch.Tensor, list[SamplingRow], list[CachedRequestState]]:
-        """Forward every scheduled token; logits [N, V] only for the rows that sample.
+                 ) -> tuple[torch.Tensor | None, list[SamplingRow], list[CachedRequestState]]:
+        """Forward every scheduled token; logits [N, V] only for the rows that sample (None on a
+        TP follower, which never samples).
 
         A fork's children sample from the parent's final-prompt logits row (repeated), each with
         its own seq_index; they become resident here as copies of the parent before its token.
@@ -158,6 +185,8 @@ class ModelRunner:
                 logit_rows.append(i)
                 rows.append(member.sampling_row())
                 states.append(member)
+        if not self.tp.is_driver:
+            return None, rows, states
         index = inputs.logits_indices[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
         logits = self.model.compute_logits(hidden[index]).float()  # [N, V]
         return logits, rows, states

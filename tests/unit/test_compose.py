@@ -17,10 +17,15 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE, CPU = ROOT / "docker-compose.yml", ROOT / "docker-compose.cpu.yml"
+TP = ROOT / "docker-compose.tp.yml"
 PAGODA_SERVICES = ("worker", "scheduler", "gateway")
 OTLP = ["--otlp-traces-endpoint", "http://otel-collector:4317"]
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 RESET = object()  # compose's `!reset`: drop the key from the merged model
+
+
+class Override(dict):
+    """compose's `!override` on a mapping: it replaces the base value instead of merging."""
 
 
 class _ComposeLoader(yaml.SafeLoader):
@@ -28,6 +33,8 @@ class _ComposeLoader(yaml.SafeLoader):
 
 
 _ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
+_ComposeLoader.add_constructor("!override",
+                               lambda loader, node: Override(loader.construct_mapping(node, deep=True)))
 
 
 def load(path: Path) -> dict:
@@ -43,6 +50,8 @@ def merge(base: dict, override: dict, path: str = "") -> dict:
         here = f"{path}.{key}"
         if value is RESET:
             merged.pop(key, None)
+        elif isinstance(value, Override):
+            merged[key] = dict(value)
         elif isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = merge(merged[key], value, here)
         elif isinstance(value, list) and isinstance(merged.get(key), list) and not here.endswith(
@@ -147,6 +156,23 @@ def test_cpu_overlay_drops_the_gpu_and_keeps_the_rest(base: dict) -> None:
         k: v for k, v in base["services"].items() if k != "worker"}
 
 
+def test_tp_overlay_gives_the_worker_two_gpus_and_nccl_settings(base: dict) -> None:
+    merged = merge(base, load(TP))["services"]
+    worker, gpu_worker = merged["worker"], base["services"]["worker"]
+    command = worker["command"]
+    assert command[command.index("--tensor-parallel-size") + 1] == "2"
+    assert [a for a in command if a not in ("--tensor-parallel-size", "2")] == gpu_worker["command"]
+    [device] = worker["deploy"]["resources"]["reservations"]["devices"]  # replaced, not appended
+    assert device == {"driver": "nvidia", "count": 2, "capabilities": ["gpu"]}
+    assert worker["ipc"] == "host" and worker["shm_size"]
+    assert worker["environment"]["NCCL_SOCKET_IFNAME"] == "lo"
+    assert worker["environment"]["OTEL_SERVICE_NAME"] == "pagoda-worker"  # merged, not replaced
+    for key in ("healthcheck", "restart", "volumes", "depends_on", "image"):
+        assert worker[key] == gpu_worker[key], key
+    assert {k: v for k, v in merged.items() if k != "worker"} == {
+        k: v for k, v in base["services"].items() if k != "worker"}
+
+
 def test_mounted_configs_exist_and_wire_traces_and_scrapes(services: dict) -> None:
     for name, service in services.items():
         for volume in service.get("volumes", []):
@@ -188,7 +214,8 @@ def compose_v2() -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("files", [[BASE], [BASE, CPU]], ids=["gpu", "cpu-overlay"])
+@pytest.mark.parametrize("files", [[BASE], [BASE, CPU], [BASE, TP]],
+                         ids=["gpu", "cpu-overlay", "tp-overlay"])
 def test_compose_v2_config_accepts_the_files(files: list[Path]) -> None:
     command = compose_v2()
     if command is None:

@@ -3,6 +3,11 @@
 Plain eager PyTorch over `[num_tokens, hidden]`, no padding; q/k/v and gate/up are fused projections
 (the loader fuses HF's separate weights). Attention goes only through the paged-KV backend.
 
+Tensor parallelism (Megatron style, `tp.size` ranks): qkv_proj and gate_up_proj are column-parallel
+(each rank holds Hq/N query heads, Hkv/N KV heads and I/N MLP columns), o_proj and down_proj are
+row-parallel (partial products summed by one all-reduce each). The hidden state is replicated after
+every all-reduce; embedding, norms and lm_head are replicated. With tp.size == 1 no collective runs.
+
 Usage (one prefill step of a 5-token prompt into blocks 3 and 7 of a block_size-16 cache):
 
     model, cfg = load_model("models/pagoda-tiny", torch.float32, torch.device("cpu"))
@@ -22,18 +27,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.common import AttentionMetadata, RMSNorm, RotaryEmbedding, silu_and_mul
 
 
+def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    # x: [T, in/N] -> [T, out]; the bias (replicated) is added once, after the sum over ranks.
+    if tp.size == 1:
+        return linear(x)
+    out = tp.all_reduce(nn.functional.linear(x, linear.weight))
+    return out if linear.bias is None else out + linear.bias
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim  # this rank's heads
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        # rows: [q (Hq*D) | k (Hkv*D) | v (Hkv*D)]
+        # rows: [q (Hq/N*D) | k (Hkv/N*D) | v (Hkv/N*D)]
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
@@ -59,28 +75,30 @@ class Attention(nn.Module):
         out = attn.backend.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
                                            attn.query_start_loc, self.scale, attn.max_query_len,
                                            attn.max_seq_len)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return row_parallel(self.o_proj, out.reshape(num_tokens, self.q_size), self.tp)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        # rows: [gate (I) | up (I)]
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        inter = cfg.intermediate_size // tp.size  # this rank's columns
+        # rows: [gate (I/N) | up (I/N)]
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return row_parallel(self.down_proj, silu_and_mul(self.gate_up_proj(x)), self.tp)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -90,10 +108,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
@@ -103,10 +121,11 @@ class LlamaForCausalLM(nn.Module):
     """Parameter names follow HF's (`model.layers.N....`, `lm_head`), except the fused
     `qkv_proj` and `gate_up_proj`."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.tp = tp
+        self.model = LlamaModel(cfg, tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
