@@ -24,16 +24,28 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                         help="require 'Authorization: Bearer KEY' (default: $PAGODA_API_KEY)")
     parser.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--otlp-traces-endpoint", default=None,
+                        help="OTLP gRPC endpoint for traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests may take to finish after SIGTERM")
+    parser.add_argument("--tls-cert", default=None, help="PEM cert of the public gRPC port")
+    parser.add_argument("--tls-key", default=None, help="PEM key of the public gRPC port")
+    parser.add_argument("--tls-ca", default=None, help="PEM CA to verify the scheduler (TLS channel)")
     args = parser.parse_args(argv)
     return GatewayConfig(scheduler=args.scheduler, host=args.host, port=args.port, grpc_port=args.grpc_port,
                          tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                          api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                         log_json=args.log_json)
+                         log_json=args.log_json, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                         shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert,
+                         tls_key=args.tls_key, tls_ca=args.tls_ca)
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     configure_logging(json=config.log_json, service="gateway")
+    from pagoda.telemetry import setup_tracing
+
+    setup_tracing("pagoda-gateway", config.otlp_traces_endpoint)
     asyncio.run(serve(config))
 
 

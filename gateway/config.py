@@ -29,6 +29,15 @@ class GatewayConfig:
     """Retry-After header value sent with 429 when the scheduler's queue is full."""
     log_json: bool | None = None
     """JSON logs; None: JSON unless stdout is a terminal."""
+    otlp_traces_endpoint: str | None = None
+    """OTLP gRPC endpoint for traces; None: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing."""
+    shutdown_timeout_s: float = 30.0
+    """On SIGTERM: how long in-flight requests may take to finish before the servers stop."""
+    tls_cert: str | None = None
+    """PEM certificate chain of the public gRPC port (with tls_key); None: plaintext."""
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    """PEM CA bundle to verify the scheduler's certificate; None: plaintext channel."""
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):
@@ -40,3 +49,7 @@ class GatewayConfig:
             raise ValueError("api_key must not be empty when given")
         if self.engine_timeout_s <= 0:
             raise ValueError("engine_timeout_s must be positive")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("shutdown_timeout_s must not be negative")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")

@@ -8,6 +8,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import UpstreamError
+from pagoda.tls import aio_channel
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
 
 # Token streams and logprobs can be large; the default 4 MB cap is too small for long prompts.
@@ -29,21 +30,22 @@ def _upstream(error: grpc.aio.AioRpcError) -> UpstreamError:
 class EngineClient:
     """One channel to the scheduler, reused by every request (create it inside the event loop)."""
 
-    def __init__(self, target: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, target: str, timeout_s: float = 5.0, tls_ca: str | None = None) -> None:
         self.target = target
         self._timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._channel = aio_channel(target, tls_ca, options=_CHANNEL_OPTIONS)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def close(self) -> None:
         await self._channel.close()
 
-    async def generate(self, request: engine_pb2.GenerateRequest
+    async def generate(self, request: engine_pb2.GenerateRequest, metadata=()
                        ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         """Stream the responses; leaving the loop early (stop string, disconnect) cancels the
-        call, which the scheduler treats as an abort that frees the request's blocks at once."""
-        call = self._stub.Generate(request)
+        call, which the scheduler treats as an abort that frees the request's blocks at once.
+        `metadata`: (key, value) pairs sent with the call (the W3C traceparent)."""
+        call = self._stub.Generate(request, metadata=tuple(metadata))
         try:
             async for response in call:
                 yield response

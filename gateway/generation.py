@@ -7,10 +7,13 @@ usage. Leaving the iteration early (client gone) cancels the upstream Generate c
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
 
 from gateway import metrics
 from gateway.convert import finish_reason_name, sampling_to_pb
@@ -18,6 +21,13 @@ from gateway.engine_client import EngineClient
 from gateway.errors import UpstreamError
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagoda.telemetry import (
+    end_genai_span,
+    get_tracer,
+    metadata_with_trace_context,
+    start_genai_span,
+    tracing_enabled,
+)
 from pagoda.v1 import common_pb2, engine_pb2
 from scheduler_svc.core.params import SamplingParams
 
@@ -115,36 +125,75 @@ def to_engine_request(request: GenerationInput) -> engine_pb2.GenerateRequest:
         cache_salt=request.cache_salt)
 
 
-async def generate(client: EngineClient, tokenizer: Tokenizer, request: GenerationInput
-                   ) -> AsyncIterator[GenerationStep]:
-    """Yield one GenerationStep per upstream response; the last one carries usage."""
+def start_request_span(operation: str, model: str, parent: Context | None,
+                       request: GenerationInput) -> Span | None:
+    """The request's `{operation} {model}` span (operation "chat" or "text_completion"), a child
+    of the caller's span when `parent` came from its traceparent. Hand it to generate(), which
+    ends it. None when tracing is off (no span, no traceparent sent upstream)."""
+    if not tracing_enabled():
+        return None
+    s = request.sampling
+    return start_genai_span(
+        get_tracer("gateway"), operation, model, parent, max_tokens=s.max_tokens,
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+        frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+        stop_sequences=list(request.stop) or None, choice_count=s.n)
+
+
+async def generate(client: EngineClient, tokenizer: Tokenizer, request: GenerationInput,
+                   span: Span | None = None) -> AsyncIterator[GenerationStep]:
+    """Yield one GenerationStep per upstream response; the last one carries usage.
+
+    Observes the request's latency histograms, and ends `span` (usage, finish reasons, TTFT and
+    queue time; `error.type` when the request fails or its client goes away)."""
     sequences = [_Sequence(tokenizer, request) for _ in range(request.sampling.n)]
     num_prompt_tokens, num_cached_tokens = len(request.prompt_token_ids), 0
-    timer = metrics.RequestTimer()
-    stream = client.generate(to_engine_request(request))
+    timer = metrics.METRICS.request_timer()
+    metadata = metadata_with_trace_context((), span) if span is not None else ()
+    stream = client.generate(to_engine_request(request), metadata=metadata)
+    queue_s: float | None = None  # the scheduler's, on its first response
     final: GenerationStep | None = None
+
+    def end_span(error_type: str | None = None) -> None:
+        if span is not None:
+            end_genai_span(span, input_tokens=num_prompt_tokens,
+                           output_tokens=sum(s.num_tokens for s in sequences),
+                           finish_reasons=[s.finish_reason for s in sequences if s.finish_reason],
+                           time_to_first_token_s=timer.time_to_first_token_s,
+                           time_in_queue_s=queue_s, response_id=request.request_id,
+                           error_type=error_type)
+
     try:
         async for response in stream:
+            if queue_s is None:
+                queue_s = response.queue_seconds
             if response.num_prompt_tokens:
                 num_prompt_tokens = response.num_prompt_tokens
                 num_cached_tokens = response.num_cached_tokens
             chunks = [sequences[d.index].apply(d, request.sampling.stop_token_ids)
                       for d in response.sequences if d.index < len(sequences)]
             _raise_on_engine_error(chunks)
-            timer.tokens_arrived(sum(len(c.token_ids) for c in chunks))
+            timer.on_tokens(sum(len(c.token_ids) for c in chunks))
             if all(s.finished for s in sequences):
                 final = GenerationStep(chunks, Usage(num_prompt_tokens,
                                                      sum(s.num_tokens for s in sequences),
                                                      num_cached_tokens))
                 break
             yield GenerationStep(chunks)
+        if final is None:
+            raise UpstreamError(grpc.StatusCode.INTERNAL,
+                                "the scheduler ended the stream before every sequence finished")
+    except (GeneratorExit, asyncio.CancelledError):
+        end_span("cancelled")  # the client went away
+        raise
+    except BaseException as error:
+        end_span(type(error).__name__)
+        raise
     finally:
         # Cancels the call unless it ended: a stop string or a gone client aborts upstream now.
         await stream.aclose()
-    if final is None:
-        raise UpstreamError(grpc.StatusCode.INTERNAL,
-                            "the scheduler ended the stream before every sequence finished")
-    timer.finished(num_prompt_tokens, [s.finish_reason for s in sequences])
+    timer.finish(queue_s)
+    end_span()
     yield final
 
 

@@ -10,9 +10,11 @@ import grpc
 from gateway.auth import grpc_metadata_ok
 from gateway.convert import finish_reason_pb, sampling_from_pb
 from gateway.errors import UnauthorizedError, context_overflow, to_client_error
-from gateway.generation import GenerationInput, GenerationStep, generate
+from gateway.generation import GenerationInput, GenerationStep, generate, start_request_span
 from gateway.state import GatewayState
+from gateway.stop_strings import check_stop_strings
 from pagoda.logging import get_logger
+from pagoda.telemetry import context_from_grpc_metadata
 from pagoda.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from scheduler_svc.core.params import InvalidRequestError
 
@@ -28,7 +30,11 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         # A client that goes away cancels this coroutine; leaving generate() cancels upstream.
         try:
             generation = self._prepare(request, context)
-            async for step in generate(self._state.client, self._state.tokenizer, generation):
+            operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
+            span = start_request_span(operation, self._state.served_model_name,
+                                      context_from_grpc_metadata(context.invocation_metadata()),
+                                      generation)
+            async for step in generate(self._state.client, self._state.tokenizer, generation, span):
                 for chunk in to_chunks(generation.request_id, step):
                     yield chunk
         except Exception as error:  # noqa: BLE001 - every failure leaves with a status code
@@ -43,6 +49,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         tokenizer, info = self._state.require_ready()
         self._state.check_model(request.model)
         if request.WhichOneof("input") == "prompt":
+            if not request.prompt:
+                raise InvalidRequestError("the prompt must not be empty")
             prompt_ids = tokenizer.encode(request.prompt)
         elif request.WhichOneof("input") == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
@@ -52,6 +60,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         if not prompt_ids:
             raise InvalidRequestError("the prompt must not be empty")
         sampling = sampling_from_pb(request.sampling)  # raises InvalidRequestError when out of range
+        check_stop_strings(request.stop)
         context_overflow(info.max_model_len, len(prompt_ids), sampling.max_tokens)
         return GenerationInput(
             request_id=request.request_id or f"gen-{uuid.uuid4().hex}", prompt_token_ids=tuple(prompt_ids),

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from gateway import metrics
-from gateway.errors import GatewayError, openai_error_body, to_client_error
+from gateway.errors import GatewayError, UpstreamError, openai_error_body, to_client_error
 from gateway.http_middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCounterMiddleware
 from gateway.openai_chat import chat_prompt_ids, create_chat_completion
 from gateway.openai_completions import create_completion
@@ -43,8 +45,14 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
             else str(first.get("msg", "invalid request"))), param
 
 
+# Recent FastAPI versions trace every request (health probes too) once a tracer provider is set.
+# The gateway's one span per request is its own GenAI span (generation.py): switch FastAPI's off.
+_NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+                        if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
+
+
 def create_app(state: GatewayState) -> FastAPI:
-    app = FastAPI(title="Pagoda gateway", version=VERSION)
+    app = FastAPI(title="Pagoda gateway", version=VERSION, **_NO_NATIVE_TELEMETRY)
     app.state.gateway = state
     _add_routes(app, state)
     _add_error_handlers(app, state.config.retry_after_s)
@@ -85,7 +93,8 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         _, info = state.require_ready()
         name = state.served_model_name
         card = {"id": name, "object": "model", "created": 0, "owned_by": "pagoda", "root": info.model_name,
-                "parent": None, "max_model_len": info.max_model_len, "permission": []}
+                "parent": None, "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
+                "permission": []}
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize")
@@ -127,5 +136,10 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        body, content_type = metrics.exposition()
-        return Response(content=body, media_type=content_type)
+        async def fetch_stats():  # None: the scheduler did not answer (then pagoda:engine_up 0)
+            try:
+                return await state.client.get_stats()
+            except UpstreamError:
+                return None
+
+        return Response(await metrics.METRICS.scrape(fetch_stats), media_type=metrics.CONTENT_TYPE_LATEST)

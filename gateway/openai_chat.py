@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.generation import GenerationStep, SequenceChunk, generate
+from gateway.generation import GenerationStep, SequenceChunk, generate, start_request_span
 from gateway.openai_common import (
     build_generation_input,
     new_request_id,
@@ -30,6 +30,7 @@ from gateway.openai_protocol import (
 )
 from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizer
+from pagoda.telemetry import context_from_headers
 from scheduler_svc.core.params import InvalidRequestError
 
 
@@ -65,7 +66,8 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     request = build_generation_input(body, new_request_id("chatcmpl"), chat_prompt_ids(body, tokenizer),
                                      body.effective_max_tokens, logprobs, info.max_model_len)
-    steps = generate(state.client, tokenizer, request)
+    span = start_request_span("chat", model, context_from_headers(http.headers), request)
+    steps = generate(state.client, tokenizer, request, span)
     if not body.stream:
         choices = [ChatChoice(index=i, message=ChatResponseMessage(content=""),
                               logprobs=ChatLogprobs(content=[]) if body.logprobs else None)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.generation import GenerationStep, SequenceChunk, generate
+from gateway.generation import GenerationStep, SequenceChunk, generate, start_request_span
 from gateway.openai_common import (
     build_generation_input,
     check_token_ids,
@@ -25,6 +25,7 @@ from gateway.openai_protocol import (
 )
 from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizer
+from pagoda.telemetry import context_from_headers
 from scheduler_svc.core.params import InvalidRequestError
 
 
@@ -35,6 +36,8 @@ def prompt_token_ids(prompt: str | list, tokenizer: Tokenizer, vocab_size: int) 
             raise InvalidRequestError("batched prompts are not supported: send one prompt per request")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("the prompt must not be empty")
         return tokenizer.encode(prompt), prompt
     check_token_ids(prompt, vocab_size)
     return list(prompt), tokenizer.decode(prompt)
@@ -94,7 +97,8 @@ async def create_completion(body: CompletionRequest, http: Request, state: Gatew
                                      body.logprobs, info.max_model_len)
     choices = CompletionChoices(body.n, tokenizer, prompt_text if body.echo else "",
                                 body.logprobs is not None)
-    steps = generate(state.client, tokenizer, request)
+    span = start_request_span("text_completion", model, context_from_headers(http.headers), request)
+    steps = generate(state.client, tokenizer, request, span)
     if not body.stream:
         usage = await until_disconnected(http, _collect(steps, choices))
         return JSONResponse(CompletionResponse(id=request.request_id, model=model, choices=choices.choices,

@@ -9,7 +9,10 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gateway.stop_strings import check_stop_strings
+from scheduler_svc.core.params import InvalidRequestError
 
 _INT64 = 2**63 - 1
 
@@ -46,6 +49,15 @@ class _GenerationFields(BaseModel):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     priority: int = 0
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        try:
+            check_stop_strings([stop] if isinstance(stop, str) else stop or [])
+        except InvalidRequestError as error:
+            raise ValueError(str(error)) from None
+        return stop
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _GenerationFields:
@@ -209,7 +221,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -3,35 +3,49 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import time
 
 import grpc
 import uvicorn
 from grpc_reflection.v1alpha import reflection
 
 from gateway.config import GatewayConfig
+from gateway.drain import CountingGenerationServicer, InFlight, InFlightMiddleware
 from gateway.engine_client import EngineClient
-from gateway.grpc_api import GenerationServicer
 from gateway.openai_api import create_app
 from gateway.state import GatewayState
 from pagoda.grpc_health import HealthState
 from pagoda.logging import get_logger
+from pagoda.tls import add_port
 from pagoda.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = get_logger(__name__)
 GENERATION_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-_GRACE_S = 5.0
+_GRACE_S = 1.0  # after the drain: what is still running by then is cancelled
 
 
-async def start_grpc_server(state: GatewayState, host: str, port: int
+class _HttpServer(uvicorn.Server):
+    """uvicorn without its own signal handling: SIGTERM starts our drain instead (and the process
+    then exits 0 rather than re-raising the signal)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def start_grpc_server(state: GatewayState, host: str, port: int, in_flight: InFlight | None = None
                             ) -> tuple[grpc.aio.Server, int, HealthState]:
     """Generation + grpc.health.v1 + reflection; returns (server, bound port, health)."""
     server = grpc.aio.server()
-    gateway_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(state), server)
+    servicer = CountingGenerationServicer(state, in_flight or InFlight())
+    gateway_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = HealthState(GENERATION_SERVICE)
     health.add_to_server(server)
     reflection.enable_server_reflection(
         (GENERATION_SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
-    bound_port = server.add_insecure_port(f"{host}:{port}")
+    bound_port = add_port(server, f"{host}:{port}", state.config.tls_cert, state.config.tls_key)
     await server.start()
     await health.set_serving(False)
     return server, bound_port, health
@@ -43,19 +57,45 @@ async def _connect(state: GatewayState, health: HealthState) -> None:
 
 
 async def serve(config: GatewayConfig) -> None:
-    client = EngineClient(config.scheduler, config.engine_timeout_s)
+    client = EngineClient(config.scheduler, config.engine_timeout_s, tls_ca=config.tls_ca)
     state = GatewayState(config, client)
-    grpc_server, grpc_port, health = await start_grpc_server(state, config.host, config.grpc_port)
-    http = uvicorn.Server(uvicorn.Config(create_app(state), host=config.host, port=config.port,
-                                         log_level="warning", lifespan="off", access_log=False))
+    in_flight = InFlight()
+    grpc_server, grpc_port, health = await start_grpc_server(state, config.host, config.grpc_port,
+                                                             in_flight)
+    http = _HttpServer(uvicorn.Config(InFlightMiddleware(create_app(state), in_flight),
+                                      host=config.host, port=config.port, log_level="warning",
+                                      lifespan="off", access_log=False,
+                                      timeout_graceful_shutdown=_GRACE_S))
     connecting = asyncio.create_task(_connect(state, health))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     log.info("gateway_started", http=f"{config.host}:{config.port}", grpc=f"{config.host}:{grpc_port}",
              scheduler=config.scheduler)
+    serving = asyncio.create_task(http.serve())
     try:
-        await http.serve()  # returns on SIGINT / SIGTERM (uvicorn handles the signals)
+        await asyncio.wait([serving, asyncio.create_task(stop.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        connecting.cancel()
+        if stop.is_set():
+            await _drain(state, health, in_flight, config.shutdown_timeout_s)
+        http.should_exit = True
+        await serving
     finally:
         connecting.cancel()
         await health.set_serving(False)
         await grpc_server.stop(_GRACE_S)
         await client.close()
         log.info("gateway_stopped")
+
+
+async def _drain(state: GatewayState, health: HealthState, in_flight: InFlight, timeout_s: float) -> None:
+    """Not ready, refuse new work, wait for what is running (bounded by `timeout_s`)."""
+    started = time.monotonic()
+    state.draining = True
+    await health.set_serving(False)
+    log.info("gateway_draining", in_flight=in_flight.count, shutdown_timeout_s=timeout_s)
+    drained = await in_flight.wait_zero(timeout_s)
+    log.info("gateway_drained", drained=drained, left_in_flight=in_flight.count,
+             drain_seconds=round(time.monotonic() - started, 3))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import EngineNotReadyError, ModelNotFoundError
@@ -27,10 +28,11 @@ class GatewayState:
         self.tokenizer = tokenizer
         self.info: engine_pb2.EngineInfo | None = None
         self.served_model_name = config.served_model_name or ""
+        self.draining = False  # SIGTERM: refuse new work while in-flight requests finish
 
     @property
     def ready(self) -> bool:
-        return self.info is not None and self.tokenizer is not None
+        return not self.draining and self.info is not None and self.tokenizer is not None
 
     async def connect(self, attempt_timeout_s: float = 5.0) -> None:
         """Wait for the scheduler's GetInfo (retrying forever), then load the tokenizer."""
@@ -45,11 +47,14 @@ class GatewayState:
                 self.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, path)
                 log.info("tokenizer_loaded", path=path)
             self.served_model_name = self.config.served_model_name or info.model_name
+            metrics.METRICS.model_name = self.served_model_name  # the model_name label
             self.info = info  # last: `ready` flips only once everything above is in place
             log.info("scheduler_connected", target=self.client.target, model=self.served_model_name,
                      max_model_len=info.max_model_len)
 
     def require_ready(self) -> tuple[Tokenizer, engine_pb2.EngineInfo]:
+        if self.draining:
+            raise EngineNotReadyError("the gateway is shutting down; retry on another replica")
         if self.tokenizer is None or self.info is None:
             raise EngineNotReadyError("the scheduler is not available yet; retry shortly")
         return self.tokenizer, self.info

@@ -6,6 +6,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scheduler_svc.core.params import InvalidRequestError
+
+# Bounds on what one request may ask for: the matcher's work per delta grows with both.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+def check_stop_strings(stops: Sequence[str]) -> None:
+    """Raise InvalidRequestError (400 / INVALID_ARGUMENT) for too many or too long stop strings."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    for stop in stops:
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(
+                f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got {len(stop)}")
+
 
 @dataclass(frozen=True, slots=True)
 class StopCheck:

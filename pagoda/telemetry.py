@@ -27,7 +27,8 @@ from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, Statu
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 __all__ = [
-    "TRACE_HEADERS", "service_resource", "setup_tracing", "shutdown_tracing", "get_tracer", "resolve_endpoint",
+    "TRACE_HEADERS", "service_resource", "setup_tracing", "shutdown_tracing", "tracing_enabled",
+    "get_tracer", "resolve_endpoint",
     "inject_traceparent", "context_from_traceparent", "metadata_with_trace_context",
     "context_from_grpc_metadata", "context_from_headers", "links_to", "StepSpanStats",
     "start_step_span", "RequestSpans", "start_genai_span", "end_genai_span",
@@ -81,6 +82,12 @@ def shutdown_tracing() -> None:
     """Flush queued spans (call on graceful shutdown; the SDK also does it at exit)."""
     if _provider is not None:
         _provider.force_flush()
+
+
+def tracing_enabled() -> bool:
+    """Whether `setup_tracing` installed a provider. Per-step code checks this once (in a
+    constructor) and builds no span at all when it is False: even OTel's no-op spans cost."""
+    return _provider is not None
 
 
 def get_tracer(name: str) -> Tracer:
@@ -209,6 +216,9 @@ class RequestSpans:
 
     def __len__(self) -> int:
         return len(self._spans)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._spans
 
 
 # --- the gateway's request span (OTel GenAI semantic conventions) --------------------------------

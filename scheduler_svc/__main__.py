@@ -26,6 +26,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-timeout", type=float, default=30.0,
                    help="seconds a lost worker may take to come back before requests fail")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--tls-cert", default=None, help="PEM cert of the Engine API port")
+    p.add_argument("--tls-key", default=None, help="PEM key of the Engine API port")
+    p.add_argument("--tls-ca", default=None, help="PEM CA to verify the worker (TLS channel)")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="OTLP gRPC endpoint for traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
     return p.parse_args(argv)
 
 
@@ -37,12 +44,17 @@ def build_config(args: argparse.Namespace) -> EngineServiceConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_waiting_requests=args.max_waiting_requests, scheduling_policy=args.scheduling_policy,
-        pipelining=not args.no_pipelining, worker_timeout_s=args.worker_timeout)
+        pipelining=not args.no_pipelining, worker_timeout_s=args.worker_timeout,
+        shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_ca=args.tls_ca)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(level=args.log_level, service="scheduler")
+    from pagoda.telemetry import setup_tracing
+
+    setup_tracing("pagoda-scheduler", args.otlp_traces_endpoint)
     asyncio.run(serve(build_config(args)))
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from pagoda.v1 import common_pb2, engine_pb2
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.outputs import SequenceDelta
-from scheduler_svc.core.params import EngineRequest, FinishReason, RequestId
+from scheduler_svc.core.params import EngineRequest, FinishReason, InvalidRequestError, RequestId
 from worker_svc.config import WorkerInfo
 from worker_svc.convert import logprobs_from_pb, logprobs_to_pb, sampling_from_pb, sampling_to_pb
 
@@ -26,8 +26,13 @@ _FINISH_TO_PB = {
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 
 
-def request_from_pb(pb: engine_pb2.GenerateRequest, arrival_time: float) -> EngineRequest:
-    """Raises InvalidRequestError on bad sampling params. An empty id gets a fresh one."""
+def request_from_pb(pb: engine_pb2.GenerateRequest, arrival_time: float,
+                    vocab_size: int = 0) -> EngineRequest:
+    """Raises InvalidRequestError on bad sampling params, or on a token id outside the vocabulary
+    (`vocab_size` > 0): the model would fail on it every step, and every resync would retry it.
+    An empty id gets a fresh one."""
+    if vocab_size and any(t >= vocab_size for t in pb.prompt_token_ids):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
     return EngineRequest(
         request_id=RequestId(pb.request_id or f"req-{uuid.uuid4().hex}"),
         prompt_token_ids=tuple(pb.prompt_token_ids), sampling=sampling_from_pb(pb.sampling),

@@ -27,6 +27,7 @@ from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.params import EngineRequest, FinishReason, RequestId
 from scheduler_svc.core.plan import StepPlan
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.engine_tracing import engine_tracing
 from scheduler_svc.worker_client import StepStream, WorkerClient, WorkerLostError
 
 log = get_logger(__name__)
@@ -63,6 +64,7 @@ class EngineLoop:
         self._streams: dict[RequestId, RequestStream] = {}
         self._wake = asyncio.Event()
         self._stopping = False
+        self.draining = False  # SIGTERM: refuse new requests, let the running ones finish
         self._failed = False  # the worker stayed away past the timeout: reject new requests
         self.connected = False
         self.num_steps = 0
@@ -71,12 +73,13 @@ class EngineLoop:
         self.invariant_ok = True  # the result of the last check made while idle
         self._sent_at: dict[int, float] = {}
         self._last_result_at = 0.0
+        self._tracing = engine_tracing()  # no-op hooks unless tracing is on
 
     # -- requests (called by the servicer) --------------------------------------------------------
 
-    def add_request(self, request: EngineRequest) -> RequestStream:
+    def add_request(self, request: EngineRequest, trace_parent=None) -> RequestStream:
         """Raises DuplicateRequestError, WorkerUnavailableError, InvalidRequestError, QueueFullError."""
-        if self._stopping:
+        if self._stopping or self.draining:
             raise ShuttingDownError("the engine is shutting down")
         if self._failed:
             raise WorkerUnavailableError("no worker is connected")
@@ -85,6 +88,7 @@ class EngineLoop:
         self.scheduler.add_request(request)
         stream = RequestStream(request.request_id, request.sampling.n, time.monotonic())
         self._streams[request.request_id] = stream
+        self._tracing.request_added(request, trace_parent)  # trace_parent: the caller's context
         log.info("request_added", request_id=request.request_id, num_prompt_tokens=len(
             request.prompt_token_ids), n=request.sampling.n, max_tokens=request.sampling.max_tokens)
         self._wake.set()
@@ -106,6 +110,10 @@ class EngineLoop:
     @property
     def idle(self) -> bool:
         return not self.scheduler.has_unfinished_requests() and self.scheduler.num_inflight_steps == 0
+
+    @property
+    def worker_resident_requests(self) -> int:
+        return self._client.worker_resident_requests
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -129,6 +137,7 @@ class EngineLoop:
             self._set_connected(False)
             self.scheduler.reset_after_worker_loss()
             self._sent_at.clear()
+            self._tracing.worker_lost()
             await self._reconnect()
 
     async def _serve(self, stream: StepStream) -> None:
@@ -165,6 +174,7 @@ class EngineLoop:
             self._last_result_at = now
             self.num_steps += 1
             self._dispatch(self.scheduler.update(result))
+            self._tracing.step_reported(result.step_id)
             if self.idle:
                 self.check_invariants()
             self._wake.set()
@@ -176,6 +186,7 @@ class EngineLoop:
             stream = self._streams.get(new.request_id)
             if stream is not None and stream.first_scheduled is None:
                 stream.first_scheduled = now
+        self._tracing.plan_sent(plan, self.scheduler)  # sets plan.traceparent
 
     async def _reconnect(self) -> None:
         """Init again with backoff; fail every request once the worker is away too long."""
@@ -203,6 +214,7 @@ class EngineLoop:
             self._streams.pop(stream.request_id)
             stream.done = True
             stream.queue.put_nowait(error)
+            self._tracing.finished(stream.request_id, "error")
         log.error("requests_failed", reason=str(error))
         self._notify_health(False)
 
@@ -220,7 +232,10 @@ class EngineLoop:
                 self._streams.pop(request_id)
                 stream.done = True
                 stream.queue.put_nowait(WorkerUnavailableError("the worker was lost"))
+                self._tracing.finished(request_id, "error")
                 continue
+            if not stream.sent_first and request_deltas[0].new_token_ids:
+                self._tracing.first_token(request_id)
             stream.num_finished += sum(d.finished for d in request_deltas)
             if stream.num_finished >= stream.n:
                 self._close(stream, request_deltas, request_deltas[-1].finish_reason)
@@ -233,6 +248,7 @@ class EngineLoop:
         stream.queue.put_nowait(self._update(stream, deltas, finished=True))
         reason_name = reason.value if reason is not None else "none"
         self.request_success[reason_name] += 1
+        self._tracing.finished(stream.request_id, reason_name)
         log.info("request_finished", request_id=stream.request_id, finish_reason=reason_name,
                  e2e_seconds=round(time.monotonic() - stream.arrival, 6))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagoda.grpc_health import HealthState
 from pagoda.logging import get_logger
+from pagoda.tls import add_port
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.scheduler import Scheduler
@@ -45,6 +47,10 @@ class EngineServiceConfig:
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     pipelining: bool = True  # 2 plans in flight
     worker_timeout_s: float = 30.0  # fail requests when the worker is not back within this
+    shutdown_timeout_s: float = 30.0  # SIGTERM: how long running requests may take to finish
+    tls_cert: str | None = None  # PEM files of the Engine API port; None: plaintext
+    tls_key: str | None = None
+    tls_ca: str | None = None  # PEM CA that signed the worker's certificate; None: plaintext
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -73,6 +79,7 @@ class RunningEngine:
     client: WorkerClient
     loop_task: asyncio.Task
     port: int
+    health: HealthState | None = None
 
     async def stop(self, grace_s: float = 1.0) -> None:
         self.engine.stop()
@@ -89,12 +96,13 @@ async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
     health = HealthState(SERVICE_NAME)
     health.add_to_server(server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, f"{config.host}:{config.port}", config.tls_cert, config.tls_key)
     await server.start()  # health answers NOT_SERVING while the worker comes up
     await health.set_serving(False)
     if len(config.workers) > 1:
         log.warning("extra_workers_ignored", used=config.workers[0], ignored=config.workers[1:])
-    client = WorkerClient(config.workers[0], config.max_num_batched_tokens, config.max_num_seqs)
+    client = WorkerClient(config.workers[0], config.max_num_batched_tokens, config.max_num_seqs,
+                          tls_ca=config.tls_ca)
     info = await client.connect(timeout_s=None)
     sched_config = scheduler_config(info, config)
     engine = EngineLoop(Scheduler(sched_config), client, worker_timeout_s=config.worker_timeout_s,
@@ -104,7 +112,7 @@ async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
     await health.set_serving(True)
     log.info("scheduler_serving", address=f"{config.host}:{port}", num_blocks=sched_config.num_blocks,
              max_model_len=sched_config.max_model_len, pipelining=config.pipelining)
-    return RunningEngine(server, engine, client, loop_task, port)
+    return RunningEngine(server, engine, client, loop_task, port, health)
 
 
 async def serve(config: EngineServiceConfig, grace_s: float = 2.0) -> None:
@@ -119,5 +127,20 @@ async def serve(config: EngineServiceConfig, grace_s: float = 2.0) -> None:
         return
     running = start.result()
     await stop.wait()
+    await drain(running, config.shutdown_timeout_s)
     log.info("scheduler_stopping")
     await running.stop(grace_s)
+
+
+async def drain(running: RunningEngine, timeout_s: float) -> None:
+    """SIGTERM: NOT_SERVING, new requests UNAVAILABLE, running ones finish (bounded by timeout_s)."""
+    started = time.monotonic()
+    running.engine.draining = True
+    if running.health is not None:
+        await running.health.set_serving(False)
+    log.info("scheduler_draining", shutdown_timeout_s=timeout_s)
+    deadline = started + timeout_s
+    while not running.engine.idle and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)  # poll interval; bounded by the deadline
+    log.info("scheduler_drained", drained=running.engine.idle,
+             drain_seconds=round(time.monotonic() - started, 3))

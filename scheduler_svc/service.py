@@ -13,6 +13,7 @@ import grpc
 
 from pagoda.errors import WorkerUnavailableError, grpc_status_for
 from pagoda.logging import bound_contextvars, get_logger
+from pagoda.telemetry import context_from_grpc_metadata
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
 from scheduler_svc import convert
 from scheduler_svc.core.params import RequestId
@@ -48,8 +49,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
         try:
-            engine_request = convert.request_from_pb(request, arrival_time=time.time())
-            stream = self._engine.add_request(engine_request)
+            engine_request = convert.request_from_pb(
+                request, arrival_time=time.time(), vocab_size=self._info.vocab_size if self._info else 0)
+            stream = self._engine.add_request(  # the gateway's span is the parent (traceparent)
+                engine_request, trace_parent=context_from_grpc_metadata(context.invocation_metadata()))
         except Exception as error:  # noqa: BLE001 - mapped by the error table
             await abort_with(context, error)
         request_id = engine_request.request_id
@@ -86,8 +89,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         idle = engine.idle
         if idle:
             engine.check_invariants()
-        return convert.stats_to_pb(
+        stats = convert.stats_to_pb(
             engine.scheduler.stats(), num_total_blocks=engine.scheduler.config.num_blocks,
             num_steps=engine.num_steps, idle=idle, invariant_ok=engine.invariant_ok,
             request_success=engine.request_success, worker_connected=engine.connected,
             step_seconds_sum=engine.step_seconds_sum)
+        stats.worker_resident_requests = engine.worker_resident_requests
+        return stats

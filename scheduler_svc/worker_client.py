@@ -14,6 +14,7 @@ import grpc
 
 from pagoda.errors import WorkerUnavailableError
 from pagoda.logging import get_logger
+from pagoda.tls import aio_channel
 from pagoda.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.core.plan import StepPlan, StepResult
 from worker_svc import convert
@@ -47,6 +48,7 @@ class StepStream:
     def __init__(self, call, epoch: int) -> None:
         self._call = call
         self.epoch = epoch
+        self.worker_resident_requests = 0  # as the worker reported with its last result
 
     async def send(self, plan: StepPlan) -> None:
         try:
@@ -64,6 +66,7 @@ class StepStream:
         if pb.HasField("error"):
             code = worker_pb2.StepError.Code.Name(pb.error.code)
             raise PlanRejectedError(pb.step_id, code, pb.error.message)
+        self.worker_resident_requests = pb.num_resident_requests
         return convert.result_from_pb(pb)
 
     def cancel(self) -> None:
@@ -71,14 +74,16 @@ class StepStream:
 
 
 class WorkerClient:
-    def __init__(self, target: str, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, target: str, max_num_batched_tokens: int, max_num_seqs: int,
+                 tls_ca: str | None = None) -> None:
         self.target = target
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = aio_channel(target, tls_ca, options=CHANNEL_OPTIONS)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._init_request = worker_pb2.InitRequest(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         self.epoch: int | None = None
         self.info: WorkerInfo | None = None
+        self._stream: StepStream | None = None
 
     async def connect(self, timeout_s: float | None = None) -> WorkerInfo:
         """Init the worker (a new epoch, no resident state), waiting for it to come up.
@@ -106,7 +111,13 @@ class WorkerClient:
 
     def open_stream(self) -> StepStream:
         assert self.epoch is not None, "connect() first"
-        return StepStream(self._stub.Steps(), self.epoch)
+        self._stream = StepStream(self._stub.Steps(), self.epoch)
+        return self._stream
+
+    @property
+    def worker_resident_requests(self) -> int:
+        """Requests the worker holds state for, per its last result (0 before any step)."""
+        return 0 if self._stream is None else self._stream.worker_resident_requests
 
     async def close(self) -> None:
         await self._channel.close()

@@ -31,6 +31,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="sizes the memory profile; the scheduler's Init may lower it")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--tls-cert", default=None, help="PEM cert of the Worker port (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM key of the Worker port")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="OTLP gRPC endpoint for traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
     return p.parse_args(argv)
 
 
@@ -46,9 +50,13 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(level=args.log_level, service="worker")
+    from pagoda.telemetry import setup_tracing
+
+    setup_tracing("pagoda-worker", args.otlp_traces_endpoint)
     from worker_svc.server import serve
 
-    asyncio.run(serve(build_runner(args), args.host, args.port))
+    asyncio.run(serve(build_runner(args), args.host, args.port, tls_cert=args.tls_cert,
+                      tls_key=args.tls_key))
 
 
 def build_runner(args: argparse.Namespace):
@@ -60,10 +68,13 @@ def build_runner(args: argparse.Namespace):
                               check_kv=False)
     if not args.model:
         raise SystemExit("--model is required (or --fake)")
-    from worker_svc.model_runner import ModelRunner  # torch import: after flags parse
+    from worker_svc.tp_worker import create_runner  # torch import: after flags parse
 
-    runner = ModelRunner(build_config(args), max_num_batched_tokens=args.max_num_batched_tokens)
-    log.info("model_loaded", model=args.model, device=str(runner.device))
+    # TP > 1: this process is rank 0 and spawns the other ranks; a rank dying exits this process.
+    runner = create_runner(build_config(args), max_num_batched_tokens=args.max_num_batched_tokens,
+                           exit_on_failure=True)
+    log.info("model_loaded", model=args.model, device=str(runner.device),
+             tensor_parallel_size=args.tensor_parallel_size)
     return runner
 
 

@@ -10,6 +10,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagoda.grpc_health import HealthState
 from pagoda.logging import get_logger
+from pagoda.tls import add_port
 from pagoda.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.service import StepRunner, WorkerServicer
 
@@ -20,7 +21,8 @@ MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.max_send_message_length", 64 << 20)]
 
 
-async def start_worker_server(runner: StepRunner, host: str, port: int
+async def start_worker_server(runner: StepRunner, host: str, port: int, tls_cert: str | None = None,
+                              tls_key: str | None = None
                               ) -> tuple[grpc.aio.Server, WorkerServicer, int]:
     """Start serving (health NOT_SERVING until Init); returns (server, servicer, bound port)."""
     server = grpc.aio.server(options=MESSAGE_OPTIONS)
@@ -29,15 +31,16 @@ async def start_worker_server(runner: StepRunner, host: str, port: int
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health.add_to_server(server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls_cert, tls_key)
     await server.start()
     await health.set_serving(False)
     log.info("worker_listening", address=f"{host}:{bound}")
     return server, servicer, bound
 
 
-async def serve(runner: StepRunner, host: str, port: int, grace_s: float = 2.0) -> None:
-    server, servicer, _ = await start_worker_server(runner, host, port)
+async def serve(runner: StepRunner, host: str, port: int, grace_s: float = 2.0,
+                tls_cert: str | None = None, tls_key: str | None = None) -> None:
+    server, servicer, _ = await start_worker_server(runner, host, port, tls_cert, tls_key)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

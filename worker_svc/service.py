@@ -18,6 +18,7 @@ from typing import Protocol
 
 from pagoda.grpc_health import HealthState
 from pagoda.logging import bound_contextvars, get_logger
+from pagoda.telemetry import context_from_traceparent, get_tracer, tracing_enabled
 from pagoda.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.core.params import InvalidRequestError
 from scheduler_svc.core.plan import StepPlan, StepResult
@@ -48,6 +49,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.epoch = 0
         self._last_step_id: int | None = None  # None: the next plan sets the baseline
         self._needs_init = False  # a step failed half-way: the resident state is unknown
+        self._tracer = get_tracer("worker_svc") if tracing_enabled() else None  # None: no span
 
     async def Init(self, request: worker_pb2.InitRequest, context) -> worker_pb2.InitResponse:
         await self._in_thread(self._init, request)
@@ -126,13 +128,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             log.warning("plan_rejected", code="INVALID_PLAN", reason=str(error))
             return convert.error_result_pb(plan.step_id, Code.INVALID_PLAN, str(error))
         try:
-            result = self._runner.execute(plan)
+            result = self._traced_execute(plan) if self._tracer else self._runner.execute(plan)
         except Exception as error:  # noqa: BLE001 - reported in-band; the scheduler resyncs
             log.exception("step_failed", error=str(error))
             self._needs_init = True
             return convert.error_result_pb(plan.step_id, Code.INTERNAL, f"step failed: {error}")
         self._last_step_id = plan.step_id
-        return convert.result_to_pb(result)
+        result_pb = convert.result_to_pb(result)
+        # Observable proof that finished / aborted requests were dropped (GetStats, soak tests).
+        result_pb.num_resident_requests = getattr(self._runner, "num_resident", 0)
+        return result_pb
+
+    def _traced_execute(self, plan: StepPlan) -> StepResult:
+        """execute() inside `worker.execute`, a child of the scheduler's step span. An exception
+        is recorded on the span (marked as an error) and propagates to the caller's handler."""
+        with self._tracer.start_as_current_span(
+                "worker.execute", context=context_from_traceparent(plan.traceparent),
+                attributes={"pagoda.step.step_id": plan.step_id}) as span:
+            result = self._runner.execute(plan)
+            span.set_attributes({"pagoda.worker.forward_seconds": result.forward_seconds,
+                                 "pagoda.worker.sample_seconds": result.sample_seconds})
+            return result
 
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -17,7 +17,8 @@ from scheduler_svc.core.prefix_index import PrefixIndex
 
 
 class BlockPool:
-    __slots__ = ("num_blocks", "_ref", "_free", "_evictable", "_num_used", "_index")
+    __slots__ = ("num_blocks", "_ref", "_free", "_evictable", "_num_used", "_index",
+                 "num_allocated_total", "num_freed_total")
 
     def __init__(self, num_blocks: int, index: PrefixIndex | None = None) -> None:
         if num_blocks < 1:
@@ -28,6 +29,10 @@ class BlockPool:
         self._free: deque[BlockId] = deque(BlockId(b) for b in range(num_blocks))
         self._evictable: OrderedDict[BlockId, None] = OrderedDict()  # LRU first
         self._num_used = 0
+        # Monotonic, for the blocks/s metrics: blocks that went from available (free or evictable)
+        # to in use, and back. allocated - freed == num_used at all times.
+        self.num_allocated_total = 0
+        self.num_freed_total = 0
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -76,6 +81,7 @@ class BlockPool:
             self._ref[block] = 1
             out.append(block)
         self._num_used += n
+        self.num_allocated_total += n
         return out
 
     def touch(self, blocks: Iterable[BlockId]) -> None:
@@ -85,12 +91,14 @@ class BlockPool:
             if ref[block] == 0:
                 del self._evictable[block]
                 self._num_used += 1
+                self.num_allocated_total += 1
             ref[block] += 1
 
     def free(self, blocks: list[BlockId]) -> None:
         """Drop one reference on each block, tail first: the tail of a sequence is evicted first."""
         ref = self._ref
         index = self._index
+        used_before = self._num_used
         for block in reversed(blocks):
             ref[block] -= 1
             if ref[block] == 0:
@@ -101,6 +109,7 @@ class BlockPool:
                     self._free.append(block)
             elif ref[block] < 0:
                 raise AssertionError(f"block {block} freed more often than allocated")
+        self.num_freed_total += used_before - self._num_used
 
     def purge_cached(self) -> None:
         """Forget every cached prefix (worker restart): evictable blocks go back to the free list."""
@@ -111,6 +120,7 @@ class BlockPool:
 
     def reset(self) -> None:
         """Every block back to the free list, in id order; the prefix index is purged."""
+        self.num_freed_total += self._num_used
         self._ref = [0] * self.num_blocks
         self._free = deque(BlockId(b) for b in range(self.num_blocks))
         self._evictable.clear()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from scheduler_svc.core.errors import QueueFullError
 from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.params import EngineRequest, FinishReason, InvalidRequestError, RequestId
+from scheduler_svc.core.plan import StepPlan
 from scheduler_svc.core.request import Request, SeqStatus, Sequence
 
 
@@ -32,6 +33,8 @@ class SchedulerStats:
     last_step_decode_tokens: int
     last_step_preemptions: int
     num_resident_tokens: int  # tokens whose KV the running sequences hold (fragmentation studies)
+    blocks_allocated: int = 0  # total blocks taken from the pool (free list or evictable LRU)
+    blocks_freed: int = 0  # total blocks returned to it
 
 
 class SchedulerLifecycleMixin:
@@ -113,7 +116,17 @@ class SchedulerLifecycleMixin:
             len(self._running), len(self._waiting), pool.num_free, pool.num_evictable, pool.num_used,
             pool.num_used / pool.num_blocks, self.prefix_queries, self.prefix_hits,
             self.num_preemptions, self.prompt_tokens, self.generation_tokens, *self._last_step,
-            sum(seq.num_computed_tokens for seq in self._running))
+            sum(seq.num_computed_tokens for seq in self._running),
+            pool.num_allocated_total, pool.num_freed_total)
+
+    def running_request_ids(self, plan: StepPlan) -> list[RequestId]:
+        """The caller-level ids of the requests `plan` (just returned by schedule(), nothing changed
+        since) computes tokens for, each once: the running sequences but those it skips (count 0).
+        A sequence preempted by the plan has left the running list. O(running): call it only when
+        the answer is used (the step span's links, with tracing on)."""
+        counts = plan.num_scheduled_tokens
+        return list(dict.fromkeys(seq.request.request_id for seq in self._running
+                                  if counts.get(seq.seq_id, 1)))
 
     # -- ending requests ----------------------------------------------------------------------
     def abort(self, request_id: RequestId) -> list[SequenceDelta]:

@@ -161,7 +161,7 @@ async def test_health_ready_and_metrics(make_gateway):
     await connected.http.post("/v1/completions", json={"prompt": "Hi"})
     metrics = (await connected.http.get("/metrics")).text
     assert 'pagoda:http_requests_total{route="/v1/completions",status="200"}' in metrics
-    assert "pagoda:time_to_first_token_seconds_count" in metrics
+    assert "vllm:time_to_first_token_seconds_count" in metrics
 
 
 async def test_served_model_name_override(make_gateway):
