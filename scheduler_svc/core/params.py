@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import NewType
 
 RequestId = NewType("RequestId", str)
@@ -19,7 +19,7 @@ class InvalidRequestError(ValueError):
     """A request whose fields are out of range; maps to INVALID_ARGUMENT / HTTP 400."""
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"  # EOS or one of stop_token_ids (stop strings are the gateway's)
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # cancelled by the caller

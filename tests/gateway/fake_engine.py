@@ -24,6 +24,9 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     fail_code: grpc.StatusCode | None = None  # Generate fails with this before any token
     fail_after_responses: int | None = None  # then INTERNAL mid-stream
     gate: asyncio.Event | None = None  # when set: each response waits for it (clients can leave)
+    # Hold the final response until the caller cancels, like an engine still generating: a test
+    # then sees a cancel only if the gateway sent one, never a natural end that raced it.
+    hold_final_response: bool = False
     requests: list[engine_pb2.GenerateRequest] = field(default_factory=list)
     active: set[str] = field(default_factory=set)  # request ids streaming now
     cancelled: list[str] = field(default_factory=list)  # request ids whose caller left early
@@ -41,6 +44,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, "fake engine failed mid-stream")
                 if self.gate is not None:
                     await self.gate.wait()
+                if response.finished and self.hold_final_response:
+                    await asyncio.Event().wait()  # only a cancel (the caller leaving) ends this
                 self.responses_sent += 1
                 finished = response.finished
                 yield response

@@ -42,6 +42,7 @@ async def test_streamed_completion_ends_with_usage_then_done(gateway):
 
 
 async def test_stop_string_trims_text_and_cancels_upstream(gateway, upstream):
+    upstream.engine.hold_final_response = True  # the stop string must end it, not the script
     reply = await gateway.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 64,
                                                              "stop": ["end", "zzz"]})
     choice = reply.json()["choices"][0]
