@@ -9,21 +9,19 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Mapping
 
-from pagoda.v1 import common_pb2, engine_pb2
+from pagoda.common_codec import (
+    finish_reason_from_pb,
+    finish_reason_to_pb,
+    logprobs_from_pb,
+    logprobs_to_pb,
+    sampling_from_pb,
+    sampling_to_pb,
+)
+from pagoda.v1 import engine_pb2
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.params import EngineRequest, FinishReason, InvalidRequestError, RequestId
 from worker_svc.config import WorkerInfo
-from worker_svc.convert import logprobs_from_pb, logprobs_to_pb, sampling_from_pb, sampling_to_pb
-
-_FINISH_TO_PB = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
-    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
-}
-_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 
 
 def request_from_pb(pb: engine_pb2.GenerateRequest, arrival_time: float,
@@ -50,14 +48,14 @@ def delta_to_pb(delta: SequenceDelta) -> engine_pb2.SequenceDelta:
     return engine_pb2.SequenceDelta(
         index=delta.seq_index, token_ids=delta.new_token_ids,
         logprobs=[logprobs_to_pb(lp) for lp in delta.new_logprobs],
-        finish_reason=_FINISH_TO_PB[delta.finish_reason])
+        finish_reason=finish_reason_to_pb(delta.finish_reason))
 
 
 def delta_from_pb(pb: engine_pb2.SequenceDelta, request_id: str) -> SequenceDelta:
     return SequenceDelta(
         request_id=RequestId(request_id), seq_index=pb.index, new_token_ids=list(pb.token_ids),
         new_logprobs=[logprobs_from_pb(lp) for lp in pb.logprobs],
-        finish_reason=_FINISH_FROM_PB[pb.finish_reason])
+        finish_reason=finish_reason_from_pb(pb.finish_reason))
 
 
 def response_to_pb(request_id: str, deltas: Iterable[SequenceDelta], finished: bool,

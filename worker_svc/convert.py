@@ -7,8 +7,9 @@ defined once. Pure functions; domain classes never see protobuf.
 
 from __future__ import annotations
 
+from pagoda.common_codec import logprobs_from_pb, logprobs_to_pb, sampling_from_pb, sampling_to_pb
 from pagoda.v1 import common_pb2, worker_pb2
-from scheduler_svc.core.params import BlockId, RequestId, SamplingParams
+from scheduler_svc.core.params import BlockId, RequestId
 from scheduler_svc.core.plan import (
     BlockCopy,
     Fork,
@@ -16,49 +17,8 @@ from scheduler_svc.core.plan import (
     StepPlan,
     StepResult,
     TableUpdate,
-    TokenLogprobs,
 )
 from worker_svc.config import WorkerInfo
-
-# proto3 `optional` fields whose absence means the dataclass default (not zero).
-_OPTIONAL_SAMPLING = ("n", "temperature", "top_p", "seed", "logprobs", "repetition_penalty")
-
-
-# -- sampling parameters ----------------------------------------------------------------------
-
-def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
-    """Validates (raises InvalidRequestError). An absent max_tokens means up to the context."""
-    kwargs = {name: getattr(pb, name) for name in _OPTIONAL_SAMPLING if pb.HasField(name)}
-    return SamplingParams(
-        **kwargs,
-        top_k=pb.top_k, min_p=pb.min_p,
-        max_tokens=pb.max_tokens if pb.HasField("max_tokens") else None,
-        min_tokens=pb.min_tokens, stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
-        presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty,
-    )
-
-
-def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(
-        n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-        min_p=params.min_p, min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos, presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty)
-    for name in ("seed", "max_tokens", "logprobs"):
-        value = getattr(params, name)
-        if value is not None:
-            setattr(pb, name, value)
-    return pb
-
-
-def logprobs_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
-    return common_pb2.TokenLogprobs(
-        logprob=lp.logprob, top=[common_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
-
-
-def logprobs_from_pb(pb: common_pb2.TokenLogprobs) -> TokenLogprobs:
-    return TokenLogprobs(logprob=pb.logprob, top=[(t.token_id, t.logprob) for t in pb.top])
-
 
 # -- step plans -------------------------------------------------------------------------------
 

@@ -1,0 +1,67 @@
+"""The codec for `common.proto`: sampling params, logprobs and finish reasons.
+
+One definition for every service: the gateway and the scheduler speak these messages on the Engine
+API, the scheduler and the worker on the Steps stream. Pure functions over the core dataclasses.
+"""
+
+from __future__ import annotations
+
+from pagoda.v1 import common_pb2
+from scheduler_svc.core.params import FinishReason, SamplingParams
+from scheduler_svc.core.plan import TokenLogprobs
+
+# proto3 `optional` fields: absent on the wire means the dataclass default (not zero), e.g. no seed,
+# max_tokens up to the context length, temperature 1.0.
+_OPTIONAL_SAMPLING = ("n", "temperature", "top_p", "seed", "max_tokens", "logprobs",
+                      "repetition_penalty")
+
+_FINISH_TO_PB = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PB = {code: reason for reason, code in _FINISH_TO_PB.items()}
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(
+        n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        min_p=params.min_p, min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty)
+    for name in ("seed", "max_tokens", "logprobs"):
+        value = getattr(params, name)
+        if value is not None:
+            setattr(pb, name, value)
+    return pb
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """Validates (raises InvalidRequestError). An absent max_tokens means up to the context."""
+    kwargs = {name: getattr(pb, name) for name in _OPTIONAL_SAMPLING if pb.HasField(name)}
+    kwargs.setdefault("max_tokens", None)  # the dataclass default (16) is the offline API's
+    return SamplingParams(
+        **kwargs, top_k=pb.top_k, min_p=pb.min_p, min_tokens=pb.min_tokens,
+        stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
+        presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty)
+
+
+def logprobs_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        logprob=lp.logprob, top=[common_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+
+
+def logprobs_from_pb(pb: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(logprob=pb.logprob, top=[(t.token_id, t.logprob) for t in pb.top])
+
+
+def finish_reason_to_pb(reason: FinishReason | str | None) -> int:
+    """FinishReason or its name ("stop", "length", ...) -> the enum code; None -> UNSPECIFIED."""
+    return _FINISH_TO_PB[FinishReason(reason) if reason else None]
+
+
+def finish_reason_from_pb(code: int) -> FinishReason | None:
+    """The enum code -> FinishReason (a str: "stop", ...), or None while the sequence runs."""
+    return _FINISH_FROM_PB.get(code)
