@@ -119,3 +119,24 @@ def test_write_kv_cache_skips_negative_slots():
     # all slots -1: nothing written, no error
     backend.write_kv_cache(key, value, k_cache, v_cache, torch.full((3,), -1))
     assert int(written.sum()) == 2 and k_cache[~written].abs().sum() == 0
+
+
+def test_metadata_changed_in_place_is_not_served_from_the_step_cache():
+    """The backend reuses what it derives from the metadata across the layers of one step; the
+    runner may rewrite the same tensors in place for the next step, which must not reuse it."""
+    gen = torch.Generator().manual_seed(7)
+    backend = get_backend("torch")
+    pool, num_heads = 8, NUM_KV_HEADS * 2
+    k_cache = torch.randn(pool, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    v_cache = torch.randn(pool, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    query = torch.randn(2, num_heads, HEAD_DIM, generator=gen)
+    block_tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([20, 9], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    args = (k_cache, v_cache, block_tables, seq_lens, qsl, HEAD_DIM**-0.5, 1, 20)
+    backend.paged_attention(query, *args)  # fills the step cache
+    block_tables[0] = torch.tensor([5, 6], dtype=torch.int32)  # the next step, same tensors
+    seq_lens[1] = 16
+    reused = backend.paged_attention(query, *args)
+    fresh = get_backend("torch").paged_attention(query, *args)
+    torch.testing.assert_close(reused, fresh, rtol=0, atol=0)
