@@ -43,10 +43,13 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     configure_logging(json=config.log_json, service="gateway")
-    from pagoda.telemetry import setup_tracing
+    from pagoda.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("pagoda-gateway", config.otlp_traces_endpoint)
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    finally:
+        shutdown_tracing()  # flush the drained requests' spans
 
 
 if __name__ == "__main__":

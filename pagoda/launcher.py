@@ -3,7 +3,7 @@
 Starts the worker, the scheduler and (when gateway/__main__.py exists) the gateway as separate
 processes, waits until each answers grpc.health.v1, prints the addresses, restarts a child that
 dies (the scheduler reconnects to a restarted worker and recomputes), and stops everything in
-reverse order on Ctrl-C / SIGTERM.
+reverse order on Ctrl-C / SIGTERM: the gateway drains first, then the scheduler, then the worker.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pagoda.healthcheck import check_serving
 REPO = Path(__file__).resolve().parents[1]
 MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; beyond that the launcher gives up
 RESTART_WINDOW_S = 60.0
+STOP_MARGIN_S = 10.0  # beyond --shutdown-timeout: the drain's grace period and the exit itself
 
 
 @dataclass
@@ -34,7 +35,9 @@ class Child:
     restarts: list[float] = field(default_factory=list)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], cwd=REPO)
+        # A session of its own: a terminal's Ctrl-C reaches only the launcher, which then stops
+        # the children in order (all at once, the worker would die under a draining scheduler).
+        self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], cwd=REPO, start_new_session=True)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -61,17 +64,18 @@ def build_children(args: argparse.Namespace) -> list[Child]:
     worker = f"127.0.0.1:{args.worker_port}"
     scheduler = f"127.0.0.1:{args.scheduler_port}"
     model = ["--fake"] if args.fake else ["--model", args.model]
+    drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
     children = [
         Child("worker", ["worker_svc", *model, "--port", str(args.worker_port),
                          "--tensor-parallel-size", str(args.tensor_parallel_size),
                          "--device", args.device], worker, needs_serving=False),
-        Child("scheduler", ["scheduler_svc", "--workers", worker, "--port", str(args.scheduler_port)],
-              scheduler, needs_serving=True),
+        Child("scheduler", ["scheduler_svc", "--workers", worker, "--port", str(args.scheduler_port),
+                            *drain], scheduler, needs_serving=True),
     ]
     if (REPO / "gateway" / "__main__.py").exists() and not args.no_gateway:
         tokenizer = [] if args.fake else ["--tokenizer", args.model]
         children.append(Child("gateway", ["gateway", "--scheduler", scheduler, "--port", str(args.gateway_port),
-                                          "--grpc-port", str(args.grpc_port), *tokenizer],
+                                          "--grpc-port", str(args.grpc_port), *tokenizer, *drain],
                               f"127.0.0.1:{args.grpc_port}", needs_serving=True))
     return children
 
@@ -121,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--no-gateway", action="store_true")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds the gateway and the scheduler may each drain requests in flight")
     return p.parse_args(argv)
 
 
@@ -139,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         print_addresses(args, children)
         code = supervise(children, stop, args.startup_timeout)
     finally:
-        for child in reversed(children):
-            child.stop()
+        for child in reversed(children):  # gateway, scheduler, worker: each drains before the next
+            child.stop(args.shutdown_timeout + STOP_MARGIN_S)
         print("[launcher] stopped", file=sys.stderr)
     return code
 

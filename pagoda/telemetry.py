@@ -78,10 +78,13 @@ def setup_tracing(service_name: str, endpoint: str | None = None, *,
     return True
 
 
-def shutdown_tracing() -> None:
-    """Flush queued spans (call on graceful shutdown; the SDK also does it at exit)."""
+def shutdown_tracing(flush_timeout_s: float = 5.0) -> None:
+    """Flush the spans still queued and shut the exporters down: the last call of a service's
+    graceful stop (once per process; spans ended afterwards are dropped). The flush is bounded so
+    an unreachable collector cannot hold the exit."""
     if _provider is not None:
-        _provider.force_flush()
+        _provider.force_flush(int(flush_timeout_s * 1000))
+        _provider.shutdown()
 
 
 def tracing_enabled() -> bool:

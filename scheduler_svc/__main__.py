@@ -52,10 +52,13 @@ def build_config(args: argparse.Namespace) -> EngineServiceConfig:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(level=args.log_level, service="scheduler")
-    from pagoda.telemetry import setup_tracing
+    from pagoda.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("pagoda-scheduler", args.otlp_traces_endpoint)
-    asyncio.run(serve(build_config(args)))
+    try:
+        asyncio.run(serve(build_config(args)))
+    finally:
+        shutdown_tracing()  # flush the drained requests' spans
 
 
 if __name__ == "__main__":

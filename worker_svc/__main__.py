@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="sizes the memory profile; the scheduler's Init may lower it")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="--fake only: the vocabulary it reports and samples from (default: the "
+                        "--model directory's, else 2048)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--tls-cert", default=None, help="PEM cert of the Worker port (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM key of the Worker port")
@@ -50,22 +53,25 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(level=args.log_level, service="worker")
-    from pagoda.telemetry import setup_tracing
+    from pagoda.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("pagoda-worker", args.otlp_traces_endpoint)
     from worker_svc.server import serve
 
-    asyncio.run(serve(build_runner(args), args.host, args.port, tls_cert=args.tls_cert,
-                      tls_key=args.tls_key))
+    try:
+        asyncio.run(serve(build_runner(args), args.host, args.port, tls_cert=args.tls_cert,
+                          tls_key=args.tls_key))
+    finally:
+        shutdown_tracing()  # flush the last steps' spans
 
 
 def build_runner(args: argparse.Namespace):
     if args.fake:
-        from worker_svc.fake_runner import FakeStepRunner
+        from worker_svc.fake_runner import FakeStepRunner, fake_vocab_size
 
         return FakeStepRunner(num_blocks=args.num_gpu_blocks_override or 4096,
                               block_size=args.block_size, max_model_len=args.max_model_len or 4096,
-                              check_kv=False)
+                              vocab_size=args.vocab_size or fake_vocab_size(args.model), check_kv=False)
     if not args.model:
         raise SystemExit("--model is required (or --fake)")
     from worker_svc.tp_worker import create_runner  # torch import: after flags parse

@@ -7,7 +7,9 @@ the real worker's `validate_plan` before anything changes, exactly as ModelRunne
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 from scheduler_svc.core.params import RequestId
 from scheduler_svc.core.plan import StepPlan, StepResult
@@ -15,6 +17,27 @@ from scheduler_svc.fake_worker import FakeSampler, FakeWorker
 from worker_svc.config import WorkerInfo
 from worker_svc.errors import NotInitializedError
 from worker_svc.plan_validation import validate_plan
+
+# The tiny model's vocabulary: a fake stack's gateway usually loads that tokenizer.
+DEFAULT_FAKE_VOCAB_SIZE = 2048
+
+
+def fake_vocab_size(model_dir: str | Path | None) -> int:
+    """The vocabulary a fake worker should report: the model's (config.json `vocab_size`, else the
+    tokenizer.json vocabulary plus added tokens) when `model_dir` has one, else 2048. It must
+    cover every id the gateway's tokenizer emits, or text prompts fail the vocabulary check."""
+    directory = Path(model_dir) if model_dir else None
+    if directory is not None and (directory / "config.json").is_file():
+        vocab_size = json.loads((directory / "config.json").read_text()).get("vocab_size")
+        if vocab_size:
+            return int(vocab_size)
+    if directory is not None and (directory / "tokenizer.json").is_file():
+        tokenizer = json.loads((directory / "tokenizer.json").read_text())
+        ids = [*tokenizer.get("model", {}).get("vocab", {}).values(),
+               *(token["id"] for token in tokenizer.get("added_tokens", []))]
+        if ids:
+            return max(ids) + 1
+    return DEFAULT_FAKE_VOCAB_SIZE
 
 
 class _StateView:
@@ -81,6 +104,8 @@ class FakeStepRunner:
         validate_plan(plan, _ResidentView(self.worker.resident), self.num_blocks, self.block_size)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """Raises PlanError (before any change) for a plan that does not apply."""
+        self.validate(plan)
         assert self.worker is not None
         if self._baseline:
             self.worker.next_step_id = plan.step_id

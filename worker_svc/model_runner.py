@@ -107,7 +107,12 @@ class ModelRunner:
         validate_plan(plan, self.requests, self.kv_cache.num_blocks, self.config.block_size)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """Raises PlanError (before any change) for a plan that does not apply."""
         self.validate(plan)
+        return self.execute_validated(plan)
+
+    def execute_validated(self, plan: StepPlan) -> StepResult:
+        """`execute` for a plan that `validate` accepted (TP rank 0 validates before broadcasting)."""
         self._last_step_id = plan.step_id
         seqs = self._apply(plan)
         result = StepResult(step_id=plan.step_id)

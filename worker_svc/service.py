@@ -32,10 +32,12 @@ _END = object()  # the plan stream ended
 
 
 class StepRunner(Protocol):
-    """What the servicer needs from ModelRunner (or a fake): see worker_svc/model_runner.py."""
+    """What the servicer needs from ModelRunner (or a fake): see worker_svc/model_runner.py.
+
+    `execute` validates the whole plan first and raises PlanError only then, before any state
+    changed: a rejected plan leaves the worker exactly as it was."""
 
     def initialize(self) -> WorkerInfo: ...
-    def validate(self, plan: StepPlan) -> None: ...
     def execute(self, plan: StepPlan) -> StepResult: ...
     def reset(self) -> None: ...
 
@@ -121,14 +123,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return None
 
     def _execute(self, plan: StepPlan) -> worker_pb2.StepResult:
-        """Runs on the step thread. Validation happens before any state changes."""
-        try:
-            self._runner.validate(plan)
-        except PlanError as error:
-            log.warning("plan_rejected", code="INVALID_PLAN", reason=str(error))
-            return convert.error_result_pb(plan.step_id, Code.INVALID_PLAN, str(error))
+        """Runs on the step thread. The runner validates once, before any state changes."""
         try:
             result = self._traced_execute(plan) if self._tracer else self._runner.execute(plan)
+        except PlanError as error:  # rejected before anything changed: the state is intact
+            log.warning("plan_rejected", code="INVALID_PLAN", reason=str(error))
+            return convert.error_result_pb(plan.step_id, Code.INVALID_PLAN, str(error))
         except Exception as error:  # noqa: BLE001 - reported in-band; the scheduler resyncs
             log.exception("step_failed", error=str(error))
             self._needs_init = True

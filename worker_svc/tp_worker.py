@@ -129,7 +129,7 @@ class TPDriver:
         with self._lock:
             self.runner.validate(plan)  # before the broadcast: a bad plan changes no rank
             result = self._on_group(("step", plan, self._pending_tokens),
-                                    lambda: self.runner.execute(plan))
+                                    lambda: self.runner.execute_validated(plan))
             self._pending_tokens = result.token_ids
             return result
 

@@ -11,6 +11,7 @@ Reusable pieces (the gateway's e2e tests build on them):
   the port to answer health and start_scheduler waits for the worker's Init + the engine loop).
 - `engine_processes` (session): a tiny-model worker + scheduler, shared by every e2e test;
   `.scheduler_target` / `.worker_target` are "127.0.0.1:PORT".
+- `gateway_stack` (session, from gateway_conftest.py): one gateway on top of it, for every module.
 Flags are keyword arguments with underscores: `start_scheduler(t, max_num_seqs=8, no_pipelining=True)`
 (True -> a bare flag).
 """
@@ -165,3 +166,7 @@ def engine_processes(tiny_model_dir, tmp_path_factory):
     engine = EngineProcesses(worker, scheduler, tiny_model_dir)
     yield engine
     engine.stop()
+
+
+# Registered here, once: a fixture imported into several test modules is one instance per module.
+from tests.e2e.gateway_conftest import gateway_stack  # noqa: E402,F401 - needs the names above

@@ -1,6 +1,8 @@
 """The gateway process on top of `tests/e2e/conftest.py`'s shared worker + scheduler.
 
-Import the fixture into a test module with `from tests.e2e.gateway_conftest import gateway_stack`.
+`tests/e2e/conftest.py` registers the `gateway_stack` fixture for the whole package.
+One gateway serves the whole session (like `engine_processes`): tests measure deltas, never
+absolute counters.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _http_ready(http_url: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gateway_stack(engine_processes, tmp_path_factory):
     gateway, http_url = start_gateway(engine_processes.scheduler_target, tmp_path_factory.mktemp("gw"))
     try:

@@ -11,7 +11,6 @@ import pytest
 
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
 from tests.e2e.conftest import ENGINE_WORKER_FLAGS
-from tests.e2e.gateway_conftest import *  # noqa: F403 - the gateway_stack fixture
 from tests.e2e.gateway_conftest import wait_for
 
 pytestmark = pytest.mark.slow

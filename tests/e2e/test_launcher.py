@@ -21,7 +21,8 @@ def test_launcher_serves_and_stops_cleanly(tmp_path):
     log = open(tmp_path / "launcher.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagoda.launcher", "--fake", "--no-gateway", "--device", "cpu",
-         "--worker-port", str(worker_port), "--scheduler-port", str(scheduler_port)],
+         "--worker-port", str(worker_port), "--scheduler-port", str(scheduler_port),
+         "--shutdown-timeout", "7"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         end = time.monotonic() + 60
@@ -40,3 +41,6 @@ def test_launcher_serves_and_stops_cleanly(tmp_path):
             proc.kill()
     text = (tmp_path / "launcher.log").read_text()
     assert "[launcher] stopped" in text and "scheduler_stopping" in text
+    assert '"shutdown_timeout_s": 7.0' in text  # the launcher's flag reached the scheduler
+    # Stopped in order: the scheduler drained and stopped before the worker got its SIGTERM.
+    assert text.index("scheduler_stopping") < text.index("worker_stopping")

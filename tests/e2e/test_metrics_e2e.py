@@ -12,7 +12,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import ENGINE_WORKER_FLAGS
-from tests.e2e.gateway_conftest import *  # noqa: F403 - the gateway_stack fixture
 
 pytestmark = pytest.mark.slow
 NUM_REQUESTS = 3
@@ -92,15 +91,13 @@ def test_metrics_after_a_few_requests(gateway_stack):
     assert total == ENGINE_WORKER_FLAGS["num_gpu_blocks_override"]
     assert value(after, "pagoda:num_free_blocks") + value(after, "pagoda:num_evictable_blocks") == total
 
-    # The gateway's histograms (this module's gateway served exactly these requests).
+    # The gateway's histograms (the session's gateway: exactly these requests between the scrapes).
     for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
                  "vllm:request_queue_time_seconds"):
-        assert value(after, f"{name}_count") == NUM_REQUESTS, name
-        assert value(after, f"{name}_bucket", le="+Inf") == NUM_REQUESTS, name
+        assert delta(f"{name}_count") == NUM_REQUESTS, name
+        assert delta(f"{name}_bucket", le="+Inf") == NUM_REQUESTS, name
     # Every token after the first has one inter-token latency.
-    assert value(after, "vllm:inter_token_latency_seconds_count") == NUM_REQUESTS * (MAX_TOKENS - 1)
-    assert value(after, "vllm:time_to_first_token_seconds_sum") > 0
-    assert value(after, "vllm:e2e_request_latency_seconds_sum") >= \
-        value(after, "vllm:time_to_first_token_seconds_sum")
-    assert value(after, "pagoda:http_requests_total", route="/v1/completions", status="200") \
-        == NUM_REQUESTS
+    assert delta("vllm:inter_token_latency_seconds_count") == NUM_REQUESTS * (MAX_TOKENS - 1)
+    assert delta("vllm:time_to_first_token_seconds_sum") > 0
+    assert delta("vllm:e2e_request_latency_seconds_sum") >= delta("vllm:time_to_first_token_seconds_sum")
+    assert delta("pagoda:http_requests_total", route="/v1/completions", status="200") == NUM_REQUESTS

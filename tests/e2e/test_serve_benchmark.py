@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from benchmarks import prefix_ttft, serve
 from benchmarks.datasets import WorkloadSpec, make_workload
 from tests.e2e.conftest import free_port
-from tests.e2e.gateway_conftest import *  # noqa: F403 - the gateway_stack fixture
 
 pytestmark = pytest.mark.slow
 

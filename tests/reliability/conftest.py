@@ -4,6 +4,15 @@
 free loopback ports and returns a `Stack`; `restart_worker` / `restart_scheduler` start a fresh
 process on the same port, as the launcher (or compose's `restart: unless-stopped`) would.
 The fake worker answers at once, so fault tests whose outcome does not depend on the model stay fast.
+
+Starting a stack costs seconds of the 2-core budget, so tests that leave their processes alive
+share one per flag set, for the whole session:
+- `fake_stack`: context 128 (cheap schemathesis requests), 64 KiB request bodies: bad input, the
+  soak, cache-salt isolation, loopback binds (and a second gateway with an API key on top of it);
+- `small_queue_stack`: 4 running + 4 waiting requests, the worker's full context: overload, and
+  requests that must stay resident longer than 128 tokens.
+Tests that kill, restart or SIGTERM a process, or need other flags (TLS), start their own.
+Every test that uses a shared stack leaves it idle, with no block in use.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import pytest
 
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
 from tests.e2e.conftest import (
@@ -25,12 +35,19 @@ from tests.e2e.conftest import (
     tiny_model_dir,  # noqa: F401 - a fixture for this package
 )
 from tests.e2e.gateway_conftest import start_gateway
+from worker_svc.fake_runner import fake_vocab_size
 
-# Also the tokenizer of the fake worker's gateway: its ids (< 1000) are all in the tiny vocab.
+# Also the tokenizer of the fake worker's gateway; the fake worker reports its vocabulary.
 TOKENIZER_DIR = DEFAULT_MODEL
+FAKE_VOCAB_SIZE = fake_vocab_size(TOKENIZER_DIR)
+SHARED_MAX_MODEL_LEN = 128
+SHARED_MAX_REQUEST_BYTES = 64 * 1024
+SMALL_QUEUE_MAX_NUM_SEQS, SMALL_QUEUE_MAX_WAITING = 4, 4
 
 
 def worker_process(log_dir: Path, port: int, model: Path | None = None, **flags) -> ServiceProcess:
+    if model is None:
+        flags = {"vocab_size": FAKE_VOCAB_SIZE, **flags}
     args = ["--port", str(port), *(["--model", str(model)] if model else ["--fake"]), *flag_args(flags)]
     worker = ServiceProcess("worker", "worker_svc", args, port, log_dir)
     worker.wait_answering()
@@ -109,3 +126,21 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+@pytest.fixture(scope="session")
+def fake_stack(tmp_path_factory):
+    stack = start_stack(tmp_path_factory.mktemp("fake-stack"),
+                        worker_flags={"max_model_len": SHARED_MAX_MODEL_LEN},
+                        gateway_args=("--max-request-bytes", str(SHARED_MAX_REQUEST_BYTES)))
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def small_queue_stack(tmp_path_factory):
+    stack = start_stack(tmp_path_factory.mktemp("small-queue"),
+                        scheduler_flags={"max_num_seqs": SMALL_QUEUE_MAX_NUM_SEQS,
+                                         "max_waiting_requests": SMALL_QUEUE_MAX_WAITING})
+    yield stack
+    stack.stop()

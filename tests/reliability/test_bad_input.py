@@ -1,7 +1,7 @@
 """Bad input never yields a 5xx: schemathesis over the gateway's OpenAPI schema, plus hand-written
 cases that each expect one clear 4xx (HTTP) or INVALID_ARGUMENT (public gRPC and Engine API).
 
-The stack is the fake worker with max_model_len 128, so generated requests stay cheap.
+The stack is the session's shared fake stack (context 128, so generated requests stay cheap).
 """
 
 from __future__ import annotations
@@ -17,20 +17,16 @@ import pytest
 from gateway.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from pagoda.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from tests.e2e.conftest import REPO
-from tests.reliability.conftest import start_stack
+from tests.reliability.conftest import SHARED_MAX_MODEL_LEN as MAX_MODEL_LEN
+from tests.reliability.conftest import SHARED_MAX_REQUEST_BYTES as MAX_REQUEST_BYTES
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-MAX_MODEL_LEN = 128
-MAX_REQUEST_BYTES = 64 * 1024
 SCHEMATHESIS_SECONDS = 30
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    stack = start_stack(tmp_path_factory.mktemp("bad-input"), worker_flags={"max_model_len": MAX_MODEL_LEN},
-                        gateway_args=("--max-request-bytes", str(MAX_REQUEST_BYTES)))
-    yield stack
-    stack.stop()
+@pytest.fixture
+def stack(fake_stack):
+    return fake_stack
 
 
 def test_schemathesis_finds_no_server_error(stack, tmp_path):

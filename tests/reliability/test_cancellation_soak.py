@@ -17,21 +17,22 @@ import pytest
 
 from tests.e2e.conftest import REPO
 from tests.e2e.gateway_conftest import wait_for
-from tests.reliability.conftest import start_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 NUM_REQUESTS = 300
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    stack = start_stack(tmp_path_factory.mktemp("soak"))
-    yield stack
-    stack.stop()
+@pytest.fixture
+def stack(fake_stack):
+    return fake_stack
 
 
-def test_worker_reports_resident_requests_while_they_run(stack):
-    """The observable is live: non-zero while a request runs, zero after it finished."""
+def test_worker_reports_resident_requests_while_they_run(small_queue_stack):
+    """The observable is live: non-zero while a request runs, zero after it finished.
+
+    2000 tokens keep the request resident for seconds on the fake worker: more than the shared
+    fake stack's context, so this runs on the small-queue stack (full context, one request here)."""
+    stack = small_queue_stack
     body = {"prompt": [5, 6, 7], "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
     hung_up = threading.Event()
 

@@ -13,21 +13,19 @@ import httpx
 import pytest
 
 from pagoda.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.reliability.conftest import rss_bytes, start_stack
+from tests.reliability.conftest import SMALL_QUEUE_MAX_NUM_SEQS as MAX_NUM_SEQS
+from tests.reliability.conftest import SMALL_QUEUE_MAX_WAITING as MAX_WAITING
+from tests.reliability.conftest import rss_bytes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
-MAX_NUM_SEQS, MAX_WAITING = 4, 4
 BURST = 5 * (MAX_NUM_SEQS + MAX_WAITING)
 MAX_TOKENS = 200
 RSS_GROWTH_LIMIT = 24 << 20  # bytes; a leak of the burst's bodies or streams would pass it quickly
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    stack = start_stack(tmp_path_factory.mktemp("overload"),
-                        scheduler_flags={"max_num_seqs": MAX_NUM_SEQS, "max_waiting_requests": MAX_WAITING})
-    yield stack
-    stack.stop()
+@pytest.fixture
+def stack(small_queue_stack):
+    return small_queue_stack
 
 
 async def _one_http(client: httpx.AsyncClient, url: str, index: int) -> tuple[int, str | None, int]:

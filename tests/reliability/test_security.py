@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagoda.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.e2e.conftest import ServiceProcess, free_port
-from tests.reliability.conftest import TOKENIZER_DIR, completion, start_stack
+from tests.e2e.gateway_conftest import start_gateway
+from tests.reliability.conftest import FAKE_VOCAB_SIZE, TOKENIZER_DIR, completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 KEY = "s3cret-key"
@@ -29,10 +30,12 @@ LISTEN = "0A"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    stack = start_stack(tmp_path_factory.mktemp("security"), gateway_args=("--api-key", KEY))
-    yield stack
-    stack.stop()
+def keyed_gateway(fake_stack, tmp_path_factory):
+    """A second gateway with an API key on the shared stack's scheduler: (process, http_url)."""
+    gateway, http_url = start_gateway(fake_stack.scheduler.target, tmp_path_factory.mktemp("keyed"),
+                                      "--tokenizer", str(TOKENIZER_DIR), "--api-key", KEY)
+    yield gateway, http_url
+    gateway.stop()
 
 
 def _public_generate(target: str, metadata=(), credentials=None) -> list:
@@ -44,17 +47,18 @@ def _public_generate(target: str, metadata=(), credentials=None) -> list:
         return list(gateway_pb2_grpc.GenerationStub(channel).Generate(request, metadata=metadata, timeout=10))
 
 
-def test_api_key_guards_http_and_public_grpc(stack):
-    assert completion(stack.http_url).status_code == 401
-    assert completion(stack.http_url, headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert completion(stack.http_url, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
-    assert httpx.get(f"{stack.http_url}/v1/models", timeout=5).status_code == 401
+def test_api_key_guards_http_and_public_grpc(keyed_gateway):
+    gateway, http_url = keyed_gateway
+    assert completion(http_url).status_code == 401
+    assert completion(http_url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert completion(http_url, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert httpx.get(f"{http_url}/v1/models", timeout=5).status_code == 401
     for open_path in ("/health", "/ready", "/metrics"):
-        assert httpx.get(f"{stack.http_url}{open_path}", timeout=5).status_code == 200
+        assert httpx.get(f"{http_url}{open_path}", timeout=5).status_code == 200
     with pytest.raises(grpc.RpcError) as refused:
-        _public_generate(stack.gateway.target)
+        _public_generate(gateway.target)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert _public_generate(stack.gateway.target, metadata=(("authorization", f"Bearer {KEY}"),))
+    assert _public_generate(gateway.target, metadata=(("authorization", f"Bearer {KEY}"),))
 
 
 def _listen_addresses(port: int) -> set[str]:
@@ -69,19 +73,19 @@ def _listen_addresses(port: int) -> set[str]:
     return addresses
 
 
-def test_every_service_binds_loopback_by_default(stack):
+def test_every_service_binds_loopback_by_default(fake_stack):
+    stack = fake_stack
     http_port = int(stack.http_url.rsplit(":", 1)[1])
     for port in (stack.worker.port, stack.scheduler.port, stack.gateway.port, http_port):
         addresses = _listen_addresses(port)
         assert addresses and addresses <= LOOPBACK_HEX, (port, addresses)
 
 
-def test_cache_salt_keeps_one_tenants_prefix_cache_from_another(stack):
-    prompt = list(range(100, 164))  # 64 tokens: 4 full blocks of 16
-    auth = {"Authorization": f"Bearer {KEY}"}
+def test_cache_salt_keeps_one_tenants_prefix_cache_from_another(fake_stack):
+    prompt = list(range(100, 164))  # 64 tokens: 4 full blocks of 16; salts no other test uses
 
     def cached(salt: str) -> int:
-        response = completion(stack.http_url, prompt=prompt, max_tokens=2, cache_salt=salt, headers=auth)
+        response = completion(fake_stack.http_url, prompt=prompt, max_tokens=2, cache_salt=salt)
         assert response.status_code == 200, response.text
         return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -124,7 +128,8 @@ def test_tls_on_every_grpc_hop(tmp_path):
     worker_port, scheduler_port, http_port, grpc_port = (free_port() for _ in range(4))
     processes = []
     try:
-        worker = ServiceProcess("worker", "worker_svc", ["--fake", "--port", str(worker_port), *tls],
+        worker = ServiceProcess("worker", "worker_svc", ["--fake", "--port", str(worker_port), "--vocab-size",
+                                                         str(FAKE_VOCAB_SIZE), *tls],
                                 worker_port, tmp_path)
         processes.append(worker)
         scheduler = ServiceProcess("scheduler", "scheduler_svc", [

@@ -147,3 +147,16 @@ async def test_get_info_reports_the_worker_cache_and_the_flags(engine_factory):
     _, stub = await engine_factory(max_num_seqs=7)
     info = await stub.GetInfo(engine_pb2.GetInfoRequest())
     assert (info.num_blocks, info.block_size, info.max_model_len, info.max_num_seqs) == (NUM_BLOCKS, 4, 256, 7)
+
+
+async def test_the_engine_freezes_long_lived_objects_when_it_goes_idle(engine_factory):
+    """Full GCs must not walk the startup heap every step: it is frozen, and re-frozen at idle."""
+    import gc
+
+    _, stub = await engine_factory()
+    gc.unfreeze()  # whatever start-up froze: the idle transition below must freeze again
+    assert gc.get_freeze_count() == 0
+    tokens, _ = await collect(stub, generate_request("freeze", [1, 2, 3], max_tokens=4))
+    assert tokens == {0: expected([1, 2, 3], 4)}
+    await wait_for_stats(stub, lambda stats: stats.idle)
+    assert gc.get_freeze_count() > 0

@@ -82,3 +82,30 @@ async def test_scheduler_is_not_serving_until_its_worker_answers():
             await running.stop(0)
             await server.stop(0)
             servicer.close()
+
+
+async def test_a_worker_reconnecting_while_draining_does_not_flip_health_back(fake_worker, engine_factory):
+    """SIGTERM started the drain: a worker restart during it must leave health NOT_SERVING."""
+    from pagoda.grpc_health import NOT_SERVING, SERVING, check
+    from scheduler_svc.server import drain
+
+    running, _ = await engine_factory(worker_timeout_s=20)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        assert await check(channel) == SERVING
+        await drain(running, timeout_s=5)  # idle: returns at once, health NOT_SERVING
+        old_epoch = running.client.epoch
+        port = int(fake_worker.target.rsplit(":", 1)[1])
+        await fake_worker.server.stop(0)
+        runner = FakeStepRunner(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_model_len=256)
+        server, servicer, _ = await start_worker_server(runner, "127.0.0.1", port)
+        try:
+            deadline = asyncio.get_running_loop().time() + 20
+            while not (running.engine.connected and running.client.epoch != old_epoch):
+                assert asyncio.get_running_loop().time() < deadline, "the worker did not reconnect"
+                await asyncio.sleep(0.01)  # poll interval, bounded by the deadline
+            # A health RPC takes several loop turns: the health update queued on reconnect ran.
+            assert await check(channel) == NOT_SERVING
+            assert running.health is not None and not running.health.serving
+        finally:
+            await server.stop(0)
+            servicer.close()

@@ -182,3 +182,21 @@ def test_malformed_traceparent_starts_a_new_trace(spans: InMemorySpanExporter) -
     span = finished(spans, "worker.execute")
     assert span.parent is None
     assert span.context.trace_id != CALLER_TRACE_ID
+
+
+def test_shutdown_tracing_flushes_queued_spans_and_stops_exporting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service's graceful stop exports what the batch processor still holds, then stops."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=3_600_000))
+    monkeypatch.setattr(telemetry, "_provider", provider)  # this process's global one is untouched
+    provider.get_tracer("gateway").start_span("queued").end()
+    assert exporter.get_finished_spans() == ()  # held by the batch processor (hour-long delay)
+    telemetry.shutdown_tracing()
+    assert [s.name for s in exporter.get_finished_spans()] == ["queued"]
+    provider.get_tracer("gateway").start_span("after-shutdown").end()
+    provider.force_flush()  # the processors are shut down: nothing more reaches the exporter
+    assert [s.name for s in exporter.get_finished_spans()] == ["queued"]
