@@ -63,7 +63,11 @@ class Child:
 def build_children(args: argparse.Namespace) -> list[Child]:
     worker = f"127.0.0.1:{args.worker_port}"
     scheduler = f"127.0.0.1:{args.scheduler_port}"
-    model = ["--fake"] if args.fake else ["--model", args.model]
+    # A fake worker still reads the model directory when there is one: its vocabulary size for the
+    # worker, its tokenizer for the gateway (fake token ids must decode).
+    has_model_dir = Path(args.model).is_dir()
+    model_dir = ["--model", args.model] if has_model_dir or not args.fake else []
+    model = ["--fake", *model_dir] if args.fake else model_dir
     drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
     children = [
         Child("worker", ["worker_svc", *model, "--port", str(args.worker_port),
@@ -73,7 +77,7 @@ def build_children(args: argparse.Namespace) -> list[Child]:
                             *drain], scheduler, needs_serving=True),
     ]
     if (REPO / "gateway" / "__main__.py").exists() and not args.no_gateway:
-        tokenizer = [] if args.fake else ["--tokenizer", args.model]
+        tokenizer = ["--tokenizer", args.model] if model_dir else []
         children.append(Child("gateway", ["gateway", "--scheduler", scheduler, "--port", str(args.gateway_port),
                                           "--grpc-port", str(args.grpc_port), *tokenizer, *drain],
                               f"127.0.0.1:{args.grpc_port}", needs_serving=True))
