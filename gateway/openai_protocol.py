@@ -48,7 +48,7 @@ class _GenerationFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # int32 on the wire
 
     @field_validator("stop")
     @classmethod

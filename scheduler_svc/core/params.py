@@ -26,6 +26,15 @@ class FinishReason(StrEnum):
     ERROR = "error"  # failed: worker lost and not back in time, or an internal error
 
 
+_UINT32_MAX = 2**32 - 1
+_INTEGER_RANGES = (  # (field, min, max): the ranges of their common.proto types
+    ("top_k", -1, 2**31 - 1),
+    ("seed", -(2**63), 2**63 - 1),
+    ("max_tokens", 1, _UINT32_MAX),
+    ("min_tokens", 0, _UINT32_MAX),
+)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Defaults match vLLM's."""
@@ -86,8 +95,13 @@ class SamplingParams:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             bad(f"logprobs must be between 0 and {max_logprobs}, got {self.logprobs}")
-        if any(t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids must be non-negative token ids")
+        if any(not 0 <= t <= _UINT32_MAX for t in self.stop_token_ids):
+            bad("stop_token_ids must be token ids (non-negative 32-bit integers)")
+        # Integers must also fit their wire types (common.proto), or encoding fails mid-request.
+        for name, low, high in _INTEGER_RANGES:
+            value = getattr(self, name)
+            if value is not None and not low <= value <= high:
+                bad(f"{name} must be between {low} and {high}, got {value}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,12 @@ def assert_openai_error(reply, status: int, message_part: str = "") -> dict:
     ({"messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": HI, "top_logprobs": 2}, "top_logprobs requires logprobs"),
     ({"messages": HI, "seed": 2**64}, "seed"),
+    # Integers past their wire types once reached protobuf encoding and came back as 500s
+    # (found by schemathesis): each is a 400 naming the field.
+    ({"messages": HI, "top_k": 2**40}, "top_k"),
+    ({"messages": HI, "min_tokens": 2**40}, "min_tokens"),
+    ({"messages": HI, "stop_token_ids": [2**40]}, "stop_token_ids"),
+    ({"messages": HI, "priority": 2**40}, "priority"),
 ])
 async def test_validation_errors_are_400_not_422(gateway, body, part):
     assert_openai_error(await gateway.http.post(CHAT, json=body), 400, part)
