@@ -45,10 +45,7 @@ def plot_latency_vs_rate(runs: list[dict], path: Path) -> Path:
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_throughput_vs_concurrency(runs: list[dict], path: Path) -> Path:
@@ -63,10 +60,7 @@ def plot_throughput_vs_concurrency(runs: list[dict], path: Path) -> Path:
     ax.set_title("Throughput vs concurrency")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_server_timeline(timeline: list[dict], path: Path) -> Path:
@@ -83,9 +77,13 @@ def plot_server_timeline(timeline: list[dict], path: Path) -> Path:
     queue_ax.legend()
     for ax in (kv_ax, queue_ax):
         ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plt.close(fig)  # pyplot keeps every open figure alive otherwise (sweeps make many)
     return path
 
 
