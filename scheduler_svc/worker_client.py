@@ -8,6 +8,7 @@ or in-band rejection raises `WorkerLostError`, which the engine loop answers wit
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -53,8 +54,10 @@ class StepStream:
     async def send(self, plan: StepPlan) -> None:
         try:
             await self._call.write(convert.plan_to_pb(plan, self.epoch))
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as error:
-            raise WorkerLostError(f"sending step {plan.step_id} failed: {error}") from error
+        # A write that races the worker's end of the stream raises InvalidStateError ("RPC already
+        # finished") rather than AioRpcError: it is the same lost worker, so resync, don't fail.
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as error:
+            raise WorkerLostError(f"sending step {plan.step_id} failed: {error!r}") from error
 
     async def recv(self) -> StepResult:
         try:
