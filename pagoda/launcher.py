@@ -25,6 +25,18 @@ RESTART_WINDOW_S = 60.0
 STOP_MARGIN_S = 10.0  # beyond --shutdown-timeout: the drain's grace period and the exit itself
 
 
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> int:
+    """SIGTERM (the services drain on it), then SIGKILL if it has not exited within timeout_s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
 @dataclass
 class Child:
     name: str
@@ -49,15 +61,8 @@ class Child:
         return serving or status == "NOT_SERVING"
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if not self.alive():
-            return
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout_s)
 
 
 def build_children(args: argparse.Namespace) -> list[Child]:

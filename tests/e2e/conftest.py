@@ -19,7 +19,6 @@ Flags are keyword arguments with underscores: `start_scheduler(t, max_num_seqs=8
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +29,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagoda.launcher import stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "models" / "pagoda-tiny"
@@ -94,14 +95,7 @@ class ServiceProcess:
         self.wait_until(lambda: health_status(self.target) is not None, "answering", deadline_s)
 
     def stop(self, timeout_s: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout_s)
 
 
 def start_worker(model: Path | None, log_dir: Path, **flags) -> ServiceProcess:
