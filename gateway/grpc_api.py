@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from gateway.auth import grpc_metadata_ok
-from gateway.convert import finish_reason_pb, sampling_from_pb
+from gateway.convert import finish_reason_to_pb, sampling_from_pb
 from gateway.errors import UnauthorizedError, context_overflow, to_client_error
 from gateway.generation import GenerationInput, GenerationStep, generate, start_request_span
 from gateway.state import GatewayState
@@ -75,7 +75,7 @@ def to_chunks(request_id: str, step: GenerationStep) -> list[gateway_pb2.Generat
     """One chunk per sequence with news; the request's usage rides on the step's last chunk."""
     chunks = [gateway_pb2.GenerationChunk(
         request_id=request_id, index=c.index, text=c.text, token_ids=c.token_ids, logprobs=c.logprobs,
-        finish_reason=finish_reason_pb(c.finish_reason))
+        finish_reason=finish_reason_to_pb(c.finish_reason))
         for c in step.chunks if c.text or c.token_ids or c.finish_reason]
     if step.usage is not None:
         if not chunks:
