@@ -60,10 +60,6 @@ class UpstreamError(GatewayError):
         self.http_status = http_status_for_grpc(code)
 
 
-class ContextOverflowError(InvalidRequestError):
-    """Prompt + max_tokens exceed max_model_len (vLLM's message, 400)."""
-
-
 _TYPE_NAMES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                409: "ConflictError", 413: "RequestTooLargeError", 429: "RateLimitError",
                499: "ClientClosedRequest", 501: "NotImplementedError",
@@ -93,19 +89,3 @@ def openai_error_body(status: int, message: str, param: str | None = None) -> di
     """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
     error_type = _TYPE_NAMES.get(status, "InternalServerError")
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
-
-
-def context_overflow(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> None:
-    """Raise vLLM's 400 when the request cannot fit the context; check before sending upstream."""
-    if max_tokens is None:
-        if num_prompt_tokens >= max_model_len:
-            raise ContextOverflowError(
-                f"This model's maximum context length is {max_model_len} tokens. However, your "
-                f"messages resulted in {num_prompt_tokens} tokens. Please reduce the length of the "
-                "messages.")
-        return
-    if num_prompt_tokens + max_tokens > max_model_len:
-        raise ContextOverflowError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or completion.")

@@ -9,14 +9,14 @@ import grpc
 
 from gateway.auth import grpc_metadata_ok
 from gateway.convert import finish_reason_to_pb, sampling_from_pb
-from gateway.errors import UnauthorizedError, context_overflow, to_client_error
+from gateway.errors import UnauthorizedError, to_client_error
 from gateway.generation import GenerationInput, GenerationStep, generate, start_request_span
 from gateway.state import GatewayState
 from gateway.stop_strings import check_stop_strings
 from pagoda.logging import get_logger
 from pagoda.telemetry import context_from_grpc_metadata
 from pagoda.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from scheduler_svc.core.params import InvalidRequestError
+from scheduler_svc.core.params import InvalidRequestError, check_context_length
 
 log = get_logger(__name__)
 
@@ -61,7 +61,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             raise InvalidRequestError("the prompt must not be empty")
         sampling = sampling_from_pb(request.sampling)  # raises InvalidRequestError when out of range
         check_stop_strings(request.stop)
-        context_overflow(info.max_model_len, len(prompt_ids), sampling.max_tokens)
+        check_context_length(info.max_model_len, len(prompt_ids), sampling.max_tokens)
         return GenerationInput(
             request_id=request.request_id or f"gen-{uuid.uuid4().hex}", prompt_token_ids=tuple(prompt_ids),
             sampling=sampling, stop=tuple(request.stop),

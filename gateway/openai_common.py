@@ -11,11 +11,11 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from gateway.errors import ClientDisconnectedError, context_overflow, openai_error_body, to_client_error
+from gateway.errors import ClientDisconnectedError, openai_error_body, to_client_error
 from gateway.generation import GenerationInput, Usage
 from gateway.openai_protocol import PromptTokensDetails, UsageInfo, _GenerationFields
 from pagoda.logging import get_logger
-from scheduler_svc.core.params import InvalidRequestError, SamplingParams
+from scheduler_svc.core.params import InvalidRequestError, SamplingParams, check_context_length
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -41,7 +41,7 @@ def build_generation_input(request: _GenerationFields, request_id: str, prompt_i
         stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
         logprobs=logprobs, presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty, **optional)
-    context_overflow(max_model_len, len(prompt_ids), max_tokens)
+    check_context_length(max_model_len, len(prompt_ids), max_tokens)
     return GenerationInput(
         request_id=request_id, prompt_token_ids=tuple(prompt_ids), sampling=sampling,
         stop=request.stop_strings(), include_stop_str_in_output=request.include_stop_str_in_output,

@@ -104,6 +104,22 @@ class SamplingParams:
                 bad(f"{name} must be between {low} and {high}, got {value}")
 
 
+def check_context_length(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    """Raise vLLM's message when the request cannot fit the context (max_tokens None: up to it)."""
+    if max_tokens is None:
+        if num_prompt_tokens >= max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"messages resulted in {num_prompt_tokens} tokens. Please reduce the length of the "
+                "messages.")
+        return
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or completion.")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """A request as the engine accepts it: token ids in, one or more sequences out."""

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 from scheduler_svc.core.errors import QueueFullError
 from scheduler_svc.core.outputs import SequenceDelta
-from scheduler_svc.core.params import EngineRequest, FinishReason, InvalidRequestError, RequestId
+from scheduler_svc.core.params import (
+    EngineRequest,
+    FinishReason,
+    InvalidRequestError,
+    RequestId,
+    check_context_length,
+)
 from scheduler_svc.core.plan import StepPlan
 from scheduler_svc.core.request import Request, SeqStatus, Sequence
 
@@ -67,13 +73,8 @@ class SchedulerLifecycleMixin:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         if not prompt:
             raise InvalidRequestError("the prompt is empty: at least one token is required")
+        check_context_length(cfg.max_model_len, len(prompt), sampling.max_tokens)
         max_tokens = cfg.max_model_len - len(prompt) if sampling.max_tokens is None else sampling.max_tokens
-        if len(prompt) + max(max_tokens, 1) > cfg.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
-                f"requested {len(prompt) + max(max_tokens, 1)} tokens ({len(prompt)} in the messages, "
-                f"{max(max_tokens, 1)} in the completion). Please reduce the length of the messages "
-                f"or completion.")
         if sampling.n > cfg.max_num_seqs:
             raise InvalidRequestError(f"n={sampling.n} exceeds max_num_seqs={cfg.max_num_seqs}")
         blocks = -(-(len(prompt) + max_tokens - 1) // cfg.block_size)
