@@ -20,14 +20,16 @@ from pathlib import Path
 
 import grpc
 
+from pagoda.contract import worker_codec as convert
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import SamplingParams
+from pagoda.contract.step import NewRequestData, StepPlan
 from pagoda.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.core.params import EngineRequest, RequestId, SamplingParams
-from scheduler_svc.core.plan import NewRequestData, StepPlan
+from scheduler_svc.core.request import EngineRequest
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.fake_worker import FakeWorker
 from tests.e2e.conftest import start_scheduler, start_worker
-from worker_svc import convert
+from worker_svc.fake.fake_worker import FakeWorker
 
 PROMPT_LEN, BLOCK_SIZE = 32, 16
 DECODE = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)

@@ -20,8 +20,10 @@ import pstats
 import statistics
 import time
 
-from scheduler_svc.core import EngineRequest, RequestId, SamplingParams, Scheduler, SchedulerConfig
-from scheduler_svc.fake_worker import FakeWorker
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import SamplingParams
+from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
+from worker_svc.fake.fake_worker import FakeWorker
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 48  # a 32-token shared system prompt + 16 own tokens

@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scheduler_svc.core.params import RequestId, SamplingParams
-from scheduler_svc.core.plan import NewRequestData, StepPlan
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import SamplingParams
+from pagoda.contract.step import NewRequestData, StepPlan
 
 MAX_DECODE_STEPS = 16  # 32 prompt tokens + 16 decodes fill the 3 blocks each request is given
 

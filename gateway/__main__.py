@@ -8,7 +8,7 @@ import os
 
 from gateway.config import GatewayConfig
 from gateway.server import serve
-from pagoda.logging import configure_logging
+from pagoda.runtime.logging import configure_logging
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     configure_logging(json=config.log_json, service="gateway")
-    from pagoda.telemetry import setup_tracing, shutdown_tracing
+    from pagoda.runtime.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("pagoda-gateway", config.otlp_traces_endpoint)
     try:

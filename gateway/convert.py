@@ -1,11 +1,16 @@
 """The gateway's view of `common.proto`: the shared codec, plus finish reasons as OpenAI strings.
 
-Sampling params travel through `pagoda.common_codec` (validation lives in the core dataclass).
+Sampling params travel through `pagoda.contract.common_codec` (validation lives in the core dataclass).
 """
 
 from __future__ import annotations
 
-from pagoda.common_codec import finish_reason_from_pb, finish_reason_to_pb, sampling_from_pb, sampling_to_pb
+from pagoda.contract.common_codec import (
+    finish_reason_from_pb,
+    finish_reason_to_pb,
+    sampling_from_pb,
+    sampling_to_pb,
+)
 
 __all__ = ["finish_reason_name", "finish_reason_to_pb", "sampling_from_pb", "sampling_to_pb"]
 

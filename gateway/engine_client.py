@@ -8,7 +8,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import UpstreamError
-from pagoda.tls import aio_channel
+from pagoda.runtime.tls import aio_channel
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
 
 # Token streams and logprobs can be large; the default 4 MB cap is too small for long prompts.

@@ -1,6 +1,6 @@
 """The gateway's errors and how each reaches a client: OpenAI-shaped HTTP bodies and gRPC codes.
 
-Upstream gRPC codes map to HTTP through `pagoda.errors` (the project's one table); only the
+Upstream gRPC codes map to HTTP through `pagoda.contract.error_table` (the project's one table); only the
 errors the gateway itself raises (unknown model, auth, body size, not ready) are listed here.
 """
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import grpc
 
-from pagoda.errors import http_status_for_grpc  # the project's one gRPC -> HTTP table
-from scheduler_svc.core.params import InvalidRequestError
+from pagoda.contract.error_table import http_status_for_grpc
+from pagoda.contract.errors import InvalidRequestError
 
 
 class GatewayError(Exception):

@@ -21,7 +21,8 @@ from gateway.engine_client import EngineClient
 from gateway.errors import UpstreamError
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
-from pagoda.telemetry import (
+from pagoda.contract.params import SamplingParams
+from pagoda.runtime.telemetry import (
     end_genai_span,
     get_tracer,
     metadata_with_trace_context,
@@ -29,7 +30,6 @@ from pagoda.telemetry import (
     tracing_enabled,
 )
 from pagoda.v1 import common_pb2, engine_pb2
-from scheduler_svc.core.params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,10 +13,11 @@ from gateway.errors import UnauthorizedError, to_client_error
 from gateway.generation import GenerationInput, GenerationStep, generate, start_request_span
 from gateway.state import GatewayState
 from gateway.stop_strings import check_stop_strings
-from pagoda.logging import get_logger
-from pagoda.telemetry import context_from_grpc_metadata
+from pagoda.contract.errors import InvalidRequestError
+from pagoda.contract.params import check_context_length
+from pagoda.runtime.logging import get_logger
+from pagoda.runtime.telemetry import context_from_grpc_metadata
 from pagoda.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from scheduler_svc.core.params import InvalidRequestError, check_context_length
 
 log = get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""The gateway's Prometheus metrics: one `pagoda.metrics.GatewayMetrics` per process.
+"""The gateway's Prometheus metrics: one `pagoda.runtime.metrics.GatewayMetrics` per process.
 
 `/metrics` shows the gateway's own latency histograms (observed per request in generation.py) and
 the engine's `vllm:` gauges and counters, read from the scheduler's GetStats at scrape time.
@@ -7,7 +7,7 @@ the engine's `vllm:` gauges and counters, read from the scheduler's GetStats at 
 
 from __future__ import annotations
 
-from pagoda.metrics import CONTENT_TYPE_LATEST, GatewayMetrics, RequestTimer
+from pagoda.runtime.metrics import CONTENT_TYPE_LATEST, GatewayMetrics, RequestTimer
 
 __all__ = ["CONTENT_TYPE_LATEST", "HTTP_REQUESTS", "METRICS", "RequestTimer"]
 

@@ -20,8 +20,8 @@ from gateway.openai_protocol import (
     TokenizeRequest,
 )
 from gateway.state import GatewayState
-from pagoda.logging import get_logger
-from scheduler_svc.core.params import InvalidRequestError
+from pagoda.contract.errors import InvalidRequestError
+from pagoda.runtime.logging import get_logger
 
 log = get_logger(__name__)
 VERSION = "0.1.0"

@@ -30,8 +30,8 @@ from gateway.openai_protocol import (
 )
 from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizer
-from pagoda.telemetry import context_from_headers
-from scheduler_svc.core.params import InvalidRequestError
+from pagoda.contract.errors import InvalidRequestError
+from pagoda.runtime.telemetry import context_from_headers
 
 
 def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:

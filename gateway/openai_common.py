@@ -14,8 +14,9 @@ from pydantic import BaseModel
 from gateway.errors import ClientDisconnectedError, openai_error_body, to_client_error
 from gateway.generation import GenerationInput, Usage
 from gateway.openai_protocol import PromptTokensDetails, UsageInfo, _GenerationFields
-from pagoda.logging import get_logger
-from scheduler_svc.core.params import InvalidRequestError, SamplingParams, check_context_length
+from pagoda.contract.errors import InvalidRequestError
+from pagoda.contract.params import SamplingParams, check_context_length
+from pagoda.runtime.logging import get_logger
 
 log = get_logger(__name__)
 T = TypeVar("T")

@@ -25,8 +25,8 @@ from gateway.openai_protocol import (
 )
 from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizer
-from pagoda.telemetry import context_from_headers
-from scheduler_svc.core.params import InvalidRequestError
+from pagoda.contract.errors import InvalidRequestError
+from pagoda.runtime.telemetry import context_from_headers
 
 
 def prompt_token_ids(prompt: str | list, tokenizer: Tokenizer, vocab_size: int) -> tuple[list[int], str]:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.stop_strings import check_stop_strings
-from scheduler_svc.core.params import InvalidRequestError
+from pagoda.contract.errors import InvalidRequestError
 
 _INT64 = 2**63 - 1
 

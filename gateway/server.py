@@ -16,9 +16,9 @@ from gateway.drain import CountingGenerationServicer, InFlight, InFlightMiddlewa
 from gateway.engine_client import EngineClient
 from gateway.openai_api import create_app
 from gateway.state import GatewayState
-from pagoda.grpc_health import HealthState
-from pagoda.logging import get_logger
-from pagoda.tls import add_port
+from pagoda.runtime.grpc_health import HealthState
+from pagoda.runtime.logging import get_logger
+from pagoda.runtime.tls import add_port
 from pagoda.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = get_logger(__name__)

@@ -14,7 +14,7 @@ from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import EngineNotReadyError, ModelNotFoundError
 from gateway.tokenizer import Tokenizer
-from pagoda.logging import get_logger
+from pagoda.runtime.logging import get_logger
 from pagoda.v1 import engine_pb2
 
 log = get_logger(__name__)

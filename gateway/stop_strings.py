@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler_svc.core.params import InvalidRequestError
+from pagoda.contract.errors import InvalidRequestError
 
 # Bounds on what one request may ask for: the matcher's work per delta grows with both.
 MAX_STOP_STRINGS = 16

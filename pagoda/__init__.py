@@ -8,14 +8,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pagoda.contract.params import SamplingParams
     from pagoda.llm import LLM, CompletionOutput, RequestOutput
-    from scheduler_svc.core.params import SamplingParams
 
 _EXPORTS = {
     "LLM": "pagoda.llm",
     "RequestOutput": "pagoda.llm",
     "CompletionOutput": "pagoda.llm",
-    "SamplingParams": "scheduler_svc.core.params",
+    "SamplingParams": "pagoda.contract.params",
 }
 
 __all__ = ["CompletionOutput", "LLM", "RequestOutput", "SamplingParams"]

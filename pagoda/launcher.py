@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagoda.healthcheck import check_serving
+from pagoda.runtime.healthcheck import check_serving
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; beyond that the launcher gives up

@@ -13,10 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import SamplingParams
+from pagoda.contract.step import TokenLogprobs
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.outputs import SequenceDelta
-from scheduler_svc.core.params import EngineRequest, RequestId, SamplingParams
-from scheduler_svc.core.plan import TokenLogprobs
+from scheduler_svc.core.request import EngineRequest
 from scheduler_svc.core.scheduler import Scheduler
 from worker_svc.config import WorkerConfig
 from worker_svc.tp_worker import create_runner

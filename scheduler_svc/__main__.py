@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from pagoda.logging import configure_logging
+from pagoda.runtime.logging import configure_logging
 from scheduler_svc.server import EngineServiceConfig, serve
 
 
@@ -52,7 +52,7 @@ def build_config(args: argparse.Namespace) -> EngineServiceConfig:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(level=args.log_level, service="scheduler")
-    from pagoda.telemetry import setup_tracing, shutdown_tracing
+    from pagoda.runtime.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("pagoda-scheduler", args.otlp_traces_endpoint)
     try:

@@ -1,7 +1,7 @@
 """The Engine API codec: protobuf <-> the scheduler core's dataclasses, both directions.
 
 The only module of the scheduler service that imports both `pagoda.v1` and `scheduler_svc.core`
-(plans and results use worker_svc.convert, the one definition of the Steps wire format).
+(plans and results use pagoda.contract.worker_codec, the one definition of the Steps wire format).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Mapping
 
-from pagoda.common_codec import (
+from pagoda.contract.common_codec import (
     finish_reason_from_pb,
     finish_reason_to_pb,
     logprobs_from_pb,
@@ -17,11 +17,14 @@ from pagoda.common_codec import (
     sampling_from_pb,
     sampling_to_pb,
 )
+from pagoda.contract.errors import InvalidRequestError
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import FinishReason
+from pagoda.contract.step import WorkerInfo
 from pagoda.v1 import engine_pb2
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.outputs import SequenceDelta
-from scheduler_svc.core.params import EngineRequest, FinishReason, InvalidRequestError, RequestId
-from worker_svc.config import WorkerInfo
+from scheduler_svc.core.request import EngineRequest
 
 
 def request_from_pb(pb: engine_pb2.GenerateRequest, arrival_time: float,

@@ -18,41 +18,22 @@ import asyncio
 import gc
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 
 import grpc
 
-from pagoda.errors import DuplicateRequestError, ShuttingDownError, WorkerUnavailableError
-from pagoda.logging import get_logger
+from pagoda.contract.errors import DuplicateRequestError, ShuttingDownError, WorkerUnavailableError
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import FinishReason
+from pagoda.contract.step import StepPlan
+from pagoda.runtime.logging import get_logger
 from scheduler_svc.core.outputs import SequenceDelta
-from scheduler_svc.core.params import EngineRequest, FinishReason, RequestId
-from scheduler_svc.core.plan import StepPlan
+from scheduler_svc.core.request import EngineRequest
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine_tracing import engine_tracing
+from scheduler_svc.request_stream import RequestStream, StreamUpdate
 from scheduler_svc.worker_client import StepStream, WorkerClient, WorkerLostError
 
 log = get_logger(__name__)
-
-
-@dataclass(slots=True)
-class StreamUpdate:
-    deltas: list[SequenceDelta]
-    finished: bool  # every sequence of the request has finished: the last update
-    queue_seconds: float = 0.0  # arrival to first scheduled; set on the first update only
-
-
-@dataclass(slots=True)
-class RequestStream:
-    """What a Generate call reads: StreamUpdates, or an exception that ends the call."""
-
-    request_id: RequestId
-    n: int
-    arrival: float  # time.monotonic()
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    num_finished: int = 0
-    first_scheduled: float | None = None
-    sent_first: bool = False
-    done: bool = False
 
 
 def freeze_long_lived_objects() -> None:

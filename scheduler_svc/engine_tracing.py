@@ -15,7 +15,9 @@ from __future__ import annotations
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, Tracer
 
-from pagoda.telemetry import (
+from pagoda.contract.ids import RequestId
+from pagoda.contract.step import StepPlan
+from pagoda.runtime.telemetry import (
     RequestSpans,
     StepSpanStats,
     get_tracer,
@@ -23,8 +25,7 @@ from pagoda.telemetry import (
     start_step_span,
     tracing_enabled,
 )
-from scheduler_svc.core.params import EngineRequest, RequestId
-from scheduler_svc.core.plan import StepPlan
+from scheduler_svc.core.request import EngineRequest
 from scheduler_svc.core.scheduler import Scheduler
 
 

@@ -16,16 +16,16 @@ from typing import Literal
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagoda.grpc_health import HealthState
-from pagoda.logging import get_logger
-from pagoda.tls import add_port
+from pagoda.contract.step import WorkerInfo
+from pagoda.runtime.grpc_health import HealthState
+from pagoda.runtime.logging import get_logger
+from pagoda.runtime.tls import add_port
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.service import EngineServicer
 from scheduler_svc.worker_client import WorkerClient
-from worker_svc.config import WorkerInfo
 
 log = get_logger(__name__)
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name

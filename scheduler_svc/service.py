@@ -11,14 +11,15 @@ import time
 
 import grpc
 
-from pagoda.errors import WorkerUnavailableError, grpc_status_for
-from pagoda.logging import bound_contextvars, get_logger
-from pagoda.telemetry import context_from_grpc_metadata
+from pagoda.contract.error_table import grpc_status_for
+from pagoda.contract.errors import WorkerUnavailableError
+from pagoda.contract.ids import RequestId
+from pagoda.contract.step import WorkerInfo
+from pagoda.runtime.logging import bound_contextvars, get_logger
+from pagoda.runtime.telemetry import context_from_grpc_metadata
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
 from scheduler_svc import convert
-from scheduler_svc.core.params import RequestId
 from scheduler_svc.engine_loop import EngineLoop
-from worker_svc.config import WorkerInfo
 
 log = get_logger(__name__)
 

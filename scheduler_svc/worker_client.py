@@ -13,13 +13,12 @@ import time
 
 import grpc
 
-from pagoda.errors import WorkerUnavailableError
-from pagoda.logging import get_logger
-from pagoda.tls import aio_channel
+from pagoda.contract import worker_codec as convert
+from pagoda.contract.errors import WorkerUnavailableError
+from pagoda.contract.step import StepPlan, StepResult, WorkerInfo
+from pagoda.runtime.logging import get_logger
+from pagoda.runtime.tls import aio_channel
 from pagoda.v1 import worker_pb2, worker_pb2_grpc
-from scheduler_svc.core.plan import StepPlan, StepResult
-from worker_svc import convert
-from worker_svc.config import WorkerInfo
 
 log = get_logger(__name__)
 CHANNEL_OPTIONS = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from pagoda.logging import configure_logging, get_logger
+from pagoda.runtime.logging import configure_logging, get_logger
 from worker_svc.config import WorkerConfig
 
 log = get_logger("worker_svc")
@@ -53,7 +53,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(level=args.log_level, service="worker")
-    from pagoda.telemetry import setup_tracing, shutdown_tracing
+    from pagoda.runtime.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("pagoda-worker", args.otlp_traces_endpoint)
     from worker_svc.server import serve
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def build_runner(args: argparse.Namespace):
     if args.fake:
-        from worker_svc.fake_runner import FakeStepRunner, fake_vocab_size
+        from worker_svc.fake.runner import FakeStepRunner, fake_vocab_size
 
         return FakeStepRunner(num_blocks=args.num_gpu_blocks_override or 4096,
                               block_size=args.block_size, max_model_len=args.max_model_len or 4096,

@@ -19,15 +19,3 @@ class WorkerConfig:
     attention_backend: Literal["auto", "torch", "cupy"] = "auto"  # auto: cupy on CUDA, else torch
     seed: int = 0
     tensor_parallel_size: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """What Init answers: the scheduler sizes its block pool from this."""
-
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    vocab_size: int
-    model_name: str

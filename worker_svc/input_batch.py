@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from scheduler_svc.core.params import RequestId, SamplingParams
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import SamplingParams
 from worker_svc.models.common import AttentionMetadata
 from worker_svc.sampler import SamplingRow
 

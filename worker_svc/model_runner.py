@@ -17,11 +17,12 @@ import time
 import torch
 
 from kernels import default_backend_name, get_backend
-from scheduler_svc.core.params import RequestId, SamplingParams
-from scheduler_svc.core.plan import Fork, StepPlan, StepResult
-from worker_svc.config import WorkerConfig, WorkerInfo
+from pagoda.contract.errors import NotInitializedError, PlanError
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import SamplingParams
+from pagoda.contract.step import Fork, StepPlan, StepResult, WorkerInfo
+from worker_svc.config import WorkerConfig
 from worker_svc.distributed import SINGLE, TensorParallel
-from worker_svc.errors import NotInitializedError, PlanError
 from worker_svc.input_batch import CachedRequestState, ScheduledSeq, build_model_inputs
 from worker_svc.kv_cache import CacheShape, KVCache, cpu_num_blocks, cuda_num_blocks
 from worker_svc.loader import load_model, resolve_dtype

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from scheduler_svc.core.params import RequestId
-from scheduler_svc.core.plan import NewRequestData, StepPlan
-from worker_svc.errors import PlanError
+from pagoda.contract.errors import PlanError
+from pagoda.contract.ids import RequestId
+from pagoda.contract.step import NewRequestData, StepPlan
 from worker_svc.input_batch import CachedRequestState
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler_svc.core.params import SamplingParams
-from scheduler_svc.core.plan import TokenLogprobs
+from pagoda.contract.params import SamplingParams
+from pagoda.contract.step import TokenLogprobs
 
 
 @dataclass(slots=True)

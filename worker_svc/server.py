@@ -8,9 +8,9 @@ import signal
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagoda.grpc_health import HealthState
-from pagoda.logging import get_logger
-from pagoda.tls import add_port
+from pagoda.runtime.grpc_health import HealthState
+from pagoda.runtime.logging import get_logger
+from pagoda.runtime.tls import add_port
 from pagoda.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.service import StepRunner, WorkerServicer
 

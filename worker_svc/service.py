@@ -16,15 +16,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from pagoda.grpc_health import HealthState
-from pagoda.logging import bound_contextvars, get_logger
-from pagoda.telemetry import context_from_traceparent, get_tracer, tracing_enabled
+from pagoda.contract import worker_codec as convert
+from pagoda.contract.errors import InvalidRequestError, PlanError
+from pagoda.contract.step import StepPlan, StepResult, WorkerInfo
+from pagoda.runtime.grpc_health import HealthState
+from pagoda.runtime.logging import bound_contextvars, get_logger
+from pagoda.runtime.telemetry import context_from_traceparent, get_tracer, tracing_enabled
 from pagoda.v1 import worker_pb2, worker_pb2_grpc
-from scheduler_svc.core.params import InvalidRequestError
-from scheduler_svc.core.plan import StepPlan, StepResult
-from worker_svc import convert
-from worker_svc.config import WorkerInfo
-from worker_svc.errors import PlanError
 
 log = get_logger(__name__)
 Code = worker_pb2.StepError.Code

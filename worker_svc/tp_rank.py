@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from pagoda.logging import configure_logging, get_logger
+from pagoda.runtime.logging import configure_logging, get_logger
 
 log = get_logger("worker_svc.tp_rank")
 PARENT_POLL_S = 1.0

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from pagoda.logging import get_logger
-from scheduler_svc.core.plan import StepPlan, StepResult
-from worker_svc.config import WorkerConfig, WorkerInfo
+from pagoda.contract.step import StepPlan, StepResult, WorkerInfo
+from pagoda.runtime.logging import get_logger
+from worker_svc.config import WorkerConfig
 from worker_svc.distributed import (
     ControlChannel,
     TensorParallelError,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
-from scheduler_svc.core.params import BlockId
+from pagoda.contract.ids import BlockId
 from scheduler_svc.core.prefix_index import PrefixIndex
 
 

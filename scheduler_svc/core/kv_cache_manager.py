@@ -5,10 +5,10 @@ Every method is O(blocks it touches); nothing walks the whole pool per step.
 
 from __future__ import annotations
 
+from pagoda.contract.ids import BlockId
+from pagoda.contract.step import BlockCopy, StepPlan, TableUpdate
 from scheduler_svc.core import prefix_index
 from scheduler_svc.core.block_pool import BlockPool
-from scheduler_svc.core.params import BlockId
-from scheduler_svc.core.plan import BlockCopy, StepPlan, TableUpdate
 from scheduler_svc.core.prefix_index import PrefixIndex, block_extra_keys
 from scheduler_svc.core.request import Sequence
 

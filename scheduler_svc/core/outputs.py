@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_svc.core.params import FinishReason, RequestId
-from scheduler_svc.core.plan import TokenLogprobs
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import FinishReason
+from pagoda.contract.step import TokenLogprobs
 
 
 @dataclass(slots=True)

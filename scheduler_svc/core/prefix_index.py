@@ -16,7 +16,7 @@ import hashlib
 import struct
 from collections.abc import Callable, Sequence
 
-from scheduler_svc.core.params import BlockId
+from pagoda.contract.ids import BlockId
 
 ROOT_HASH = hashlib.sha256(b"pagoda/prefix-root/v1").digest()
 ROOT_SERIAL = 0  # the parent serial of a first block

@@ -1,4 +1,5 @@
-"""Per-request state: a Request owns 1..n Sequences; the Sequence is the unit of scheduling.
+"""What the engine accepts (EngineRequest) and the state it keeps per request: a Request owns 1..n
+Sequences; the Sequence is the unit of scheduling.
 
 Sequence 0 of a request uses the request id itself; forked child i uses f"{request_id}#{i}".
 """
@@ -11,7 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
-from scheduler_svc.core.params import BlockId, FinishReason, RequestId, SamplingParams
+from pagoda.contract.ids import BlockId, RequestId
+from pagoda.contract.params import FinishReason, SamplingParams
 
 
 class SeqStatus(Enum):
@@ -22,6 +24,18 @@ class SeqStatus(Enum):
 
 def child_seq_id(request_id: RequestId, seq_index: int) -> RequestId:
     return request_id if seq_index == 0 else RequestId(f"{request_id}#{seq_index}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A request as the engine accepts it: token ids in, one or more sequences out."""
+
+    request_id: RequestId
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
+    priority: int = 0  # lower runs first (vLLM's convention); ties break by arrival
+    cache_salt: str | None = None  # keeps one tenant's prefix cache invisible to another
 
 
 @dataclass(slots=True, eq=False)

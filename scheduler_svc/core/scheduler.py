@@ -22,39 +22,17 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 
+from pagoda.contract.ids import RequestId
+from pagoda.contract.step import Fork, NewRequestData, StepPlan, StepResult, TableUpdate
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.outputs import SequenceDelta
-from scheduler_svc.core.params import RequestId
-from scheduler_svc.core.plan import Fork, NewRequestData, StepPlan, StepResult, TableUpdate
 from scheduler_svc.core.request import Request, SeqStatus, Sequence, WaitingQueue, child_seq_id, priority_key
 from scheduler_svc.core.scheduler_lifecycle import SchedulerLifecycleMixin, SchedulerStats
+from scheduler_svc.core.step_draft import InflightStep, StepDraft
 
 __all__ = ["Scheduler", "SchedulerStats"]
-
-
-@dataclass(slots=True)
-class _InflightStep:
-    step_id: int
-    # (seq, its generation, num_computed after the step) of the sequences whose step completes a
-    # block they have not registered: the others have nothing to register when the step reports.
-    computed: list[tuple[Sequence, int, int]]
-
-
-@dataclass(slots=True)
-class _StepDraft:
-    """What schedule() accumulates while it builds one plan (each sequence is committed, i.e.
-    advanced, as soon as it is scheduled: the ones already scheduled are never preempted later)."""
-
-    plan: StepPlan
-    budget: int  # tokens left in this step
-    computed: list[tuple[Sequence, int, int]] = field(default_factory=list)
-    fork_parents: list[Sequence] = field(default_factory=list)  # forked once admission is done
-    num_scheduled: int = 0  # sequences
-    num_prefill: int = 0  # tokens
-    num_decode: int = 0  # sequences (one token each)
 
 
 class Scheduler(SchedulerLifecycleMixin):
@@ -67,7 +45,7 @@ class Scheduler(SchedulerLifecycleMixin):
         self._running: list[Sequence] = []
         self._running_slots = 0  # sum of seq.num_slots over running
         self._waiting = WaitingQueue(config.policy)
-        self._inflight: deque[_InflightStep] = deque()
+        self._inflight: deque[InflightStep] = deque()
         self._next_step_id = 1
         self._finished_resident: list[RequestId] = []  # ended since the last plan; the worker drops them
         self._arrivals = itertools.count()
@@ -81,7 +59,7 @@ class Scheduler(SchedulerLifecycleMixin):
             return None
         plan = StepPlan(step_id=self._next_step_id, finished_ids=self._finished_resident)
         self._finished_resident = []
-        draft = _StepDraft(plan, self.config.max_num_batched_tokens)
+        draft = StepDraft(plan, self.config.max_num_batched_tokens)
         self._schedule_running(draft)
         if not plan.preempted_ids:
             self._admit_waiting(draft)
@@ -89,7 +67,7 @@ class Scheduler(SchedulerLifecycleMixin):
             return None
         for parent in draft.fork_parents:  # after admission: the children run behind admitted ones
             self._fork(parent, plan)
-        self._inflight.append(_InflightStep(plan.step_id, draft.computed))
+        self._inflight.append(InflightStep(plan.step_id, draft.computed))
         self._note_step(draft.num_prefill, draft.num_decode, len(plan.preempted_ids))
         self._next_step_id += 1
         return plan
@@ -97,7 +75,7 @@ class Scheduler(SchedulerLifecycleMixin):
     def _last_inflight(self) -> int | None:
         return self._inflight[-1].step_id if self._inflight else None
 
-    def _schedule_running(self, draft: _StepDraft) -> None:
+    def _schedule_running(self, draft: StepDraft) -> None:
         kv, running, plan = self._kv, self._running, draft.plan
         counts, computed = plan.num_scheduled_tokens, draft.computed
         pool, table_updates = kv.pool, plan.table_updates
@@ -156,7 +134,7 @@ class Scheduler(SchedulerLifecycleMixin):
         draft.num_decode += num_decode
         draft.num_scheduled += num_decode
 
-    def _commit_seq(self, draft: _StepDraft, seq: Sequence, num_new: int) -> None:
+    def _commit_seq(self, draft: StepDraft, seq: Sequence, num_new: int) -> None:
         """Advance num_computed (tokens of in-flight steps count); add a placeholder if it samples."""
         total = len(seq.token_ids) + seq.num_placeholders
         if num_new == 1 and total > seq.request.num_prompt_tokens:
@@ -186,7 +164,7 @@ class Scheduler(SchedulerLifecycleMixin):
             need = kv.blocks_needed(seq, num_new)  # a victim may have shared blocks with seq
         return kv.pool.can_allocate(need)
 
-    def _admit_waiting(self, draft: _StepDraft) -> None:
+    def _admit_waiting(self, draft: StepDraft) -> None:
         cfg, kv, waiting, plan = self.config, self._kv, self._waiting, draft.plan
         while waiting and draft.budget > 0:
             seq = waiting.peek()

@@ -9,17 +9,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from scheduler_svc.core.errors import QueueFullError
+from pagoda.contract.errors import InvalidRequestError, QueueFullError
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import FinishReason, check_context_length
+from pagoda.contract.step import StepPlan
 from scheduler_svc.core.outputs import SequenceDelta
-from scheduler_svc.core.params import (
-    EngineRequest,
-    FinishReason,
-    InvalidRequestError,
-    RequestId,
-    check_context_length,
-)
-from scheduler_svc.core.plan import StepPlan
-from scheduler_svc.core.request import Request, SeqStatus, Sequence
+from scheduler_svc.core.request import EngineRequest, Request, SeqStatus, Sequence
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,8 @@ import time
 import grpc
 import pytest
 
+from pagoda.contract.params import SamplingParams
 from pagoda.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from scheduler_svc.core.params import SamplingParams
 from tests.e2e.conftest import ENGINE_SCHEDULER_FLAGS, ENGINE_WORKER_FLAGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

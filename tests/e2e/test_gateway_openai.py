@@ -39,8 +39,8 @@ def test_models_lists_the_model_path(client, gateway_stack):
 
 
 def test_greedy_completion_equals_the_offline_llm(client, gateway_stack):
+    from pagoda.contract.params import SamplingParams
     from pagoda.llm import LLM
-    from scheduler_svc.core.params import SamplingParams
 
     offline = LLM(model=gateway_stack.model_dir, device=ENGINE_WORKER_FLAGS["device"],
                   dtype=ENGINE_WORKER_FLAGS["dtype"])

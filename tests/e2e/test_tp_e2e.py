@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pagoda.contract.params import SamplingParams
 from pagoda.v1 import engine_pb2_grpc
-from scheduler_svc.core.params import SamplingParams
 from tests.e2e.conftest import start_scheduler, start_worker
 from tests.e2e.test_engine_e2e import stream_one, wait_idle
 

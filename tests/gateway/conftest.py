@@ -17,7 +17,7 @@ from gateway.engine_client import EngineClient
 from gateway.openai_api import create_app
 from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizer
-from pagoda.grpc_health import HealthState
+from pagoda.runtime.grpc_health import HealthState
 from pagoda.v1 import engine_pb2_grpc
 from tests.gateway.fake_engine import FakeEngine
 

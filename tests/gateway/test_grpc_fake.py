@@ -9,7 +9,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gateway.server import start_grpc_server
-from pagoda.grpc_health import SERVING, check
+from pagoda.runtime.grpc_health import SERVING, check
 from pagoda.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.gateway.conftest import SCRIPT_TEXTS, wait_until
 

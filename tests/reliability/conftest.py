@@ -35,7 +35,7 @@ from tests.e2e.conftest import (
     tiny_model_dir,  # noqa: F401 - a fixture for this package
 )
 from tests.e2e.gateway_conftest import start_gateway
-from worker_svc.fake_runner import fake_vocab_size
+from worker_svc.fake.runner import fake_vocab_size
 
 # Also the tokenizer of the fake worker's gateway; the fake worker reports its vocabulary.
 TOKENIZER_DIR = DEFAULT_MODEL

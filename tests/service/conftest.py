@@ -12,7 +12,7 @@ import pytest
 
 from pagoda.v1 import engine_pb2_grpc, worker_pb2_grpc
 from scheduler_svc.server import EngineServiceConfig, start_engine_server
-from worker_svc.fake_runner import FakeStepRunner
+from worker_svc.fake.runner import FakeStepRunner
 from worker_svc.server import start_worker_server
 
 NUM_BLOCKS = 64

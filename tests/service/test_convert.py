@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.v1 import common_pb2, engine_pb2, worker_pb2
-from scheduler_svc import convert as engine_convert
-from scheduler_svc.core.outputs import SequenceDelta
-from scheduler_svc.core.params import EngineRequest, FinishReason, InvalidRequestError, SamplingParams
-from scheduler_svc.core.plan import (
+from pagoda.contract import worker_codec as convert
+from pagoda.contract.errors import InvalidRequestError
+from pagoda.contract.params import FinishReason, SamplingParams
+from pagoda.contract.step import (
     BlockCopy,
     Fork,
     NewRequestData,
@@ -16,9 +15,12 @@ from scheduler_svc.core.plan import (
     StepResult,
     TableUpdate,
     TokenLogprobs,
+    WorkerInfo,
 )
-from worker_svc import convert
-from worker_svc.config import WorkerInfo
+from pagoda.v1 import common_pb2, engine_pb2, worker_pb2
+from scheduler_svc import convert as engine_convert
+from scheduler_svc.core.outputs import SequenceDelta
+from scheduler_svc.core.request import EngineRequest
 
 FULL_SAMPLING = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=7, max_tokens=9,
                                min_tokens=2, stop_token_ids=(3, 4), ignore_eos=True, logprobs=2,

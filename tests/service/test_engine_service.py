@@ -12,10 +12,10 @@ import time
 import grpc
 import pytest
 
+from pagoda.contract.params import SamplingParams
 from pagoda.v1 import common_pb2, engine_pb2
-from scheduler_svc.core.params import SamplingParams
-from scheduler_svc.fake_worker import FakeSampler
 from tests.service.conftest import NUM_BLOCKS
+from worker_svc.fake.fake_worker import FakeSampler
 
 
 def generate_request(rid: str, prompt: list[int], max_tokens: int, n: int = 1) -> engine_pb2.GenerateRequest:

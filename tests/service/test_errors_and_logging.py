@@ -10,17 +10,15 @@ import grpc
 import pytest
 import structlog
 
-from pagoda.errors import (
+from pagoda.contract.error_table import grpc_status_for, http_status_for, http_status_for_grpc
+from pagoda.contract.errors import (
     DuplicateRequestError,
+    InvalidRequestError,
+    PlanError,
+    QueueFullError,
     WorkerUnavailableError,
-    grpc_status_for,
-    http_status_for,
-    http_status_for_grpc,
 )
-from pagoda.logging import bound_contextvars, configure_logging, get_logger
-from scheduler_svc.core.errors import QueueFullError
-from scheduler_svc.core.params import InvalidRequestError
-from worker_svc.errors import PlanError
+from pagoda.runtime.logging import bound_contextvars, configure_logging, get_logger
 
 
 @pytest.mark.parametrize("error, code, http", [

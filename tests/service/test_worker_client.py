@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from scheduler_svc.core.plan import StepPlan
+from pagoda.contract.step import StepPlan
 from scheduler_svc.worker_client import StepStream, WorkerLostError
 
 

@@ -10,7 +10,7 @@ import grpc
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
 from tests.service.conftest import BLOCK_SIZE, NUM_BLOCKS
 from tests.service.test_engine_service import expected, first_response, generate_request, read_rest
-from worker_svc.fake_runner import FakeStepRunner
+from worker_svc.fake.runner import FakeStepRunner
 from worker_svc.server import start_worker_server
 
 
@@ -55,7 +55,7 @@ async def test_a_restarted_worker_recomputes_and_the_stream_completes(fake_worke
 
 async def test_scheduler_is_not_serving_until_its_worker_answers():
     """The scheduler listens at once but stays NOT_SERVING (and refuses work) until Init succeeded."""
-    from pagoda.grpc_health import NOT_SERVING, SERVING, check
+    from pagoda.runtime.grpc_health import NOT_SERVING, SERVING, check
     from scheduler_svc.server import EngineServiceConfig, start_engine_server
     from tests.e2e.conftest import free_port
 
@@ -86,7 +86,7 @@ async def test_scheduler_is_not_serving_until_its_worker_answers():
 
 async def test_a_worker_reconnecting_while_draining_does_not_flip_health_back(fake_worker, engine_factory):
     """SIGTERM started the drain: a worker restart during it must leave health NOT_SERVING."""
-    from pagoda.grpc_health import NOT_SERVING, SERVING, check
+    from pagoda.runtime.grpc_health import NOT_SERVING, SERVING, check
     from scheduler_svc.server import drain
 
     running, _ = await engine_factory(worker_timeout_s=20)

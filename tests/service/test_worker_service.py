@@ -9,12 +9,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagoda.grpc_health import NOT_SERVING, SERVING
+from pagoda.contract import worker_codec as convert
+from pagoda.contract.params import SamplingParams
+from pagoda.contract.step import NewRequestData, StepPlan, TableUpdate
+from pagoda.runtime.grpc_health import NOT_SERVING, SERVING
 from pagoda.v1 import worker_pb2
-from scheduler_svc.core.params import SamplingParams
-from scheduler_svc.core.plan import NewRequestData, StepPlan, TableUpdate
 from tests.service.conftest import NUM_BLOCKS
-from worker_svc import convert
 
 Code = worker_pb2.StepError.Code
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

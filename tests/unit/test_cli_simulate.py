@@ -1,6 +1,7 @@
 import json
 
-from scheduler_svc import plan_capacity, simulate
+from pagoda import simulate
+from scheduler_svc import plan_capacity
 
 
 def test_simulate_prints_the_textbook_figures(capsys):

@@ -100,7 +100,7 @@ def test_service_commands(services: dict) -> None:
 
 
 def test_healthchecks_probe_each_service_own_port(services: dict) -> None:
-    probe = ["CMD", "python", "-m", "pagoda.healthcheck"]
+    probe = ["CMD", "python", "-m", "pagoda.runtime.healthcheck"]
     assert services["worker"]["healthcheck"]["test"] == [*probe, "127.0.0.1:50061"]
     assert services["scheduler"]["healthcheck"]["test"] == [*probe, "127.0.0.1:50052"]
     assert services["gateway"]["healthcheck"]["test"] == [*probe, "http://127.0.0.1:8000/ready"]

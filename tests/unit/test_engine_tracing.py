@@ -9,14 +9,16 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pagoda import telemetry
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import SamplingParams
+from pagoda.contract.step import StepPlan
+from pagoda.runtime import telemetry
 from scheduler_svc.core.block_pool import BlockPool
-from scheduler_svc.core.params import EngineRequest, RequestId, SamplingParams
-from scheduler_svc.core.plan import StepPlan
 from scheduler_svc.core.prefix_index import PrefixIndex
+from scheduler_svc.core.request import EngineRequest
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.engine_tracing import EngineTracing, NoTracing, engine_tracing
-from scheduler_svc.fake_worker import FakeSampler, FakeWorker
+from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
 
 NUM_BLOCKS, BLOCK_SIZE = 16, 4
 

@@ -13,15 +13,10 @@ from collections import deque
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.core import (
-    EngineRequest,
-    FinishReason,
-    RequestId,
-    SamplingParams,
-    Scheduler,
-    SchedulerConfig,
-)
-from scheduler_svc.fake_worker import FakeSampler, FakeWorker
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import FinishReason, SamplingParams
+from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
+from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
 
 EOS = 0
 MAX_MODEL_LEN = 40

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from worker_svc.__main__ import build_runner, parse_args
-from worker_svc.fake_runner import DEFAULT_FAKE_VOCAB_SIZE, fake_vocab_size
+from worker_svc.fake.runner import DEFAULT_FAKE_VOCAB_SIZE, fake_vocab_size
 
 
 def test_vocab_comes_from_config_then_tokenizer_then_the_default(tmp_path):

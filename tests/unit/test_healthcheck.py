@@ -1,4 +1,4 @@
-"""`python -m pagoda.healthcheck`: exit 0 only for SERVING (gRPC) or 200 (HTTP)."""
+"""`python -m pagoda.runtime.healthcheck`: exit 0 only for SERVING (gRPC) or 200 (HTTP)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pagoda.healthcheck import main
+from pagoda.runtime.healthcheck import main
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import SamplingParams
+from pagoda.contract.step import BlockCopy, StepPlan, TableUpdate
 from scheduler_svc.core.kv_cache_manager import KVCacheManager, position_to_block, slot_mapping
-from scheduler_svc.core.params import RequestId, SamplingParams
-from scheduler_svc.core.plan import BlockCopy, StepPlan, TableUpdate
 from scheduler_svc.core.request import Request, Sequence
 
 

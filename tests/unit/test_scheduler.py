@@ -2,21 +2,13 @@
 
 import pytest
 
-from scheduler_svc.core import (
-    BlockCopy,
-    EngineRequest,
-    FinishReason,
-    Fork,
-    InvalidRequestError,
-    QueueFullError,
-    RequestId,
-    SamplingParams,
-    Scheduler,
-    SchedulerConfig,
-    StepResult,
-    TableUpdate,
-)
-from scheduler_svc.fake_worker import FakeSampler, FakeWorker, drive
+from pagoda.contract.errors import InvalidRequestError, QueueFullError
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import FinishReason, SamplingParams
+from pagoda.contract.step import BlockCopy, Fork, StepResult, TableUpdate
+from pagoda.simulate import drive
+from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
+from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
 
 
 def setup(num_blocks=16, block_size=4, **kw):

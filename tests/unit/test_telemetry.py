@@ -12,8 +12,9 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pagoda import telemetry
-from pagoda.telemetry import (
+from pagoda.contract.step import StepPlan
+from pagoda.runtime import telemetry
+from pagoda.runtime.telemetry import (
     RequestSpans,
     StepSpanStats,
     context_from_grpc_metadata,
@@ -25,7 +26,6 @@ from pagoda.telemetry import (
     start_genai_span,
     start_step_span,
 )
-from scheduler_svc.core.plan import StepPlan
 
 CALLER_TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
 CALLER_SPAN_ID = 0xB7AD6B7169203331

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler_svc.core.params import RequestId, SamplingParams
-from scheduler_svc.core.plan import BlockCopy, Fork, NewRequestData, StepPlan, TableUpdate
+from pagoda.contract.errors import PlanError
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import SamplingParams
+from pagoda.contract.step import BlockCopy, Fork, NewRequestData, StepPlan, TableUpdate
 from worker_svc.config import WorkerConfig
-from worker_svc.errors import PlanError
 from worker_svc.model_runner import ModelRunner
 
 BLOCK_SIZE = 4

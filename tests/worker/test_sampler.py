@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from scheduler_svc.core.params import SamplingParams
+from pagoda.contract.params import SamplingParams
 from worker_svc.sampler import Sampler, SamplingRow
 
 VOCAB = 64

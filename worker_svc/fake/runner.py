@@ -11,11 +11,10 @@ import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from scheduler_svc.core.params import RequestId
-from scheduler_svc.core.plan import StepPlan, StepResult
-from scheduler_svc.fake_worker import FakeSampler, FakeWorker
-from worker_svc.config import WorkerInfo
-from worker_svc.errors import NotInitializedError
+from pagoda.contract.errors import NotInitializedError
+from pagoda.contract.ids import RequestId
+from pagoda.contract.step import StepPlan, StepResult, WorkerInfo
+from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
 from worker_svc.plan_validation import validate_plan
 
 # The tiny model's vocabulary: a fake stack's gateway usually loads that tokenizer.

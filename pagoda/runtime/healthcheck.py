@@ -1,4 +1,4 @@
-"""`python -m pagoda.healthcheck TARGET [--service NAME] [--timeout S]`: a container probe.
+"""`python -m pagoda.runtime.healthcheck TARGET [--service NAME] [--timeout S]`: a container probe.
 
 TARGET `HOST:PORT`: exit 0 iff grpc.health.v1 Check answers SERVING within the timeout (what
 grpc_health_probe does). TARGET `http://...` (the gateway's /ready): exit 0 iff GET answers 200.
@@ -41,7 +41,7 @@ def check_http_ok(url: str, timeout_s: float = 3.0) -> tuple[bool, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagoda.healthcheck", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pagoda.runtime.healthcheck", description=__doc__)
     parser.add_argument("target", help="HOST:PORT of a gRPC server, or an http:// URL")
     parser.add_argument("--service", default="", help="service name to check ('' = the server)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")

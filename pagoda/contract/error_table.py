@@ -1,4 +1,4 @@
-"""The one table that maps domain exceptions to gRPC status codes and HTTP status codes.
+"""The one table that maps the domain exceptions (errors.py) to gRPC status codes and HTTP statuses.
 
 Services raise domain exceptions; servicers (and the gateway) translate them here and nowhere
 else. Anything not in the table is INTERNAL / 500 with a generic message (the traceback is logged).
@@ -10,29 +10,16 @@ from dataclasses import dataclass
 
 import grpc
 
-from scheduler_svc.core.errors import QueueFullError
-from scheduler_svc.core.params import InvalidRequestError
-from worker_svc.errors import NotInitializedError, PlanError
-
-
-class PagodaServiceError(Exception):
-    """Base of the errors the service layer raises on purpose."""
-
-
-class WorkerUnavailableError(PagodaServiceError):
-    """No worker is connected (starting, lost and not back within --worker-timeout)."""
-
-
-class DuplicateRequestError(PagodaServiceError):
-    """A request id that is already running."""
-
-
-class RequestNotFoundError(PagodaServiceError):
-    """A request id that is not (or no longer) known."""
-
-
-class ShuttingDownError(PagodaServiceError):
-    """The service is draining and accepts no new work."""
+from pagoda.contract.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    NotInitializedError,
+    PlanError,
+    QueueFullError,
+    RequestNotFoundError,
+    ShuttingDownError,
+    WorkerUnavailableError,
+)
 
 
 @dataclass(frozen=True, slots=True)

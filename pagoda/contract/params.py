@@ -1,22 +1,16 @@
-"""Sampling parameters and the engine-level request: what a caller asks for.
+"""Sampling parameters, finish reasons and the context-length rule: what a caller asks for.
 
-Pure data shared by the scheduler core, the worker's sampler and the offline API.
+Pure data shared by the gateway, the scheduler core, the worker's sampler and the offline API.
 Field names follow vLLM's `SamplingParams` so users recognise them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import NewType
 
-RequestId = NewType("RequestId", str)
-BlockId = NewType("BlockId", int)
-
-
-class InvalidRequestError(ValueError):
-    """A request whose fields are out of range; maps to INVALID_ARGUMENT / HTTP 400."""
+from pagoda.contract.errors import InvalidRequestError
 
 
 class FinishReason(StrEnum):
@@ -118,15 +112,3 @@ def check_context_length(max_model_len: int, num_prompt_tokens: int, max_tokens:
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, "
             f"{max_tokens} in the completion). Please reduce the length of the messages or completion.")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineRequest:
-    """A request as the engine accepts it: token ids in, one or more sequences out."""
-
-    request_id: RequestId
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    arrival_time: float = 0.0
-    priority: int = 0  # lower runs first (vLLM's convention); ties break by arrival
-    cache_salt: str | None = None  # keeps one tenant's prefix cache invisible to another

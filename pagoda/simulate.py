@@ -1,6 +1,6 @@
 """Why paged KV and continuous batching: figures computed by driving the real scheduler core.
 
-    python -m scheduler_svc.simulate [--requests 200] [--seed 0]
+    python -m pagoda.simulate [--requests 200] [--seed 0]
 
 The fake worker stands in for the model (deterministic tokens, EOS off: output lengths are exact).
 """
@@ -10,9 +10,43 @@ from __future__ import annotations
 import argparse
 import math
 import random
+from collections import deque
 
-from scheduler_svc.core import EngineRequest, RequestId, SamplingParams, Scheduler, SchedulerConfig
-from scheduler_svc.fake_worker import FakeWorker, drive
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import SamplingParams
+from pagoda.contract.step import StepResult
+from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
+from worker_svc.fake.fake_worker import FakeWorker
+
+
+def drive(scheduler, worker: FakeWorker, pipeline_depth: int = 1, max_steps: int = 100_000,
+          on_step=None) -> dict[tuple[str, int], list]:
+    """Run scheduler + fake worker until no request is left; results are delivered `pipeline_depth`
+    plans late (1 = synchronous). Returns {(request_id, seq_index): [tokens..., finish_reason]}.
+    `on_step(deltas)` runs after every update (tests check invariants there)."""
+    streams: dict[tuple[str, int], list] = {}
+    pending: deque[StepResult] = deque()
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests() and not pending:
+            return streams
+        plan = scheduler.schedule() if len(pending) < pipeline_depth else None
+        if plan is not None:
+            pending.append(worker.execute(plan))
+            continue
+        if not pending:
+            raise AssertionError("unfinished requests, nothing in flight, and no plan: deadlock")
+        deltas = scheduler.update(pending.popleft())
+        for delta in deltas:
+            stream = streams.setdefault((delta.request_id, delta.seq_index), [])
+            assert not (stream and stream[-1] is not None and not isinstance(stream[-1], int)), \
+                f"delta after the end of {delta.request_id}#{delta.seq_index}"
+            stream.extend(delta.new_token_ids)
+            if delta.finish_reason is not None:
+                stream.append(delta.finish_reason)
+        if on_step is not None:
+            on_step(deltas)
+    raise AssertionError(f"not finished after {max_steps} steps")
+
 
 OUTPUT_LENGTHS = [32, 128, 64, 256]
 

@@ -7,18 +7,18 @@ defined once. Pure functions; domain classes never see protobuf.
 
 from __future__ import annotations
 
-from pagoda.common_codec import logprobs_from_pb, logprobs_to_pb, sampling_from_pb, sampling_to_pb
-from pagoda.v1 import common_pb2, worker_pb2
-from scheduler_svc.core.params import BlockId, RequestId
-from scheduler_svc.core.plan import (
+from pagoda.contract.common_codec import logprobs_from_pb, logprobs_to_pb, sampling_from_pb, sampling_to_pb
+from pagoda.contract.ids import BlockId, RequestId
+from pagoda.contract.step import (
     BlockCopy,
     Fork,
     NewRequestData,
     StepPlan,
     StepResult,
     TableUpdate,
+    WorkerInfo,
 )
-from worker_svc.config import WorkerInfo
+from pagoda.v1 import common_pb2, worker_pb2
 
 # -- step plans -------------------------------------------------------------------------------
 

@@ -6,9 +6,9 @@ API, the scheduler and the worker on the Steps stream. Pure functions over the c
 
 from __future__ import annotations
 
+from pagoda.contract.params import FinishReason, SamplingParams
+from pagoda.contract.step import TokenLogprobs
 from pagoda.v1 import common_pb2
-from scheduler_svc.core.params import FinishReason, SamplingParams
-from scheduler_svc.core.plan import TokenLogprobs
 
 # proto3 `optional` fields: absent on the wire means the dataclass default (not zero), e.g. no seed,
 # max_tokens up to the context length, temperature 1.0.

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_svc.core.params import RequestId, SamplingParams
-from scheduler_svc.core.plan import StepPlan, StepResult
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import SamplingParams
+from pagoda.contract.step import StepPlan, StepResult
 
 _MASK = (1 << 64) - 1
 
@@ -187,34 +188,3 @@ class FakeWorker:
     def _check_blocks(self, block_ids: list[int]) -> None:
         for block in block_ids:
             assert 0 <= block < self.num_blocks, f"block id {block} out of range"
-
-
-def drive(scheduler, worker: FakeWorker, pipeline_depth: int = 1, max_steps: int = 100_000,
-          on_step=None) -> dict[tuple[str, int], list]:
-    """Run scheduler + fake worker until no request is left; results are delivered `pipeline_depth`
-    plans late (1 = synchronous). Returns {(request_id, seq_index): [tokens..., finish_reason]}.
-    `on_step(deltas)` runs after every update (tests check invariants there)."""
-    from collections import deque
-
-    streams: dict[tuple[str, int], list] = {}
-    pending: deque[StepResult] = deque()
-    for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests() and not pending:
-            return streams
-        plan = scheduler.schedule() if len(pending) < pipeline_depth else None
-        if plan is not None:
-            pending.append(worker.execute(plan))
-            continue
-        if not pending:
-            raise AssertionError("unfinished requests, nothing in flight, and no plan: deadlock")
-        deltas = scheduler.update(pending.popleft())
-        for delta in deltas:
-            stream = streams.setdefault((delta.request_id, delta.seq_index), [])
-            assert not (stream and stream[-1] is not None and not isinstance(stream[-1], int)), \
-                f"delta after the end of {delta.request_id}#{delta.seq_index}"
-            stream.extend(delta.new_token_ids)
-            if delta.finish_reason is not None:
-                stream.append(delta.finish_reason)
-        if on_step is not None:
-            on_step(deltas)
-    raise AssertionError(f"not finished after {max_steps} steps")

@@ -1,4 +1,4 @@
-"""The step plan and step result: the contract between the scheduler and a worker group.
+"""The step plan, the step result and Init's answer: the contract between scheduler and worker.
 
 A plan carries *changes* only (DESIGN.md, "The scheduler↔worker protocol"):
 - a request's prompt, params and block ids travel once, in `new_requests` (also when a preempted
@@ -9,14 +9,15 @@ A plan carries *changes* only (DESIGN.md, "The scheduler↔worker protocol"):
 - the worker keeps its own sampled tokens; they are never echoed back.
 
 The worker derives the rest itself: a request samples in a step when, after the step,
-num_computed_tokens == len(token_ids). These are pure data: `convert.py` maps them to protobuf.
+num_computed_tokens == len(token_ids). These are pure data: `worker_codec.py` maps them to protobuf.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_svc.core.params import BlockId, RequestId, SamplingParams
+from pagoda.contract.ids import BlockId, RequestId
+from pagoda.contract.params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -100,3 +101,15 @@ class StepResult:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # empty when none asked
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What Init answers: the scheduler sizes its block pool from this."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    model_name: str

@@ -1,0 +1,51 @@
+"""Every exception that crosses a service boundary on purpose.
+
+Raised by the cores (scheduler, worker) and the servicers; translated to gRPC status codes and HTTP
+statuses in one place, `error_table.py`. Pure classes: importing this module imports no grpc.
+"""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request whose fields are out of range; maps to INVALID_ARGUMENT / HTTP 400."""
+
+
+class QueueFullError(Exception):
+    """The scheduler's bounded waiting queue is full; maps to RESOURCE_EXHAUSTED / HTTP 429."""
+
+
+class WorkerError(Exception):
+    """Base class of every error the worker raises on purpose."""
+
+
+class PlanError(WorkerError):
+    """A step plan that cannot apply to the resident state (unknown id, bad block, over capacity).
+
+    Raised by the runner's `validate` before any state changes, so the worker stays consistent and
+    the scheduler can resync (maps to FAILED_PRECONDITION).
+    """
+
+
+class NotInitializedError(WorkerError):
+    """`execute` called before `initialize` allocated the KV cache."""
+
+
+class PagodaServiceError(Exception):
+    """Base of the errors the service layer raises on purpose."""
+
+
+class WorkerUnavailableError(PagodaServiceError):
+    """No worker is connected (starting, lost and not back within --worker-timeout)."""
+
+
+class DuplicateRequestError(PagodaServiceError):
+    """A request id that is already running."""
+
+
+class RequestNotFoundError(PagodaServiceError):
+    """A request id that is not (or no longer) known."""
+
+
+class ShuttingDownError(PagodaServiceError):
+    """The service is draining and accepts no new work."""

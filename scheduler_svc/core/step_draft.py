@@ -1,0 +1,30 @@
+"""The scheduler's bookkeeping for one step: the plan being drafted, and the steps still in flight."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagoda.contract.step import StepPlan
+from scheduler_svc.core.request import Sequence
+
+
+@dataclass(slots=True)
+class InflightStep:
+    step_id: int
+    # (seq, its generation, num_computed after the step) of the sequences whose step completes a
+    # block they have not registered: the others have nothing to register when the step reports.
+    computed: list[tuple[Sequence, int, int]]
+
+
+@dataclass(slots=True)
+class StepDraft:
+    """What schedule() accumulates while it builds one plan (each sequence is committed, i.e.
+    advanced, as soon as it is scheduled: the ones already scheduled are never preempted later)."""
+
+    plan: StepPlan
+    budget: int  # tokens left in this step
+    computed: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    fork_parents: list[Sequence] = field(default_factory=list)  # forked once admission is done
+    num_scheduled: int = 0  # sequences
+    num_prefill: int = 0  # tokens
+    num_decode: int = 0  # sequences (one token each)
