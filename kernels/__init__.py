@@ -1,6 +1,6 @@
 """Attention kernels behind one Python signature each, with selectable backends.
 
-Cache layout (both backends): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+Cache layout (every backend): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
 
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None
         key, value:   [num_tokens, num_kv_heads, head_dim]
@@ -16,8 +16,12 @@ Cache layout (both backends): k_cache, v_cache: [num_blocks, block_size, num_kv_
         0..that position (lower-right causal): prefill chunks over their cached prefix and decode
         rows (q_len == 1) in one batch. GQA: query head h reads KV head h // (num_heads / num_kv_heads).
 
-The backend is chosen by configuration (`--attention-backend torch|cupy`), never by a failed
-import: CPU machines never import cupy at module load.
+Backends: "torch" (the reference and oracle, any device), "cpu" (a compiled C++/OpenMP kernel that
+reads K/V blocks in place; kernels/cpu_extension.py builds it), "cupy" (CUDA RawKernels).
+The backend is chosen by configuration (`--attention-backend torch|cpu|cupy`), never by a failed
+import: CPU machines never import cupy at module load. "auto" picks "cpu" on CPU wherever the
+extension can be built (a C++ compiler and ninja: `make setup` builds it); a build that then fails
+raises instead of silently serving the slower reference.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Literal, Protocol
 
 import torch
 
-BackendName = Literal["torch", "cupy"]
+BackendName = Literal["torch", "cpu", "cupy"]
 
 
 class AttentionBackend(Protocol):
@@ -42,7 +46,11 @@ class AttentionBackend(Protocol):
 
 
 def default_backend_name(device: torch.device) -> BackendName:
-    return "cupy" if device.type == "cuda" else "torch"
+    if device.type == "cuda":
+        return "cupy"
+    from kernels.cpu_extension import toolchain_available
+
+    return "cpu" if device.type == "cpu" and toolchain_available() else "torch"
 
 
 def get_backend(name: BackendName) -> AttentionBackend:
@@ -50,9 +58,13 @@ def get_backend(name: BackendName) -> AttentionBackend:
         from kernels.paged_attention.reference import TorchBackend
 
         return TorchBackend()
+    if name == "cpu":
+        from kernels.paged_attention.cpu_impl import CpuBackend
+
+        return CpuBackend()
     if name == "cupy":
         # Imported only when asked for: cupy needs a CUDA driver at run time.
         from kernels.paged_attention.cupy_impl import CupyBackend
 
         return CupyBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'cupy'")
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch', 'cpu' or 'cupy'")

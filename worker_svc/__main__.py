@@ -25,7 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cupy"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cupy"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,

@@ -16,6 +16,6 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the worker may use
     num_gpu_blocks_override: int | None = None  # exact block count (tests, CPU)
     kv_cache_memory_bytes: int | None = None  # CPU: byte budget for the cache (default 1 GiB)
-    attention_backend: Literal["auto", "torch", "cupy"] = "auto"  # auto: cupy on CUDA, else torch
+    attention_backend: Literal["auto", "torch", "cpu", "cupy"] = "auto"  # auto: cupy on CUDA, cpu on CPU
     seed: int = 0
     tensor_parallel_size: int = 1

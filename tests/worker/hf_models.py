@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from kernels import get_backend
+from kernels import default_backend_name, get_backend
 from worker_svc.models.common import AttentionMetadata
 
 VOCAB = 256
@@ -78,9 +78,12 @@ def hf_logits(model_dir: Path, input_ids: list[int]) -> torch.Tensor:
 class PagedSequence:
     """One sequence over a shuffled block table, fed to the model chunk by chunk."""
 
-    def __init__(self, model, cfg, max_len: int, seed: int, block_size: int = 8) -> None:
+    def __init__(self, model, cfg, max_len: int, seed: int, block_size: int = 8,
+                 backend: str | None = None) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.model = model
+        # the worker's own default ("cpu" wherever it builds): parity must hold through it
+        self.backend = get_backend(backend or default_backend_name(torch.device("cpu")))
         self.block_size = block_size
         num_needed = -(-max_len // block_size)
         num_blocks = 3 * num_needed  # a pool larger than needed, so the table is a real shuffle
@@ -103,7 +106,7 @@ class PagedSequence:
             block_tables=self.table[None, :].to(torch.int32),
             seq_lens=torch.tensor([seq_len], dtype=torch.int32),
             query_start_loc=torch.tensor([0, q_len], dtype=torch.int32),
-            max_query_len=q_len, max_seq_len=seq_len, backend=get_backend("torch"))
+            max_query_len=q_len, max_seq_len=seq_len, backend=self.backend)
         with torch.no_grad():
             hidden = self.model(torch.tensor(token_ids), positions, attn, self.kv_caches)  # [q_len, H]
             logits = self.model.compute_logits(hidden)

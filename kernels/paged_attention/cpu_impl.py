@@ -1,0 +1,36 @@
+"""Compiled CPU backend: paged attention that reads K/V blocks in place (kernels/paged_attention/
+cpu_attention.cpp, built by kernels/cpu_extension.py).
+
+Same signatures and cache layout as kernels/__init__.py. Unlike the torch reference it needs no
+per-step plan: the op walks each sequence's block table directly, so there is no gather, no
+padding to a bucket's longest context and nothing to cache between layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_extension import load
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._ops = load()
+
+    def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        # key, value: [T, Hkv, D]; slot_mapping: [T] int64, -1 = padding (skipped)
+        if key.dtype != k_cache.dtype:  # the reference converts too (fp32 activations, bf16 cache)
+            key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+        self._ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                        max_seq_len: int) -> torch.Tensor:
+        # query: [T, Hq, D] -> out: [T, Hq, D] (max_query_len / max_seq_len: the op needs neither)
+        out = self._ops.paged_attention(query.to(k_cache.dtype), k_cache, v_cache, block_tables, seq_lens,
+                                        query_start_loc, scale)
+        return out.to(query.dtype)  # no-ops when query and cache share a dtype (always, in the worker)
