@@ -74,9 +74,18 @@ async def serve(config: GatewayConfig) -> None:
     log.info("gateway_started", http=f"{config.host}:{config.port}", grpc=f"{config.host}:{grpc_port}",
              scheduler=config.scheduler)
     serving = asyncio.create_task(http.serve())
+    stopping = asyncio.create_task(stop.wait())
     try:
-        await asyncio.wait([serving, asyncio.create_task(stop.wait())],
-                           return_when=asyncio.FIRST_COMPLETED)
+        pending = {serving, stopping, connecting}
+        while serving in pending and stopping in pending:
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if connecting not in pending and not connecting.cancelled() and connecting.exception():
+                # e.g. a tokenizer that cannot load: a gateway that can never become ready must
+                # exit (and say why) rather than answer 503 forever.
+                log.error("gateway_connect_failed", error=repr(connecting.exception()))
+                http.should_exit = True
+                await serving
+                raise SystemExit(1)
         connecting.cancel()
         if stop.is_set():
             await _drain(state, health, in_flight, config.shutdown_timeout_s)

@@ -44,7 +44,7 @@ class GatewayState:
                 continue
             if self.tokenizer is None:
                 path = self.config.tokenizer or info.model_name
-                self.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, path)
+                self.tokenizer = await asyncio.to_thread(Tokenizer.load, path)
                 log.info("tokenizer_loaded", path=path)
             self.served_model_name = self.config.served_model_name or info.model_name
             metrics.METRICS.model_name = self.served_model_name  # the model_name label

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pagoda.runtime.model_files import load_tokenizer
+
 # Prompt tokens decoded in front of the first output token: enough for a tokenizer that decides
 # spaces from the previous token (SentencePiece "▁"), few enough to keep each decode cheap.
 _CONTEXT_TOKENS = 6
@@ -15,16 +17,14 @@ _REPLACEMENT_CHAR = "\ufffd"  # what decode() yields for an incomplete UTF-8 seq
 
 
 class Tokenizer:
-    """A thin wrapper over a Hugging Face tokenizer loaded from a local directory."""
+    """A thin wrapper over a Hugging Face tokenizer: a local model directory's, or a GGUF file's."""
 
     def __init__(self, hf_tokenizer: Any) -> None:
         self.hf = hf_tokenizer
 
     @classmethod
-    def from_dir(cls, path: str) -> Tokenizer:
-        from transformers import AutoTokenizer  # slow import: only when a gateway starts
-
-        return cls(AutoTokenizer.from_pretrained(path))
+    def load(cls, path: str) -> Tokenizer:
+        return cls(load_tokenizer(path))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])

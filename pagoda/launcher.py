@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagoda.runtime.healthcheck import check_serving
+from pagoda.runtime.model_files import is_gguf_file
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; beyond that the launcher gives up
@@ -70,14 +71,14 @@ def build_children(args: argparse.Namespace) -> list[Child]:
     scheduler = f"127.0.0.1:{args.scheduler_port}"
     # A fake worker still reads the model directory when there is one: its vocabulary size for the
     # worker, its tokenizer for the gateway (fake token ids must decode).
-    has_model_dir = Path(args.model).is_dir()
+    has_model_dir = Path(args.model).is_dir() or is_gguf_file(args.model)
     model_dir = ["--model", args.model] if has_model_dir or not args.fake else []
     model = ["--fake", *model_dir] if args.fake else model_dir
     drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
     children = [
         Child("worker", ["worker_svc", *model, "--port", str(args.worker_port),
                          "--tensor-parallel-size", str(args.tensor_parallel_size),
-                         "--device", args.device], worker, needs_serving=False),
+                         "--device", args.device, "--dtype", args.dtype], worker, needs_serving=False),
         Child("scheduler", ["scheduler_svc", "--workers", worker, "--port", str(args.scheduler_port),
                             *drain], scheduler, needs_serving=True),
     ]
@@ -124,10 +125,13 @@ def supervise(children: list[Child], stop: threading.Event, deadline_s: float) -
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pagoda.launcher", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="models/pagoda-tiny")
+    p.add_argument("--model", default="models/smollm2-135m-instruct",
+                   help="an HF-format model directory or a .gguf file (`make model` writes the default)")
     p.add_argument("--fake", action="store_true", help="a model-less worker (deterministic fake tokens)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the worker's compute dtype (auto: the checkpoint's, fp32 for a quantised GGUF)")
     p.add_argument("--worker-port", type=int, default=50061)
     p.add_argument("--scheduler-port", type=int, default=50052)
     p.add_argument("--gateway-port", type=int, default=8000)

@@ -89,9 +89,9 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from transformers import AutoTokenizer  # slow import: only when text is involved
+            from pagoda.runtime.model_files import load_tokenizer  # slow: only when text is involved
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self._tokenizer = load_tokenizer(self.model_dir)
         return self._tokenizer
 
     def stats(self) -> Any:

@@ -13,7 +13,7 @@ log = get_logger("worker_svc")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m worker_svc", description=__doc__)
-    p.add_argument("--model", help="local HF-format model directory (required unless --fake)")
+    p.add_argument("--model", help="local HF-format model directory or .gguf file (required unless --fake)")
     p.add_argument("--fake", action="store_true",
                    help="no model: deterministic fake tokens, answers at once (tests, benchmarks)")
     p.add_argument("--host", default="127.0.0.1")

@@ -1,23 +1,29 @@
-"""Load an HF-format directory (config.json + safetensors, single file or sharded) into our model.
+"""Load a checkpoint into our model: an HF-format directory (config.json + safetensors, single file
+or sharded) or a llama.cpp `.gguf` file (worker_svc/gguf_loader.py maps its names and dequantises).
 
+Both formats become one stream of (HF tensor name, tensor) pairs, so everything after is shared:
 HF's separate q/k/v and gate/up weights are copied into the fused `qkv_proj` / `gate_up_proj`
-parameters row-slice by row-slice. Every parameter must be filled exactly once; an unknown or
-missing tensor is an error naming it.
+parameters row-slice by row-slice, cast to the compute dtype. Every parameter must be filled
+exactly once; an unknown or missing tensor is an error naming it.
 
-Tensor parallelism: each rank reads only its slice of a sharded tensor (`safe_open.get_slice`):
-rows of q/k/v and gate/up (column-parallel), columns of o_proj and down_proj (row-parallel);
-everything else, biases of row-parallel layers included, is read whole (replicated).
+Tensor parallelism: each rank takes only its slice of a sharded tensor: rows of q/k/v and gate/up
+(column-parallel), columns of o_proj and down_proj (row-parallel); everything else, biases of
+row-parallel layers included, is read whole (replicated). Safetensors are sliced on read
+(`safe_open.get_slice`); GGUF tensors are dequantised whole, then narrowed.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from pagoda.runtime.model_files import is_gguf_file
+from worker_svc import gguf_loader
 from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.model_config import ModelConfig
 from worker_svc.models import model_class
@@ -43,6 +49,7 @@ def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
                tp: TensorParallel = SINGLE) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """`model_dir`: an HF-format directory or a `.gguf` file."""
     cfg = ModelConfig.from_dir(model_dir)
     device = torch.device(device)
     with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
@@ -92,6 +99,10 @@ def _expected_shards(params: dict[str, torch.nn.Parameter]) -> dict[str, set[str
     return expected
 
 
+# A checkpoint tensor, read (and TP-sliced) only when called: skipped tensors are never read.
+TensorReader = Callable[[], torch.Tensor]
+
+
 def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     cfg: ModelConfig = model.config
     params = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens
@@ -99,6 +110,26 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     fused = _fused_targets(cfg, tp.size)
     expected = _expected_shards(params)
     loaded: dict[str, set[str]] = {name: set() for name in params}
+    tensors = _gguf_tensors(model_dir, tp) if is_gguf_file(model_dir) else _safetensors(model_dir, tp)
+    for name, read in tensors:
+        if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        target, shard, start, rows = _target(name, fused, params)
+        tensor = read()
+        dest = params[target].data
+        dest = dest if shard == "" else dest.narrow(0, start, rows)
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise WeightLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                                  f"model shape {tuple(dest.shape)} (config mismatch?)")
+        dest.copy_(tensor)
+        loaded[target].add(shard)
+    missing = [f"{name}[{shard}]" if shard else name for name, shards in expected.items()
+               for shard in sorted(shards - loaded[name])]
+    if missing:
+        raise WeightLoadError(f"{len(missing)} weights missing from {model_dir}: {', '.join(missing[:8])}")
+
+
+def _safetensors(model_dir: Path, tp: TensorParallel) -> Iterator[tuple[str, TensorReader]]:
     files = checkpoint_files(model_dir)
     total = sum(_num_tensors(f) for f in files)
     with tqdm(total=total, desc=f"loading {model_dir.name}", unit="tensor", disable=None) as bar:
@@ -106,47 +137,57 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
             with safe_open(file, framework="pt", device="cpu") as reader:
                 for name in reader.keys():
                     bar.update(1)
-                    if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
-                        continue
-                    target, shard, start, rows = _target(name, fused, params)
-                    tensor = _read_shard(reader, name, tp) if tp.size > 1 else reader.get_tensor(name)
-                    dest = params[target].data
-                    dest = dest if shard == "" else dest.narrow(0, start, rows)
-                    if tuple(tensor.shape) != tuple(dest.shape):
-                        raise WeightLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
-                                              f"model shape {tuple(dest.shape)} (config.json mismatch?)")
-                    dest.copy_(tensor)
-                    loaded[target].add(shard)
-    missing = [f"{name}[{shard}]" if shard else name for name, shards in expected.items()
-               for shard in sorted(shards - loaded[name])]
-    if missing:
-        raise WeightLoadError(f"{len(missing)} weights missing from {model_dir}: {', '.join(missing[:8])}")
+                    yield name, lambda name=name, reader=reader: (
+                        _read_shard(reader, name, tp) if tp.size > 1 else reader.get_tensor(name))
+
+
+def _gguf_tensors(path: Path, tp: TensorParallel) -> Iterator[tuple[str, TensorReader]]:
+    for name, tensor in gguf_loader.read_tensors(path):  # dequantised to fp32 one by one (progress bar)
+        yield name, lambda name=name, tensor=tensor: _narrow_shard(tensor, name, tp)
 
 
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split output rows
 _ROW_PARALLEL = ("o_proj", "down_proj")  # split input columns (weights only; biases replicated)
 
 
-def _read_shard(reader, name: str, tp: TensorParallel) -> torch.Tensor:
-    """This rank's slice of a checkpoint tensor, read without loading the rest."""
+def _split_dim(name: str) -> int | None:
+    """The dimension TP splits this tensor along; None when every rank holds it whole."""
     parts = name.split(".")
     module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
     if module in _COLUMN_PARALLEL:
-        dim = 0
-    elif module in _ROW_PARALLEL and kind == "weight":
-        dim = 1
-    else:
-        return reader.get_tensor(name)
-    tensor_slice = reader.get_slice(name)
-    full = tensor_slice.get_shape()[dim]
+        return 0
+    if module in _ROW_PARALLEL and kind == "weight":
+        return 1
+    return None
+
+
+def _shard_range(name: str, dim: int, full: int, tp: TensorParallel) -> tuple[int, int]:
+    """(first index, length) of this rank's slice of dimension `dim` (size `full`)."""
     if full % tp.size:
         raise WeightLoadError(f"{name}: dimension {dim} ({full}) is not divisible by "
                               f"tensor_parallel_size {tp.size}")
     step = full // tp.size
-    start = tp.rank * step
+    return tp.rank * step, step
+
+
+def _read_shard(reader, name: str, tp: TensorParallel) -> torch.Tensor:
+    """This rank's slice of a safetensors tensor, read without loading the rest."""
+    dim = _split_dim(name)
+    if dim is None:
+        return reader.get_tensor(name)
+    tensor_slice = reader.get_slice(name)
+    start, step = _shard_range(name, dim, tensor_slice.get_shape()[dim], tp)
     if dim == 0:
         return tensor_slice[start:start + step]
     return tensor_slice[:, start:start + step]
+
+
+def _narrow_shard(tensor: torch.Tensor, name: str, tp: TensorParallel) -> torch.Tensor:
+    """This rank's slice of a tensor already in memory."""
+    dim = _split_dim(name)
+    if dim is None or tp.size == 1:
+        return tensor
+    return tensor.narrow(dim, *_shard_range(name, dim, tensor.shape[dim], tp))
 
 
 def _num_tensors(file: Path) -> int:

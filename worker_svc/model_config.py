@@ -1,4 +1,5 @@
-"""The model's shape and options, parsed from an HF `config.json` (+ `generation_config.json`)."""
+"""The model's shape and options, parsed from an HF `config.json` (+ `generation_config.json`), or
+from a GGUF file's metadata (worker_svc/gguf_loader.py turns it into the same two dicts)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pagoda.runtime.model_files import is_gguf_file
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
@@ -41,10 +44,16 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
+        """`path`: a local HF-format directory or a `.gguf` file."""
         path = Path(path)
+        if is_gguf_file(path):
+            from worker_svc.gguf_loader import read_config  # imports this module
+
+            return cls.from_dict(*read_config(path))
         config_file = path / "config.json"
         if not config_file.is_file():
-            raise FileNotFoundError(f"{config_file} not found: --model must be a local HF-format directory")
+            raise FileNotFoundError(f"{config_file} not found: --model must be a local HF-format "
+                                    "directory or a .gguf file")
         raw = json.loads(config_file.read_text())
         gen_file = path / "generation_config.json"
         gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}

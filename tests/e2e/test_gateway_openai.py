@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
-from tests.e2e.conftest import ENGINE_WORKER_FLAGS
+from tests.e2e.conftest import ENGINE_WORKER_FLAGS, ServiceProcess, free_port
 from tests.e2e.gateway_conftest import wait_for
 
 pytestmark = pytest.mark.slow
@@ -154,3 +154,16 @@ async def test_public_grpc_streams_and_reflects(gateway_stack, client):
     assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     names = {s.name for s in listing[0].list_services_response.service}
     assert {"pagoda.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_a_gateway_whose_tokenizer_cannot_load_exits_and_says_why(gateway_stack, tmp_path):
+    """Never ready, it must not sit there answering 503 forever: it exits non-zero with the reason."""
+    missing = tmp_path / "no-such-model"
+    gateway = ServiceProcess("gateway-bad-tokenizer", "gateway", [
+        "--scheduler", gateway_stack.scheduler_target, "--port", str(free_port()),
+        "--grpc-port", str(free_port()), "--tokenizer", str(missing)], 0, tmp_path)
+    try:
+        assert gateway.proc.wait(timeout=60) == 1
+    finally:
+        gateway.stop()
+    assert "gateway_connect_failed" in gateway.log_tail() and str(missing) in gateway.log_tail()

@@ -37,7 +37,7 @@ def tokenizer_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir) -> Tokenizer:
-    return Tokenizer.from_dir(tokenizer_dir)
+    return Tokenizer.load(tokenizer_dir)
 
 
 @pytest.fixture

@@ -86,7 +86,7 @@ def test_every_service_has_an_image_and_pagoda_ones_share_one_build(services: di
 
 def test_service_commands(services: dict) -> None:
     assert services["worker"]["command"] == [
-        "python", "-m", "worker_svc", "--model", "${MODEL:-/app/models/pagoda-tiny}",
+        "python", "-m", "worker_svc", "--model", "${MODEL:-/app/models/smollm2-135m-instruct}",
         "--host", "0.0.0.0", "--port", "50061", *OTLP]
     assert services["scheduler"]["command"] == [
         "python", "-m", "scheduler_svc", "--workers", "worker:50061",

