@@ -26,6 +26,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cupy"])
+    p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU: pre-pack linear weights for oneDNN at load (faster GEMMs; see "
+                        "worker_svc/models/packed_linear.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
@@ -47,7 +50,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, attention_backend=args.attention_backend,
-        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, pack_weights=args.pack_weights)
 
 
 def main(argv: list[str] | None = None) -> None:

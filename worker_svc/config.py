@@ -8,7 +8,7 @@ from typing import Literal
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    model: str  # a local HF-format directory
+    model: str  # a local HF-format directory or .gguf file
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto follows config.json
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
@@ -19,3 +19,4 @@ class WorkerConfig:
     attention_backend: Literal["auto", "torch", "cpu", "cupy"] = "auto"  # auto: cupy on CUDA, cpu on CPU
     seed: int = 0
     tensor_parallel_size: int = 1
+    pack_weights: bool = True  # CPU: linear weights pre-packed for oneDNN (models/packed_linear.py)

@@ -27,6 +27,7 @@ from worker_svc.input_batch import CachedRequestState, ScheduledSeq, build_model
 from worker_svc.kv_cache import CacheShape, KVCache, cpu_num_blocks, cuda_num_blocks
 from worker_svc.loader import load_model, resolve_dtype
 from worker_svc.model_config import ModelConfig
+from worker_svc.models.packed_linear import can_pack, pack_linear_weights
 from worker_svc.plan_validation import validate_plan
 from worker_svc.sampler import Sampler, SamplingRow
 
@@ -54,6 +55,8 @@ class ModelRunner:
         self.device = resolve_device(config.device, tp.rank, tp.size)
         self.dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(config.model))
         self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp)
+        if config.pack_weights and tp.size == 1 and can_pack(self.device):
+            pack_linear_weights(self.model)
         backend = config.attention_backend
         self.backend = get_backend(default_backend_name(self.device) if backend == "auto" else backend)
         self.max_model_len = self._resolve_max_model_len()

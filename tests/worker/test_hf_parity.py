@@ -7,6 +7,7 @@ import torch
 
 from tests.worker.hf_models import ARCHITECTURES, VOCAB, PagedSequence, build_hf_model, hf_logits
 from worker_svc.loader import load_model
+from worker_svc.models.packed_linear import can_pack, pack_linear_weights
 
 PROMPT_LEN = 37
 
@@ -17,6 +18,8 @@ def checkpoint(request, tmp_path_factory):
     model_dir = build_hf_model(kind, tmp_path_factory.mktemp(kind))
     prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(7)).tolist()
     model, cfg = load_model(model_dir, torch.float32, "cpu")
+    if can_pack(torch.device("cpu")):  # what the worker serves with on CPU (TP keeps plain weights)
+        assert pack_linear_weights(model) == 4 * cfg.num_layers + 1
     return kind, model, cfg, prompt, hf_logits(model_dir, prompt)
 
 
