@@ -4,16 +4,16 @@ Ordering and safety (DESIGN.md, protocol principle 4): every plan carries the ep
 Init and step_id = previous + 1. A stale epoch, a step gap or a plan that does not fit the resident
 state is answered with `StepResult.error` and changes nothing; the scheduler then resyncs (Init).
 
-Concurrency: the runner is touched only from one worker thread (`self._executor`), so steps, Init
-and resets are serialised, while the event loop keeps receiving and decoding the next plan as the
-current step computes (this is what pipelining buys).
+Concurrency: Init and steps run on the event loop's own thread, blocking it while they compute
+(see `_run_step` for why), so the runner never sees two callers. gRPC buffers the next plans while
+a step computes, so the next one is ready the moment a step ends (this is what pipelining buys);
+other RPCs (health, GetStats) answer between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from pagoda.contract import worker_codec as convert
@@ -44,7 +44,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: StepRunner, health: HealthState) -> None:
         self._runner = runner
         self._health = health
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
         self._info: WorkerInfo | None = None
         self.epoch = 0
         self._last_step_id: int | None = None  # None: the next plan sets the baseline
@@ -52,7 +51,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._tracer = get_tracer("worker_svc") if tracing_enabled() else None  # None: no span
 
     async def Init(self, request: worker_pb2.InitRequest, context) -> worker_pb2.InitResponse:
-        await self._in_thread(self._init, request)
+        self._init(request)  # on the loop thread, like the steps (see _run_step)
         self.epoch = max(time.time_ns(), self.epoch + 1)  # new on every start and every Init
         self._last_step_id = None
         self._needs_init = False
@@ -106,7 +105,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if rejection is not None:
                 log.warning("plan_rejected", code=Code.Name(rejection[0]), reason=rejection[1])
                 return convert.error_result_pb(step_id, *rejection)
-            return await self._in_thread(self._execute, plan)
+            # On the event loop's own thread, blocking it for the step, on purpose: with steps on
+            # a helper thread, every wake-up of the loop thread (a plan arriving, the result
+            # future, a health probe) took a core from the compute threads on a small CPU machine
+            # and stalled the whole OpenMP team, and the two threads traded the GIL around every
+            # op: the worker kept 1.55 of 2 cores busy instead of 1.9, and served ~10% fewer
+            # tokens/s. gRPC buffers the next plans meanwhile (benchmarks/services_cost.py).
+            return self._execute(plan)
 
     def _check_order(self, plan_pb: worker_pb2.StepPlan) -> tuple[int, str] | None:
         if self._info is None:
@@ -121,7 +126,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return None
 
     def _execute(self, plan: StepPlan) -> worker_pb2.StepResult:
-        """Runs on the step thread. The runner validates once, before any state changes."""
+        """The runner validates once, before any state changes."""
         try:
             result = self._traced_execute(plan) if self._tracer else self._runner.execute(plan)
         except PlanError as error:  # rejected before anything changed: the state is intact
@@ -147,9 +152,3 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             span.set_attributes({"pagoda.worker.forward_seconds": result.forward_seconds,
                                  "pagoda.worker.sample_seconds": result.sample_seconds})
             return result
-
-    async def _in_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -36,7 +36,6 @@ async def fake_worker():
     async with grpc.aio.insecure_channel(target) as channel:
         yield WorkerHandle(server, servicer, runner, target, worker_pb2_grpc.WorkerStub(channel))
     await server.stop(0)
-    servicer.close()
 
 
 @pytest.fixture

@@ -47,7 +47,6 @@ async def test_a_restarted_worker_recomputes_and_the_stream_completes(fake_worke
         rest = await read_rest(call)
     finally:
         await server.stop(0)
-        servicer.close()
     tokens = [t for r in [first, *rest] for s in r.sequences for t in s.token_ids]
     assert tokens == expected(prompt, 60)
     assert rest[-1].finished
@@ -81,7 +80,6 @@ async def test_scheduler_is_not_serving_until_its_worker_answers():
         finally:
             await running.stop(0)
             await server.stop(0)
-            servicer.close()
 
 
 async def test_a_worker_reconnecting_while_draining_does_not_flip_health_back(fake_worker, engine_factory):
@@ -108,4 +106,3 @@ async def test_a_worker_reconnecting_while_draining_does_not_flip_health_back(fa
             assert running.health is not None and not running.health.serving
         finally:
             await server.stop(0)
-            servicer.close()
