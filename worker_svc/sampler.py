@@ -60,6 +60,9 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
+    # The runner's logits are inference tensors (made under its inference_mode); masking and
+    # penalties edit them in place, which torch allows only inside inference mode too.
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """logits: [N, V] fp32, owned by the sampler (modified in place). One token per row."""
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))

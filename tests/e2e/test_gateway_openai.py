@@ -167,3 +167,22 @@ def test_a_gateway_whose_tokenizer_cannot_load_exits_and_says_why(gateway_stack,
     finally:
         gateway.stop()
     assert "gateway_connect_failed" in gateway.log_tail() and str(missing) in gateway.log_tail()
+
+
+async def test_penalties_and_min_tokens_work_through_the_services(async_client, client, gateway_stack):
+    """Each of these once made the worker's step fail (in-place edits of inference-mode logits), and
+    the scheduler recomputed the same batch forever, starving the greedy request sent with it."""
+    expected = await asyncio.to_thread(greedy, client)
+    model = gateway_stack.model_dir
+    variants = [dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
+                dict(extra_body={"repetition_penalty": 1.3}), dict(extra_body={"min_tokens": 8}),
+                dict(presence_penalty=1.0, frequency_penalty=1.0, seed=7, temperature=0.9,
+                     extra_body={"repetition_penalty": 1.1, "top_k": 20, "min_p": 0.05})]
+    calls = [async_client.completions.create(model=model, prompt=PROMPT, max_tokens=12,
+                                             **{"temperature": 0, **variant}) for variant in variants]
+    calls.append(async_client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0))
+    *penalised, plain = await asyncio.gather(*calls)
+    assert plain.choices[0].text == expected
+    for reply in penalised:
+        assert reply.usage.completion_tokens >= 8 or reply.choices[0].finish_reason == "stop"
+    assert penalised[3].usage.completion_tokens >= 8  # min_tokens
