@@ -18,7 +18,7 @@ from gateway.openai_api import create_app
 from gateway.state import GatewayState
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.runtime.logging import get_logger
-from pagoda.runtime.tls import add_port
+from pagoda.runtime.tls import add_port, new_server
 from pagoda.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = get_logger(__name__)
@@ -38,7 +38,7 @@ class _HttpServer(uvicorn.Server):
 async def start_grpc_server(state: GatewayState, host: str, port: int, in_flight: InFlight | None = None
                             ) -> tuple[grpc.aio.Server, int, HealthState]:
     """Generation + grpc.health.v1 + reflection; returns (server, bound port, health)."""
-    server = grpc.aio.server()
+    server = new_server()
     servicer = CountingGenerationServicer(state, in_flight or InFlight())
     gateway_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = HealthState(GENERATION_SERVICE)

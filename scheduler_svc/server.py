@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from pagoda.contract.step import WorkerInfo
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.runtime.logging import get_logger
-from pagoda.runtime.tls import add_port
+from pagoda.runtime.tls import add_port, new_server
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.scheduler import Scheduler
@@ -90,7 +90,7 @@ class RunningEngine:
 
 
 async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
-    server = grpc.aio.server()
+    server = new_server()
     servicer = EngineServicer()
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
     health = HealthState(SERVICE_NAME)

@@ -10,7 +10,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.runtime.logging import get_logger
-from pagoda.runtime.tls import add_port
+from pagoda.runtime.tls import add_port, new_server
 from pagoda.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.service import StepRunner, WorkerServicer
 
@@ -25,7 +25,7 @@ async def start_worker_server(runner: StepRunner, host: str, port: int, tls_cert
                               tls_key: str | None = None
                               ) -> tuple[grpc.aio.Server, WorkerServicer, int]:
     """Start serving (health NOT_SERVING until Init); returns (server, servicer, bound port)."""
-    server = grpc.aio.server(options=MESSAGE_OPTIONS)
+    server = new_server(MESSAGE_OPTIONS)
     health = HealthState(SERVICE_NAME)
     servicer = WorkerServicer(runner, health)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)

@@ -1,6 +1,6 @@
-"""Optional TLS on every gRPC hop: servers take --tls-cert/--tls-key, clients --tls-ca (all PEM).
-
-Without them everything stays plaintext on 127.0.0.1 (the default bind address), as before.
+"""Listening and connecting for every gRPC hop: exclusive ports, and optional TLS (servers take
+--tls-cert/--tls-key, clients --tls-ca, all PEM; without them everything stays plaintext on
+127.0.0.1, the default bind address).
 """
 
 from __future__ import annotations
@@ -9,16 +9,34 @@ from pathlib import Path
 
 import grpc
 
+# gRPC servers bind with SO_REUSEPORT by default: a second (or stale) scheduler on the same port
+# would silently take part of the traffic instead of failing. Every Pagoda server binds alone.
+EXCLUSIVE_PORT = (("grpc.so_reuseport", 0),)
+
+
+class AddressInUseError(OSError):
+    """Another process listens on the address a server was asked to take."""
+
+
+def new_server(options: list[tuple[str, object]] | None = None) -> grpc.aio.Server:
+    """A grpc.aio server that will own its port exclusively (see EXCLUSIVE_PORT)."""
+    return grpc.aio.server(options=[*EXCLUSIVE_PORT, *(options or [])])
+
 
 def add_port(server: grpc.aio.Server, address: str, cert: str | None = None,
              key: str | None = None) -> int:
-    """Listen on `address`, with TLS when a cert and key are given; returns the bound port."""
-    if cert is None and key is None:
-        return server.add_insecure_port(address)
-    if cert is None or key is None:
+    """Listen on `address`, with TLS when a cert and key are given; returns the bound port.
+    Raises AddressInUseError, naming the address, when it cannot be bound."""
+    if (cert is None) != (key is None):
         raise ValueError("--tls-cert and --tls-key go together")
-    credentials = grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())])
-    return server.add_secure_port(address, credentials)
+    try:
+        if cert is None:
+            return server.add_insecure_port(address)
+        credentials = grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())])
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as error:  # grpc's "Failed to bind to address ..."
+        raise AddressInUseError(f"address in use: cannot listen on {address} (is another Pagoda "
+                                f"service running there?): {error}") from error
 
 
 def aio_channel(target: str, ca: str | None = None, options=None) -> grpc.aio.Channel:
