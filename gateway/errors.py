@@ -60,7 +60,7 @@ class UpstreamError(GatewayError):
         self.http_status = http_status_for_grpc(code)
 
 
-_TYPE_NAMES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+_TYPE_NAMES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
                409: "ConflictError", 413: "RequestTooLargeError", 429: "RateLimitError",
                499: "ClientClosedRequest", 501: "NotImplementedError",
                503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}

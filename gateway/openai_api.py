@@ -7,6 +7,7 @@ import inspect
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
 from gateway.errors import GatewayError, UpstreamError, openai_error_body, to_client_error
@@ -69,6 +70,14 @@ def _add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     async def on_validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(error)  # 400, not FastAPI's 422 (as vLLM)
         return JSONResponse(openai_error_body(400, message, param), status_code=400)
+
+    # FastAPI's own refusals (a body that is not JSON, 404 for an unknown path, 405): the same
+    # OpenAI error shape as every other 4xx, with FastAPI's status code and message.
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
+        message = error.detail if isinstance(error.detail, str) else "invalid request"
+        return JSONResponse(openai_error_body(error.status_code, message), status_code=error.status_code,
+                            headers=error.headers)
 
     async def on_error(_request: Request, error: Exception) -> JSONResponse:
         return error_response(error, retry_after_s)

@@ -115,3 +115,16 @@ async def test_mid_stream_failure_sends_error_chunk_then_done(gateway, upstream)
     error = json.loads(events[-2])["error"]
     assert error["code"] == 500 and "mid-stream" in error["message"]
     assert all("error" not in json.loads(e) for e in events[:-2])
+
+
+@pytest.mark.parametrize("method, path, content, status, part", [
+    ("POST", CHAT, b"\xff\xfe{not json", 400, "error parsing the body"),
+    ("POST", CHAT, b'{"messages": [', 400, ""),
+    ("POST", "/v1/completions", b"[1, 2", 400, ""),
+    ("GET", "/v1/no-such-route", None, 404, "Not Found"),
+    ("GET", CHAT, None, 405, "Method Not Allowed"),
+])
+async def test_framework_refusals_have_the_openai_shape(gateway, method, path, content, status, part):
+    reply = await gateway.http.request(method, path, content=content,
+                                       headers={"content-type": "application/json"})
+    assert_openai_error(reply, status, part)
