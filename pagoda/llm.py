@@ -3,12 +3,14 @@
 One process, synchronous loop: scheduler.schedule -> runner.execute -> scheduler.update, until
 every request of the batch has finished. Same scheduler core and model runner as the services.
 With tensor_parallel_size=N this process is rank 0 and spawns N-1 follower processes; `close()`
-(or leaving a `with LLM(...)` block, or interpreter exit) stops them.
+(or leaving a `with LLM(...)` block, `del llm` once nothing else refers to it, or interpreter
+exit) stops them and leaves the group, so a new `LLM` can form its own.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +60,10 @@ class LLM:
             kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
             seed=seed, tensor_parallel_size=tensor_parallel_size)
         self.runner = create_runner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
+        # Runs close()'s work when the LLM is garbage-collected (vLLM's users `del` their engine);
+        # it holds the runner's bound close, never `self`, so it does not keep the LLM alive.
+        runner_close = getattr(self.runner, "close", None)
+        self._finalizer = weakref.finalize(self, runner_close) if runner_close is not None else None
         try:
             self.worker_info = self.runner.initialize()
         except BaseException:
@@ -76,9 +82,8 @@ class LLM:
 
     def close(self) -> None:
         """Stop the tensor-parallel follower processes (nothing to do at TP=1). Idempotent."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        if self._finalizer is not None:
+            self._finalizer()  # a finalize object runs its function at most once
 
     def __enter__(self) -> LLM:
         return self

@@ -92,3 +92,4 @@ def test_degree_that_does_not_divide_the_heads_is_refused(tiny_model_dir: str, d
     # The tiny model has 4 query heads and 2 KV heads: refused before any rank is spawned.
     with pytest.raises(TensorParallelError, match="must divide the model's num_"):
         LLM(model=tiny_model_dir, tensor_parallel_size=degree, **ENGINE)
+
