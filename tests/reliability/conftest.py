@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +86,15 @@ class Stack:
     def stats(self) -> engine_pb2.EngineStats:
         with grpc.insecure_channel(self.scheduler.target) as channel:
             return engine_pb2_grpc.EngineStub(channel).GetStats(engine_pb2.GetStatsRequest(), timeout=5)
+
+    def wait_idle(self, deadline_s: float = 20.0) -> engine_pb2.EngineStats:
+        """Stats once the engine is idle and the worker holds nothing: a stream's last chunk can
+        reach the client a step before the scheduler retires the request from the worker."""
+        end = time.monotonic() + deadline_s
+        while not ((stats := self.stats()).idle and stats.worker_resident_requests == 0):
+            assert time.monotonic() < end, f"engine not idle after {deadline_s}s: {stats}"
+            time.sleep(0.02)  # poll interval; the deadline bounds the wait
+        return stats
 
     def stop(self) -> None:
         for process in (self.gateway, self.scheduler, self.worker):

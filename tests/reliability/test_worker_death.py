@@ -54,7 +54,7 @@ def test_sigkilled_worker_restarted_on_the_same_port_gives_identical_greedy_outp
             stack.kill_worker()
             stack.restart_worker()
             rests = {name: list(call) for name, call in calls.items()}
-            stats = stack.stats()
+        stats = stack.wait_idle()
         for name in PROMPTS:
             assert not firsts[name].finished and rests[name], "the kill must land mid-generation"
             assert tokens_of([firsts[name], *rests[name]]) == undisturbed[name]
