@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -143,8 +144,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def taken_ports(args: argparse.Namespace) -> list[str]:
+    """The launcher's ports that something already listens on, as 'flag PORT' lines. Checked before
+    any child starts: otherwise the readiness probes would find the *other* stack's servers and
+    report this one as serving while its children die on 'address in use'."""
+    ports = {"--worker-port": args.worker_port, "--scheduler-port": args.scheduler_port}
+    if not args.no_gateway:
+        ports |= {"--gateway-port": args.gateway_port, "--grpc-port": args.grpc_port}
+    taken = []
+    for flag, port in ports.items():
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "taken"
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                taken.append(f"{flag} {port}")
+    return taken
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    taken = taken_ports(args)
+    if taken:
+        print(f"[launcher] address in use on 127.0.0.1: {', '.join(taken)}. Is another Pagoda running? "
+              "Stop it, or choose other ports with those flags.", file=sys.stderr)
+        return 1
     children = build_children(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

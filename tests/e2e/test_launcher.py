@@ -44,3 +44,20 @@ def test_launcher_serves_and_stops_cleanly(tmp_path):
     assert '"shutdown_timeout_s": 7.0' in text  # the launcher's flag reached the scheduler
     # Stopped in order: the scheduler drained and stopped before the worker got its SIGTERM.
     assert text.index("scheduler_stopping") < text.index("worker_stopping")
+
+
+def test_launcher_refuses_to_start_over_a_taken_port():
+    """A second stack on the same ports: exit 1 naming the port, before any child starts (the
+    readiness probes would otherwise find the first stack's servers and report success)."""
+    import socket
+
+    with socket.socket() as occupant:
+        occupant.bind(("127.0.0.1", 0))
+        occupant.listen()
+        port = occupant.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "pagoda.launcher", "--fake", "--no-gateway", "--worker-port", str(port)],
+            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"address in use on 127.0.0.1: --worker-port {port}" in done.stderr
+    assert "Pagoda is serving" not in done.stdout
