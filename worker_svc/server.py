@@ -48,3 +48,4 @@ async def serve(runner: StepRunner, host: str, port: int, grace_s: float = 2.0,
     await stop.wait()
     log.info("worker_stopping")
     await server.stop(grace_s)
+    servicer.close()

@@ -4,16 +4,18 @@ Ordering and safety (DESIGN.md, protocol principle 4): every plan carries the ep
 Init and step_id = previous + 1. A stale epoch, a step gap or a plan that does not fit the resident
 state is answered with `StepResult.error` and changes nothing; the scheduler then resyncs (Init).
 
-Concurrency: Init and steps run on the event loop's own thread, blocking it while they compute
-(see `_run_step` for why), so the runner never sees two callers. gRPC buffers the next plans while
-a step computes, so the next one is ready the moment a step ends (this is what pipelining buys);
-other RPCs (health, GetStats) answer between steps.
+Concurrency: the runner is only ever called from one thread, so Init and steps are serialised. On
+CPU that thread is the event loop's own (it blocks while a step computes; see `_run_step` for why);
+on a GPU it is one helper thread, so the loop receives and decodes the next plan while the device
+computes. Either way gRPC buffers the next plans, so the next one is ready the moment a step ends
+(this is what pipelining buys).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from pagoda.contract import worker_codec as convert
@@ -44,6 +46,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: StepRunner, health: HealthState) -> None:
         self._runner = runner
         self._health = health
+        device = getattr(runner, "device", None)  # the fake runner has none: it computes on CPU
+        self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
+                          if device is not None and device.type != "cpu" else None)
         self._info: WorkerInfo | None = None
         self.epoch = 0
         self._last_step_id: int | None = None  # None: the next plan sets the baseline
@@ -51,7 +56,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._tracer = get_tracer("worker_svc") if tracing_enabled() else None  # None: no span
 
     async def Init(self, request: worker_pb2.InitRequest, context) -> worker_pb2.InitResponse:
-        self._init(request)  # on the loop thread, like the steps (see _run_step)
+        await self._on_runner_thread(self._init, request)
         self.epoch = max(time.time_ns(), self.epoch + 1)  # new on every start and every Init
         self._last_step_id = None
         self._needs_init = False
@@ -105,13 +110,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if rejection is not None:
                 log.warning("plan_rejected", code=Code.Name(rejection[0]), reason=rejection[1])
                 return convert.error_result_pb(step_id, *rejection)
-            # On the event loop's own thread, blocking it for the step, on purpose: with steps on
-            # a helper thread, every wake-up of the loop thread (a plan arriving, the result
-            # future, a health probe) took a core from the compute threads on a small CPU machine
-            # and stalled the whole OpenMP team, and the two threads traded the GIL around every
-            # op: the worker kept 1.55 of 2 cores busy instead of 1.9, and served ~10% fewer
-            # tokens/s. gRPC buffers the next plans meanwhile (benchmarks/services_cost.py).
-            return self._execute(plan)
+            return await self._on_runner_thread(self._execute, plan)
+
+    async def _on_runner_thread(self, fn, *args):
+        # CPU: on the event loop's own thread, blocking it, on purpose. With the steps on a helper
+        # thread, every wake-up of the loop thread (a plan arriving, the result future, a health
+        # probe) took a core from the compute threads on a small machine and stalled the whole
+        # OpenMP team, and the two threads traded the GIL around every op: the worker kept 1.55 of
+        # 2 cores busy instead of 1.9 and served ~10% fewer tokens/s (benchmarks/services_cost.py).
+        # The cost: health probes and GetStats wait for the step in progress to end.
+        if self._executor is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _check_order(self, plan_pb: worker_pb2.StepPlan) -> tuple[int, str] | None:
         if self._info is None:
