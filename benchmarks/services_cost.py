@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import sys
@@ -26,6 +27,7 @@ from benchmarks import vllm_peer as peer
 from benchmarks.datasets import WorkloadSpec, make_workload
 from benchmarks.serve_client import Endpoint, RequestSpec, send_request, served_model
 from benchmarks.serve_metrics import compute_metrics
+from benchmarks.vs_vllm_offline import produced, timed_generate, warm_up
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,15 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def in_process(args: argparse.Namespace, items) -> dict:
     from pagoda import LLM, SamplingParams
 
+    workload = [{"prompt_token_ids": item.prompt_token_ids, "max_tokens": item.max_tokens} for item in items]
     with LLM(model=args.model, dtype=args.dtype, device="cpu", max_num_seqs=args.concurrency) as llm:
-        warm = [{"prompt_token_ids": items[0].prompt_token_ids}]
-        llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-        prompts = [{"prompt_token_ids": item.prompt_token_ids} for item in items]
-        params = [SamplingParams(temperature=0.0, max_tokens=item.max_tokens, ignore_eos=True) for item in items]
-        started = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - started
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        generate = functools.partial(llm.generate, use_tqdm=False)
+        warm_up(generate, SamplingParams)
+        seconds, outputs = timed_generate(generate, SamplingParams, workload)
+    tokens = produced(outputs)
     return {"output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds}
 
 

@@ -15,6 +15,7 @@ first call's one-off costs are reported apart, as load_s).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -32,15 +33,11 @@ def run_vllm(args: argparse.Namespace, workload: list[dict]) -> dict:
 
     started = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, seed=0)
-    warm_up(lambda prompts, params: llm.generate(prompts, params, use_tqdm=False), SamplingParams)
+    generate = functools.partial(llm.generate, use_tqdm=False)
+    warm_up(generate, SamplingParams)
     load_s = time.perf_counter() - started
-    prompts = [{"prompt_token_ids": item["prompt_token_ids"]} for item in workload]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=item["max_tokens"])
-              for item in workload]
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - started
-    return {"load_s": load_s, "seconds": elapsed, "output_tokens": _produced(outputs),
+    elapsed, outputs = timed_generate(generate, SamplingParams, workload)
+    return {"load_s": load_s, "seconds": elapsed, "output_tokens": produced(outputs),
             "engine_config": _vllm_config(llm)}
 
 
@@ -69,20 +66,16 @@ def run_pagoda(args: argparse.Namespace, workload: list[dict]) -> dict:
     started = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, device="cpu", kv_cache_memory_bytes=args.kv_cache_bytes)
     load_tokenizer(llm)  # detokenizes as vLLM does; loaded outside the timed call
-    warm_up(lambda prompts, params: llm.generate(prompts, params, use_tqdm=False), SamplingParams)
+    generate = functools.partial(llm.generate, use_tqdm=False)
+    warm_up(generate, SamplingParams)
     load_s = time.perf_counter() - started
-    prompts = [{"prompt_token_ids": item["prompt_token_ids"]} for item in workload]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=item["max_tokens"])
-              for item in workload]
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - started
+    elapsed, outputs = timed_generate(generate, SamplingParams, workload)
     info = llm.worker_info
     config = {"torch_threads": torch.get_num_threads(), "num_kv_blocks": info.num_blocks,
               "block_size": info.block_size, "max_model_len": info.max_model_len,
               "kv_cache_memory_bytes": args.kv_cache_bytes}
     llm.close()
-    return {"load_s": load_s, "seconds": elapsed, "output_tokens": _produced(outputs), "engine_config": config}
+    return {"load_s": load_s, "seconds": elapsed, "output_tokens": produced(outputs), "engine_config": config}
 
 
 def warm_up(generate, sampling_params_cls) -> None:
@@ -91,7 +84,18 @@ def warm_up(generate, sampling_params_cls) -> None:
              [sampling_params_cls(temperature=0.0, ignore_eos=True, max_tokens=WARMUP_TOKENS)])
 
 
-def _produced(outputs) -> int:
+def timed_generate(generate, sampling_params_cls, workload: list[dict]) -> tuple[float, list]:
+    """(seconds, outputs) of one `generate` over the whole workload: greedy, EOS ignored, each
+    request's own max_tokens. Either engine's `generate` and `SamplingParams` class."""
+    prompts = [{"prompt_token_ids": item["prompt_token_ids"]} for item in workload]
+    params = [sampling_params_cls(temperature=0.0, ignore_eos=True, max_tokens=item["max_tokens"])
+              for item in workload]
+    started = time.perf_counter()
+    outputs = generate(prompts, params)
+    return time.perf_counter() - started, outputs
+
+
+def produced(outputs) -> int:
     return sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
