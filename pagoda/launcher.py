@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pagoda.runtime.healthcheck import check_serving
 from pagoda.runtime.model_files import is_gguf_file
+from worker_svc.config import DTYPES
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; beyond that the launcher gives up
@@ -72,8 +73,8 @@ def build_children(args: argparse.Namespace) -> list[Child]:
     scheduler = f"127.0.0.1:{args.scheduler_port}"
     # A fake worker still reads the model directory when there is one: its vocabulary size for the
     # worker, its tokenizer for the gateway (fake token ids must decode).
-    has_model_dir = Path(args.model).is_dir() or is_gguf_file(args.model)
-    model_dir = ["--model", args.model] if has_model_dir or not args.fake else []
+    has_model = Path(args.model).is_dir() or is_gguf_file(args.model)
+    model_dir = ["--model", args.model] if has_model or not args.fake else []
     model = ["--fake", *model_dir] if args.fake else model_dir
     drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
     children = [
@@ -131,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fake", action="store_true", help="a model-less worker (deterministic fake tokens)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the worker's compute dtype (auto: the checkpoint's, fp32 for a quantised GGUF)")
     p.add_argument("--worker-port", type=int, default=50061)
     p.add_argument("--scheduler-port", type=int, default=50052)

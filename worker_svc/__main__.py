@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from pagoda.runtime.logging import configure_logging, get_logger
-from worker_svc.config import WorkerConfig
+from worker_svc.config import DTYPES, WorkerConfig
 
 log = get_logger("worker_svc")
 
@@ -18,7 +18,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="no model: deterministic fake tokens, answers at once (tests, benchmarks)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50061)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)

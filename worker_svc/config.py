@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = get_args(DType)  # the --dtype choices of the worker and the launcher
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     model: str  # a local HF-format directory or .gguf file
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto follows config.json
+    dtype: DType = "auto"  # auto follows config.json
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings
