@@ -71,6 +71,7 @@ class Usage:
 class GenerationStep:
     chunks: list[SequenceChunk]
     usage: Usage | None = None  # set on the last step only
+    progress: Usage | None = None  # the usage so far, on every step (continuous_usage_stats)
 
 
 class _Sequence:
@@ -174,12 +175,11 @@ async def generate(client: EngineClient, tokenizer: Tokenizer, request: Generati
                       for d in response.sequences if d.index < len(sequences)]
             _raise_on_engine_error(chunks)
             timer.on_tokens(sum(len(c.token_ids) for c in chunks))
+            progress = Usage(num_prompt_tokens, sum(s.num_tokens for s in sequences), num_cached_tokens)
             if all(s.finished for s in sequences):
-                final = GenerationStep(chunks, Usage(num_prompt_tokens,
-                                                     sum(s.num_tokens for s in sequences),
-                                                     num_cached_tokens))
+                final = GenerationStep(chunks, progress, progress)
                 break
-            yield GenerationStep(chunks)
+            yield GenerationStep(chunks, progress=progress)
         if final is None:
             raise UpstreamError(grpc.StatusCode.INTERNAL,
                                 "the scheduler ended the stream before every sequence finished")

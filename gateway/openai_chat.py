@@ -112,7 +112,8 @@ async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], b
                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                   for c in step.chunks if c.text or c.finish_reason or (body.logprobs and c.token_ids)]
         if deltas:
-            yield chunk_of(deltas)
+            continuous = body.continuous_usage and step.progress is not None
+            yield chunk_of(deltas, usage_info(step.progress) if continuous else None)
         if step.usage is not None and body.include_usage:
             yield chunk_of([], usage_info(step.usage))
         step = await anext(steps, None) if step.usage is None else None

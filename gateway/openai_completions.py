@@ -104,7 +104,8 @@ async def create_completion(body: CompletionRequest, http: Request, state: Gatew
         return JSONResponse(CompletionResponse(id=request.request_id, model=model, choices=choices.choices,
                                                usage=usage_info(usage)).model_dump())
     first = await until_disconnected(http, anext(steps))  # upstream errors keep their HTTP status
-    events = _stream(first, steps, choices, request.request_id, model, body.include_usage)
+    events = _stream(first, steps, choices, request.request_id, model, body.include_usage,
+                     body.continuous_usage)
     return StreamingResponse(sse_stream(events), media_type="text/event-stream")
 
 
@@ -118,14 +119,17 @@ async def _collect(steps: AsyncIterator[GenerationStep], choices: CompletionChoi
 
 
 async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], choices: CompletionChoices,
-                  request_id: str, model: str, include_usage: bool) -> AsyncIterator[CompletionResponse]:
+                  request_id: str, model: str, include_usage: bool,
+                  continuous_usage: bool) -> AsyncIterator[CompletionResponse]:
     created = int(time.time())
     step: GenerationStep | None = first
     while step is not None:
         deltas = [choices.add(c) for c in step.chunks]
         deltas = [d for d in deltas if d.text or d.finish_reason or (d.logprobs and d.logprobs.tokens)]
         if deltas:
-            yield CompletionResponse(id=request_id, created=created, model=model, choices=deltas)
+            usage = usage_info(step.progress) if continuous_usage and step.progress else None
+            yield CompletionResponse(id=request_id, created=created, model=model, choices=deltas,
+                                     usage=usage)
         if step.usage is not None and include_usage:
             yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                      usage=usage_info(step.usage))

@@ -1,7 +1,9 @@
 """Pydantic models of the OpenAI-compatible HTTP API (requests and responses), vLLM's field names.
 
-Unknown request fields are accepted and ignored (as vLLM does); ranges are checked by the core
-SamplingParams.validate(), not here, so both public APIs share one set of rules.
+Request fields follow the one table in `openai_fields.py`: honoured, informational, or accepted
+only with their default values; an unknown field is a 400 naming it (nothing is silently ignored).
+Ranges are checked by the core SamplingParams.validate(), not here, so both public APIs share one
+set of rules.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
+from gateway.openai_fields import CONDITIONAL, check_conditional
 from gateway.stop_strings import check_stop_strings
 from pagoda.contract.errors import InvalidRequestError
 
@@ -18,14 +22,15 @@ _INT64 = 2**63 - 1
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # usage (so far) on every chunk, as vLLM
 
 
 class _GenerationFields(BaseModel):
     """Fields both endpoints share (OpenAI's, then vLLM's extras sent via `extra_body`)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = 1
@@ -37,7 +42,15 @@ class _GenerationFields(BaseModel):
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # informational (openai_fields.INFORMATIONAL): accepted, change no output
     user: str | None = None
+    metadata: Any = None
+    safety_identifier: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    logit_bias: Any = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -49,6 +62,11 @@ class _GenerationFields(BaseModel):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # int32 on the wire
+
+    @field_validator(*CONDITIONAL, mode="before", check_fields=False)
+    @classmethod
+    def _conditional(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_conditional(info.field_name, value)
 
     @field_validator("stop")
     @classmethod
@@ -74,25 +92,45 @@ class _GenerationFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's: usage so far on every chunk (with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_GenerationFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
+    # accepted only with their defaults (openai_fields.CONDITIONAL)
+    suffix: Any = None
+    best_of: Any = None
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str = "text"
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"] = "text"  # images, audio, files: a 400 (the served models read text)
     text: str = ""
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # what a client echoes back (refusal, annotations...)
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # an assistant turn that called tools, or audio: not served yet, so a 400 rather than dropped
+    tool_calls: Any = None
+    function_call: Any = None
+    audio: Any = None
+
+    @field_validator("tool_calls", "function_call", "audio", mode="before")
+    @classmethod
+    def _no_tool_turns(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            raise PydanticCustomError("unsupported_field", f"not supported: messages with "
+                                      f"{info.field_name} (tool calling is not implemented yet)")
+        return value
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -112,6 +150,21 @@ class ChatCompletionRequest(_GenerationFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # accepted only with their defaults (openai_fields.CONDITIONAL)
+    audio: Any = None
+    modalities: Any = None
+    functions: Any = None
+    function_call: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    store: Any = None
+    response_format: Any = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -132,7 +132,7 @@ async def test_vllm_extras_reach_the_engine(gateway, upstream):
         "prompt": "Hi", "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True,
         "min_tokens": 2, "stop_token_ids": [9], "cache_salt": "tenant-a", "priority": 3,
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "temperature": 0.0, "top_p": 0.9,
-        "user": "u1", "some_unknown_field": 1})
+        "user": "u1"})
     sent = upstream.engine.requests[0]
     s = sent.sampling
     assert (s.top_k, round(s.min_p, 6), round(s.repetition_penalty, 6), s.ignore_eos, s.min_tokens) == (

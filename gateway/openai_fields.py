@@ -1,0 +1,80 @@
+"""The one table of request fields for /v1/completions and /v1/chat/completions.
+
+Every field of OpenAI's request schemas is here, with what the gateway does with it:
+
+- HONOURED: changes the output as OpenAI documents (declared on the pydantic models and used);
+- INFORMATIONAL: accepted, and by definition changes no output (`user`, `metadata`, cache keys);
+- CONDITIONAL: accepted only with the values listed (the default); any other value is a 400 that
+  names the field, because serving it would silently differ from what the client asked for.
+
+A field that is neither OpenAI's nor one of vLLM's extras the models declare is a 400 too
+(pydantic's `extra="forbid"`). tests/gateway/test_openai_fields.py enumerates OpenAI's schemas
+from the installed `openai` client and checks each field against this table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic_core import PydanticCustomError
+
+
+def _absent(value: Any) -> bool:
+    return value is None or value == [] or value == {} or value == ""
+
+
+def _unsupported(why: str) -> tuple[Callable[[Any], bool], str]:
+    return _absent, f"not supported: {why}"
+
+
+# field -> (is the value acceptable?, the 400 message otherwise)
+CONDITIONAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # completions
+    "suffix": _unsupported("Pagoda serves no fill-in-the-middle"),
+    "best_of": (lambda v: v is None or v == 1,
+                "best_of > 1 is not supported (it needs beam search); use n for several samples"),
+    # chat
+    "audio": _unsupported("text output only"),
+    "modalities": (lambda v: _absent(v) or list(v) == ["text"], "only [\"text\"] is supported"),
+    "functions": _unsupported("function calling is not implemented; send no functions"),
+    "function_call": (lambda v: _absent(v) or v == "none", "function calling is not implemented"),
+    "tools": _unsupported("tool calling is not implemented yet; send no tools"),
+    "tool_choice": (lambda v: _absent(v) or v == "none", "tool calling is not implemented yet"),
+    "parallel_tool_calls": _unsupported("tool calling is not implemented yet"),
+    "prediction": _unsupported("predicted outputs are not implemented"),
+    "reasoning_effort": _unsupported("the served models do not reason"),
+    "verbosity": _unsupported("the served models have no verbosity setting"),
+    "web_search_options": _unsupported("Pagoda does no web search"),
+    "moderation": _unsupported("Pagoda runs no moderation"),
+    "store": (lambda v: not v, "store=true is not supported: Pagoda stores no completions"),
+    # both, until they are served
+    "logit_bias": _unsupported("logit_bias is not implemented yet"),
+    "response_format": (lambda v: _absent(v) or (isinstance(v, dict) and v.get("type") == "text"),
+                        "only {\"type\": \"text\"} is supported: structured outputs are not implemented yet"),
+}
+
+# Accepted and used (both endpoints share most of them; vLLM's extras are listed in the models).
+HONOURED_COMPLETION = frozenset({
+    "model", "prompt", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+    "presence_penalty", "seed", "stop", "stream", "stream_options", "temperature", "top_p",
+}) - CONDITIONAL.keys()
+HONOURED_CHAT = frozenset({
+    "model", "messages", "frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
+    "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "temperature",
+    "top_logprobs", "top_p", "response_format",
+}) - CONDITIONAL.keys()
+# Accepted; they change no output by definition (identifiers, billing tiers, cache hints: the
+# prefix cache is automatic and keeps what fits).
+INFORMATIONAL = frozenset({
+    "user", "metadata", "safety_identifier", "service_tier", "prompt_cache_key",
+    "prompt_cache_options", "prompt_cache_retention",
+})
+
+
+def check_conditional(name: str, value: Any) -> Any:
+    """The validator of every CONDITIONAL field: the value back, or a 400 naming the field."""
+    acceptable, message = CONDITIONAL[name]
+    if not acceptable(value):
+        raise PydanticCustomError("unsupported_field", message)
+    return value

@@ -1,0 +1,107 @@
+"""Acceptance 5 of issue 23: every field of OpenAI's completion and chat request schemas (read from
+the installed `openai` client) is either honoured or rejected with a 400 naming it."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+
+from gateway.openai_fields import CONDITIONAL, HONOURED_CHAT, HONOURED_COMPLETION, INFORMATIONAL
+from tests.gateway.conftest import sse_events
+
+COMPLETION_FIELDS = set(typing.get_type_hints(completion_create_params.CompletionCreateParamsStreaming))
+CHAT_FIELDS = set(typing.get_type_hints(chat_create_params.CompletionCreateParamsStreaming))
+
+# A value other than the default for every CONDITIONAL field (each must be a 400 naming it).
+NON_DEFAULT = {
+    "suffix": " and then", "best_of": 2, "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"], "functions": [{"name": "f", "parameters": {}}],
+    "function_call": "auto", "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "auto", "parallel_tool_calls": True,
+    "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
+    "web_search_options": {"search_context_size": "low"}, "moderation": {"model": "m"}, "store": True,
+    "logit_bias": {"5": 10}, "response_format": {"type": "json_object"},
+}
+# The value each INFORMATIONAL field is sent with (must be a 200).
+INFORMATIVE = {
+    "user": "u1", "metadata": {"k": "v"}, "safety_identifier": "s", "service_tier": "auto",
+    "prompt_cache_key": "k", "prompt_cache_options": {"ttl": "5m"}, "prompt_cache_retention": "24h",
+}
+BASES = {"completion": ("/v1/completions", {"prompt": "Hi"}),
+         "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})}
+
+
+def test_every_openai_field_is_in_the_table():
+    for fields, honoured in ((COMPLETION_FIELDS, HONOURED_COMPLETION), (CHAT_FIELDS, HONOURED_CHAT)):
+        classified = honoured | (INFORMATIONAL & fields) | (CONDITIONAL.keys() & fields)
+        assert fields == classified, (fields - classified, classified - fields)
+        assert not honoured & CONDITIONAL.keys()
+    assert INFORMATIONAL <= CHAT_FIELDS and set(NON_DEFAULT) == set(CONDITIONAL)
+
+
+@pytest.mark.parametrize("endpoint", ["completion", "chat"])
+async def test_conditional_fields_are_400_naming_the_field(gateway, endpoint):
+    path, base = BASES[endpoint]
+    fields = COMPLETION_FIELDS if endpoint == "completion" else CHAT_FIELDS
+    for name in sorted(CONDITIONAL.keys() & fields):
+        reply = await gateway.http.post(path, json={**base, name: NON_DEFAULT[name]})
+        assert reply.status_code == 400, (name, reply.text)
+        error = reply.json()["error"]
+        assert error["param"] == name and name in error["message"], error
+
+
+@pytest.mark.parametrize("endpoint", ["completion", "chat"])
+async def test_defaults_and_informational_fields_are_accepted(gateway, endpoint):
+    path, base = BASES[endpoint]
+    fields = COMPLETION_FIELDS if endpoint == "completion" else CHAT_FIELDS
+    defaults = {"suffix": None, "best_of": 1, "modalities": ["text"], "tool_choice": "none",
+                "store": False, "tools": [], "response_format": {"type": "text"}}
+    body = {**base, **{k: v for k, v in INFORMATIVE.items() if k in fields},
+            **{k: v for k, v in defaults.items() if k in fields}}
+    reply = await gateway.http.post(path, json=body)
+    assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize("endpoint", ["completion", "chat"])
+async def test_unknown_field_is_400_naming_it(gateway, endpoint):
+    path, base = BASES[endpoint]
+    reply = await gateway.http.post(path, json={**base, "use_beam_search": True})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "use_beam_search"
+    reply = await gateway.http.post(path, json={**base, "stream": True,
+                                                "stream_options": {"include_usage": True, "x": 1}})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream_options.x"
+
+
+async def test_non_text_content_and_tool_turns_are_400(gateway):
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    reply = await gateway.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}]})
+    assert reply.status_code == 400 and "messages.0.content" in reply.json()["error"]["param"]
+    turn = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    reply = await gateway.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}, turn]})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages.1.tool_calls"
+    echoed = {"role": "assistant", "content": "Hello", "refusal": None, "tool_calls": None}
+    reply = await gateway.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}, echoed, {"role": "user", "content": "Go"}]})
+    assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize("endpoint", ["completion", "chat"])
+async def test_continuous_usage_stats_put_usage_so_far_on_every_chunk(gateway, endpoint):
+    path, base = BASES[endpoint]
+    reply = await gateway.http.post(path, json={
+        **base, "max_tokens": 64, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    chunks = [json.loads(e) for e in sse_events(reply.text)[:-1]]
+    with_content = [c for c in chunks if c["choices"] and c["usage"] is not None]
+    completion_tokens = [c["usage"]["completion_tokens"] for c in with_content]
+    assert len(with_content) >= 2 and completion_tokens == sorted(completion_tokens)
+    assert completion_tokens[-1] == chunks[-1]["usage"]["completion_tokens"]
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in with_content)
