@@ -95,6 +95,7 @@ _STATS_FIELDS = {
     "prefix_hits": "prefix_cache_hits", "num_preemptions": "num_preemptions",
     "prompt_tokens": "prompt_tokens", "generation_tokens": "generation_tokens",
     "blocks_allocated": "blocks_allocated", "blocks_freed": "blocks_freed",
+    "num_step_failures": "num_step_failures", "num_requests_isolated": "num_requests_isolated",
 }
 
 

@@ -9,7 +9,9 @@ concurrent calls.
 
 Worker loss (stream error or an in-band rejection): `reset_after_worker_loss()`, reconnect (Init =
 new epoch) with backoff and recompute; requests are failed with UNAVAILABLE only when the worker
-is not back within `worker_timeout_s`.
+is not back within `worker_timeout_s`. A step the worker failed (INTERNAL: its forward pass or
+sampler raised) is first reported to the core, which convicts the request that makes steps fail
+and runs the other suspects alone until they are cleared (core/poison.py): no resync loop.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from collections import Counter, defaultdict
 
 import grpc
 
-from pagoda.contract.errors import DuplicateRequestError, ShuttingDownError, WorkerUnavailableError
+from pagoda.contract.errors import (
+    DuplicateRequestError,
+    RequestFailedError,
+    ShuttingDownError,
+    WorkerUnavailableError,
+)
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason
 from pagoda.contract.step import StepPlan
@@ -31,7 +38,7 @@ from scheduler_svc.core.request import EngineRequest
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine_tracing import engine_tracing
 from scheduler_svc.request_stream import RequestStream, StreamUpdate
-from scheduler_svc.worker_client import StepStream, WorkerClient, WorkerLostError
+from scheduler_svc.worker_client import PlanRejectedError, StepStream, WorkerClient, WorkerLostError
 
 log = get_logger(__name__)
 
@@ -118,6 +125,11 @@ class EngineLoop:
             self._set_connected(True)
             try:
                 await self._serve(stream)
+            except PlanRejectedError as error:
+                log.warning("step_failed", worker=self._client.target, step_id=error.step_id,
+                            code=error.code, error=error.message)
+                if error.code == "INTERNAL":
+                    self._dispatch(self.scheduler.note_step_failure(error.step_id, error.message))
             except WorkerLostError as error:
                 log.warning("worker_lost", worker=self._client.target, error=str(error),
                             num_inflight_steps=self.scheduler.num_inflight_steps)
@@ -223,10 +235,12 @@ class EngineLoop:
             stream = self._streams.get(request_id)
             if stream is None:
                 continue  # already closed (aborted by its caller)
-            if any(d.finish_reason == FinishReason.ERROR for d in request_deltas):
+            failed = next((d for d in request_deltas if d.finish_reason == FinishReason.ERROR), None)
+            if failed is not None:
                 self._streams.pop(request_id)
                 stream.done = True
-                stream.queue.put_nowait(WorkerUnavailableError("the worker was lost"))
+                stream.queue.put_nowait(WorkerUnavailableError("the worker was lost") if failed.error is None
+                                        else RequestFailedError(f"the model failed on this request: {failed.error}"))
                 self._tracing.finished(request_id, "error")
                 continue
             if not stream.sent_first and request_deltas[0].new_token_ids:

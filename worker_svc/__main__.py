@@ -59,7 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     from pagoda.runtime.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("pagoda-worker", args.otlp_traces_endpoint)
+    from worker_svc import fault_injection
     from worker_svc.server import serve
+
+    if fault_injection.fail_request_ids:
+        log.warning("test_fault_injection_enabled", env=fault_injection.ENV_VAR,
+                    request_ids=sorted(fault_injection.fail_request_ids))
 
     try:
         asyncio.run(serve(build_runner(args), args.host, args.port, tls_cert=args.tls_cert,

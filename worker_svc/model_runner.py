@@ -21,6 +21,7 @@ from pagoda.contract.errors import NotInitializedError, PlanError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.step import Fork, StepPlan, StepResult, WorkerInfo
+from worker_svc import fault_injection
 from worker_svc.config import WorkerConfig
 from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.input_batch import CachedRequestState, ScheduledSeq, build_model_inputs
@@ -122,6 +123,7 @@ class ModelRunner:
         result = StepResult(step_id=plan.step_id)
         if not seqs:
             return result
+        fault_injection.check(seq.state.request_id for seq in seqs)  # no-op unless a test set it
         forks = {fork.parent_id: fork for fork in plan.forks}
         started = time.perf_counter()
         logits, rows, states = self._forward(seqs, forks)

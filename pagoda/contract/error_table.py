@@ -16,6 +16,7 @@ from pagoda.contract.errors import (
     NotInitializedError,
     PlanError,
     QueueFullError,
+    RequestFailedError,
     RequestNotFoundError,
     ShuttingDownError,
     WorkerUnavailableError,
@@ -39,6 +40,7 @@ ERROR_TABLE: dict[type[BaseException], ErrorMapping] = {
     ShuttingDownError: ErrorMapping(grpc.StatusCode.UNAVAILABLE, 503),
     NotInitializedError: ErrorMapping(grpc.StatusCode.UNAVAILABLE, 503),
     PlanError: ErrorMapping(grpc.StatusCode.FAILED_PRECONDITION, 400),
+    RequestFailedError: ErrorMapping(grpc.StatusCode.INTERNAL, 500),
 }
 INTERNAL = ErrorMapping(grpc.StatusCode.INTERNAL, 500, expose_message=False)
 

@@ -39,6 +39,11 @@ class WorkerUnavailableError(PagodaServiceError):
     """No worker is connected (starting, lost and not back within --worker-timeout)."""
 
 
+class RequestFailedError(PagodaServiceError):
+    """The model fails on this request: it failed a step alone after failing one batched (the
+    scheduler's poison isolation). Maps to INTERNAL / HTTP 500, with the worker's message."""
+
+
 class DuplicateRequestError(PagodaServiceError):
     """A request id that is already running."""
 

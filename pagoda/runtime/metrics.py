@@ -61,6 +61,9 @@ _COUNTERS = (
     ("vllm:generation_tokens", "generation_tokens", "Generation tokens processed."),
     ("pagoda:blocks_allocated", "blocks_allocated", "KV blocks taken from the pool."),
     ("pagoda:blocks_freed", "blocks_freed", "KV blocks returned to the pool."),
+    ("pagoda:step_failures", "num_step_failures", "Steps the worker failed (forward or sampler raised)."),
+    ("pagoda:requests_isolated", "num_requests_isolated",
+     "Requests failed alone because every step computing them failed (poison isolation)."),
 )
 
 

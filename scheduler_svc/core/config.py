@@ -22,3 +22,6 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     policy: Literal["fcfs", "priority"] = "fcfs"
     max_inflight_steps: int = 2  # 2 = the next plan goes out before the last result is back
+    # A request that took part in this many failed steps is failed (poison.py); one that fails a
+    # step alone, after failing one batched, is failed at once.
+    max_step_failures: int = 3

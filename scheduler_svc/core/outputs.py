@@ -20,6 +20,7 @@ class SequenceDelta:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # with FinishReason.ERROR: why this request alone failed (poison.py)
 
     @property
     def finished(self) -> bool:

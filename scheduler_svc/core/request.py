@@ -52,6 +52,7 @@ class Request:
     num_unfinished: int = 0  # of the n sequences, counting those not forked yet
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted: bool = False
+    num_step_failures: int = 0  # failed steps it took part in (poison.py)
     # Tokens that may end this request (its stop ids, plus EOS unless ignore_eos): the scheduler
     # sets it in add_request, so a step calls stop_reason() only for such a token or at the limit.
     stop_token_set: frozenset[int] = frozenset()

@@ -23,11 +23,12 @@ import bisect
 import itertools
 from collections import deque
 
-from pagoda.contract.ids import RequestId
+from pagoda.contract.ids import BlockId, RequestId
 from pagoda.contract.step import Fork, NewRequestData, StepPlan, StepResult, TableUpdate
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.outputs import SequenceDelta
+from scheduler_svc.core.poison import PoisonIsolationMixin
 from scheduler_svc.core.request import Request, SeqStatus, Sequence, WaitingQueue, child_seq_id, priority_key
 from scheduler_svc.core.scheduler_lifecycle import SchedulerLifecycleMixin, SchedulerStats
 from scheduler_svc.core.step_draft import InflightStep, StepDraft
@@ -35,7 +36,7 @@ from scheduler_svc.core.step_draft import InflightStep, StepDraft
 __all__ = ["Scheduler", "SchedulerStats"]
 
 
-class Scheduler(SchedulerLifecycleMixin):
+class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self._kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -50,6 +51,7 @@ class Scheduler(SchedulerLifecycleMixin):
         self._finished_resident: list[RequestId] = []  # ended since the last plan; the worker drops them
         self._arrivals = itertools.count()
         self._init_counters()
+        self._init_isolation()
 
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
@@ -57,6 +59,8 @@ class Scheduler(SchedulerLifecycleMixin):
         `max_inflight_steps` plans are already out (call `update` first)."""
         if len(self._inflight) >= self.config.max_inflight_steps:
             return None
+        if self._suspects:  # a step failed: run the suspects one by one first (poison.py)
+            return self._schedule_probe()
         plan = StepPlan(step_id=self._next_step_id, finished_ids=self._finished_resident)
         self._finished_resident = []
         draft = StepDraft(plan, self.config.max_num_batched_tokens)
@@ -65,6 +69,10 @@ class Scheduler(SchedulerLifecycleMixin):
             self._admit_waiting(draft)
         if not draft.num_scheduled and not plan.finished_ids and not plan.preempted_ids:
             return None
+        return self._seal(plan, draft)
+
+    def _seal(self, plan: StepPlan, draft: StepDraft) -> StepPlan:
+        """Fork, record the step as in flight, and hand the plan out."""
         for parent in draft.fork_parents:  # after admission: the children run behind admitted ones
             self._fork(parent, plan)
         self._inflight.append(InflightStep(plan.step_id, draft.computed))
@@ -75,8 +83,10 @@ class Scheduler(SchedulerLifecycleMixin):
     def _last_inflight(self) -> int | None:
         return self._inflight[-1].step_id if self._inflight else None
 
-    def _schedule_running(self, draft: StepDraft) -> None:
-        kv, running, plan = self._kv, self._running, draft.plan
+    def _schedule_running(self, draft: StepDraft, running: list[Sequence] | None = None) -> None:
+        """Schedule the running sequences (or `running`, a sublist of them), in order."""
+        kv, plan = self._kv, draft.plan
+        running = self._running if running is None else running
         counts, computed = plan.num_scheduled_tokens, draft.computed
         pool, table_updates = kv.pool, plan.table_updates
         refs, bs, threshold = pool.ref_counts, self.config.block_size, self._threshold
@@ -165,7 +175,7 @@ class Scheduler(SchedulerLifecycleMixin):
         return kv.pool.can_allocate(need)
 
     def _admit_waiting(self, draft: StepDraft) -> None:
-        cfg, kv, waiting, plan = self.config, self._kv, self._waiting, draft.plan
+        cfg, kv, waiting = self.config, self._kv, self._waiting
         while waiting and draft.budget > 0:
             seq = waiting.peek()
             if seq.num_placeholders or self._running_slots + seq.num_slots > cfg.max_num_seqs:
@@ -176,16 +186,21 @@ class Scheduler(SchedulerLifecycleMixin):
             if not kv.pool.can_allocate(kv.blocks_to_admit(hits, num_hit + num_new)):
                 return
             waiting.pop()
-            kv.admit(seq, hits, last_serial, num_hit + num_new)
-            seq.num_computed_tokens = num_hit
-            self._note_admission(seq, num_hit)
-            plan.new_requests.append(NewRequestData(
-                seq.seq_id, list(seq.token_ids), seq.request.num_prompt_tokens, list(seq.block_table),
-                num_hit, num_new, seq.request.sampling, seq.seq_index))
-            seq.resident = True
-            self._add_running(seq)
-            self._commit_seq(draft, seq, num_new)
-            draft.budget -= num_new
+            self._admit(draft, seq, hits, last_serial, num_hit, num_new)
+
+    def _admit(self, draft: StepDraft, seq: Sequence, hits: list[BlockId], last_serial: int, num_hit: int,
+               num_new: int) -> None:
+        """Make `seq` (just taken off the waiting queue) resident: blocks, plan entry, running."""
+        self._kv.admit(seq, hits, last_serial, num_hit + num_new)
+        seq.num_computed_tokens = num_hit
+        self._note_admission(seq, num_hit)
+        draft.plan.new_requests.append(NewRequestData(
+            seq.seq_id, list(seq.token_ids), seq.request.num_prompt_tokens, list(seq.block_table),
+            num_hit, num_new, seq.request.sampling, seq.seq_index))
+        seq.resident = True
+        self._add_running(seq)
+        self._commit_seq(draft, seq, num_new)
+        draft.budget -= num_new
 
     def _fork(self, parent: Sequence, plan: StepPlan) -> None:
         req = parent.request
@@ -252,6 +267,8 @@ class Scheduler(SchedulerLifecycleMixin):
                         and seq.status is SeqStatus.RUNNING:
                     kv.register_computed(seq, num_computed)
         deltas = self._append_tokens(result)
+        if self._probe is not None:
+            self._note_probe_reported(step.step_id, result)
         kv.step_reported(step.step_id)
         return deltas
 

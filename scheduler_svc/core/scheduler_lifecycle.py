@@ -36,6 +36,8 @@ class SchedulerStats:
     num_resident_tokens: int  # tokens whose KV the running sequences hold (fragmentation studies)
     blocks_allocated: int = 0  # total blocks taken from the pool (free list or evictable LRU)
     blocks_freed: int = 0  # total blocks returned to it
+    num_step_failures: int = 0  # failed steps (the worker's forward or sampler raised)
+    num_requests_isolated: int = 0  # requests failed alone for them (poison.py)
 
 
 class SchedulerLifecycleMixin:
@@ -113,7 +115,8 @@ class SchedulerLifecycleMixin:
             pool.num_used / pool.num_blocks, self.prefix_queries, self.prefix_hits,
             self.num_preemptions, self.prompt_tokens, self.generation_tokens, *self._last_step,
             sum(seq.num_computed_tokens for seq in self._running),
-            pool.num_allocated_total, pool.num_freed_total)
+            pool.num_allocated_total, pool.num_freed_total, self.num_step_failures,
+            self.num_requests_isolated)
 
     def running_request_ids(self, plan: StepPlan) -> list[RequestId]:
         """The caller-level ids of the requests `plan` (just returned by schedule(), nothing changed
@@ -140,6 +143,7 @@ class SchedulerLifecycleMixin:
         self._finished_resident = []
         self._kv.reset()
         self._next_step_id = 1
+        self._reset_isolation()
         return deltas
 
     def _end_request(self, req: Request, reason: FinishReason) -> list[SequenceDelta]:
@@ -160,6 +164,7 @@ class SchedulerLifecycleMixin:
     def _finish(self, seq: Sequence) -> None:
         """End a sequence once: release its blocks (deferred while in flight), tell the worker."""
         del self._live[seq.seq_id]
+        self._suspects.discard(seq.seq_id)
         if seq.status is SeqStatus.RUNNING:
             self._remove_running(seq)
             self._drop_blocks(seq)
@@ -196,6 +201,7 @@ class SchedulerLifecycleMixin:
         for seq in self._live.values():
             seq.num_placeholders = 0  # those tokens will never arrive; resuming recomputes them
         self._inflight.clear()
+        self._probe = None  # discarded with the other in-flight steps; its suspect stays one
         self._finished_resident = []
         self._kv.reset()
         self._next_step_id = 1

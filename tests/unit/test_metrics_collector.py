@@ -20,7 +20,7 @@ def fake_stats() -> engine_pb2.EngineStats:
         num_used_blocks=32, num_total_blocks=128, kv_cache_usage=0.25, prefix_cache_queries=400,
         prefix_cache_hits=96, num_preemptions=1, prompt_tokens=1234, generation_tokens=567,
         num_steps=50, step_seconds_sum=1.5, blocks_allocated=70, blocks_freed=38,
-        request_success={"stop": 4, "length": 2}, worker_connected=True)
+        num_step_failures=3, num_requests_isolated=1, request_success={"stop": 4, "length": 2}, worker_connected=True)
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -55,6 +55,8 @@ def test_engine_stats_become_vllm_series_with_model_name() -> None:
         ("vllm:generation_tokens_total", model): 567.0,
         ("pagoda:blocks_allocated_total", model): 70.0,
         ("pagoda:blocks_freed_total", model): 38.0,
+        ("pagoda:step_failures_total", model): 3.0,
+        ("pagoda:requests_isolated_total", model): 1.0,
         ("vllm:request_success_total", (("finished_reason", "length"),) + model): 2.0,
         ("vllm:request_success_total", (("finished_reason", "stop"),) + model): 4.0,
         ("pagoda:step_duration_seconds_count", model): 50.0,

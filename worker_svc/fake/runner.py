@@ -14,6 +14,7 @@ from pathlib import Path
 from pagoda.contract.errors import NotInitializedError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.step import StepPlan, StepResult, WorkerInfo
+from worker_svc import fault_injection
 from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
 from worker_svc.plan_validation import validate_plan
 
@@ -109,4 +110,6 @@ class FakeStepRunner:
         if self._baseline:
             self.worker.next_step_id = plan.step_id
             self._baseline = False
-        return self.worker.execute(plan)
+        result = self.worker.execute(plan)
+        fault_injection.check(result.request_ids)  # after the state changed, as the real runner
+        return result
