@@ -1,6 +1,6 @@
 """Cancellation soak through real processes: clients hang up at random moments, nothing leaks.
 
-After `benchmarks.soak` (300 requests, 20% hung up, fake worker) the engine is idle, every block is
+After `benchmarks.soak` (300 requests, 20% hung up, 30% not streamed, 5% malformed, fake worker) the engine is idle, every block is
 back, the pool invariant holds and the worker holds no request state (it reports its resident count
 with each step result; the scheduler surfaces it as EngineStats.worker_resident_requests).
 """
@@ -57,14 +57,17 @@ def test_soak_with_random_hang_ups_leaks_nothing(stack):
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.soak", "--base-url", stack.http_url,
          "--scheduler", stack.scheduler.target, "--num-requests", str(NUM_REQUESTS),
-         "--cancel-fraction", "0.2", "--seed", "7"],
+         "--cancel-fraction", "0.2", "--stream-fraction", "0.7", "--bad-fraction", "0.05",
+         "--vocab-size", "500", "--seed", "7"],
         cwd=REPO, capture_output=True, text=True, timeout=150)
     report = json.loads(result.stdout)
     print(json.dumps(report))  # the figures for the record (pytest -s)
     assert result.returncode == 0, result.stdout + result.stderr
     assert report["sent"] == NUM_REQUESTS
     assert report["cancelled"] > 0.1 * NUM_REQUESTS
-    assert report["lost"] == 0 and report["completed"] + report["cancelled"] == NUM_REQUESTS
+    assert report["bad_rejected"] > 0 and report["bad_mishandled"] == 0
+    assert report["lost"] == 0
+    assert report["completed"] + report["cancelled"] + report["bad_rejected"] == NUM_REQUESTS
     assert report["engine_idle"] and report["invariant_ok"]
     assert report["leaked_blocks"] == 0 and report["worker_resident_requests"] == 0
     stats = stack.stats()
