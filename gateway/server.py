@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import time
 
 import grpc
@@ -18,6 +17,7 @@ from gateway.openai_api import create_app
 from gateway.state import GatewayState
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.runtime.logging import get_logger
+from pagoda.runtime.shutdown import EXIT_MARGIN_S, install_stop_handlers
 from pagoda.runtime.tls import add_port, new_server
 from pagoda.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -68,9 +68,8 @@ async def serve(config: GatewayConfig) -> None:
                                       timeout_graceful_shutdown=_GRACE_S))
     connecting = asyncio.create_task(_connect(state, health))
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    # The drain, uvicorn's and the gRPC server's grace, else the watchdog ends the process.
+    install_stop_handlers(stop, config.shutdown_timeout_s + 2 * _GRACE_S + EXIT_MARGIN_S, "gateway")
     log.info("gateway_started", http=f"{config.host}:{config.port}", grpc=f"{config.host}:{grpc_port}",
              scheduler=config.scheduler)
     serving = asyncio.create_task(http.serve())

@@ -3,12 +3,20 @@
 Starts the worker, the scheduler and (when gateway/__main__.py exists) the gateway as separate
 processes, waits until each answers grpc.health.v1, prints the addresses, restarts a child that
 dies (the scheduler reconnects to a restarted worker and recomputes), and stops everything in
-reverse order on Ctrl-C / SIGTERM: the gateway drains first, then the scheduler, then the worker.
+reverse order on Ctrl-C / SIGTERM / SIGHUP / SIGQUIT: the gateway drains first, then the
+scheduler, then the worker.
+
+No child outlives the launcher: each is stopped with SIGTERM, waited for, and SIGKILLed if it has
+not exited in time; then what it started itself (its process group) is waited for and killed too.
+A second Ctrl-C skips the drains (SIGKILL at once). Should the launcher itself die without
+stopping them (SIGKILL), Linux sends each child SIGTERM (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -20,25 +28,97 @@ from pathlib import Path
 
 from pagoda.runtime.healthcheck import check_serving
 from pagoda.runtime.model_files import is_gguf_file
+from pagoda.runtime.shutdown import EXIT_MARGIN_S
 from worker_svc.config import DTYPES
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; beyond that the launcher gives up
 RESTART_WINDOW_S = 60.0
-STOP_MARGIN_S = 10.0  # beyond --shutdown-timeout: the drain's grace period and the exit itself
+# Beyond --shutdown-timeout. A child's own exit watchdog fires at EXIT_MARGIN_S (it dumps its
+# stacks and exits 1); the launcher's SIGKILL comes after that, as the last resort.
+STOP_MARGIN_S = EXIT_MARGIN_S + 5.0
+GROUP_EXIT_S = 5.0  # what a child started itself gets this long to follow it, then SIGKILL
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+def _say(message: str) -> None:
+    """A launcher line on stderr; never raises (a closed terminal must not abort the stop)."""
+    try:
+        print(f"[launcher] {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
-def stop_process(proc: subprocess.Popen, timeout_s: float) -> int:
-    """SIGTERM (the services drain on it), then SIGKILL if it has not exited within timeout_s."""
+
+def stop_process(proc: subprocess.Popen, timeout_s: float, hurry: threading.Event | None = None) -> int:
+    """SIGTERM (the services drain on it), then SIGKILL if it has not exited within timeout_s, or
+    as soon as `hurry` is set. Returns the exit code (negative: the signal that ended it)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
+        end = time.monotonic() + timeout_s
+        while proc.poll() is None and time.monotonic() < end and not (hurry and hurry.is_set()):
+            try:
+                proc.wait(min(0.2, max(end - time.monotonic(), 0.0)))  # bounded: re-checks hurry
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes in process group `pgid`, from /proc (Linux)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:  # fields after "(comm)": state, ppid, pgrp, ...
+            state, _ppid, pgrp = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):  # exited meanwhile
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def reap_group(pgid: int, timeout_s: float = GROUP_EXIT_S) -> list[int]:
+    """After a group leader exited: wait for the rest of its group (the processes it started,
+    e.g. tensor-parallel ranks), SIGKILL what is still there. Returns the pids that had to be
+    killed. A group id stays reserved while any member lives, so this never hits a stranger."""
+    if not Path("/proc").is_dir():
+        return []
+    end = time.monotonic() + timeout_s
+    while (left := group_members(pgid)) and time.monotonic() < end:
+        time.sleep(0.05)  # poll interval; bounded by timeout_s
+    if left:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return []
+        end = time.monotonic() + 2.0
+        while group_members(pgid) and time.monotonic() < end:
+            time.sleep(0.05)  # SIGKILL is not instant either
+    return left
+
+
+def _die_with_launcher():
+    """preexec_fn for the children (Linux): SIGTERM when the launcher dies, however it dies, so no
+    service outlives it. None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    launcher = os.getpid()
+
+    def preexec() -> None:  # in the child, between fork and exec: two system calls, nothing more
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:  # it died before prctl: no signal would ever come
+            os._exit(1)
+
+    return preexec
 
 @dataclass
 class Child:
@@ -52,7 +132,9 @@ class Child:
     def start(self) -> None:
         # A session of its own: a terminal's Ctrl-C reaches only the launcher, which then stops
         # the children in order (all at once, the worker would die under a draining scheduler).
-        self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], cwd=REPO, start_new_session=True)
+        # Its process group then holds what it starts itself, for `reap_group`.
+        self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], cwd=REPO, start_new_session=True,
+                                     preexec_fn=_die_with_launcher())
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -63,9 +145,18 @@ class Child:
             return serving
         return serving or status == "NOT_SERVING"
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, timeout_s)
+    def stop(self, timeout_s: float = 10.0, hurry: threading.Event | None = None) -> None:
+        """Stop it and everything it started; says how each ended."""
+        if self.proc is None:
+            return
+        started = time.monotonic()
+        was_running = self.proc.poll() is None
+        code = stop_process(self.proc, timeout_s, hurry)
+        how = f"exited ({code})" if code != -signal.SIGKILL else "killed (SIGKILL)"
+        if was_running:
+            _say(f"{self.name} {how} after {time.monotonic() - started:.1f}s")
+        if stragglers := reap_group(self.proc.pid):
+            _say(f"{self.name}: killed {len(stragglers)} process(es) it left behind: {stragglers}")
 
 
 def build_children(args: argparse.Namespace) -> list[Child]:
@@ -171,9 +262,16 @@ def main(argv: list[str] | None = None) -> int:
               "Stop it, or choose other ports with those flags.", file=sys.stderr)
         return 1
     children = build_children(args)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop, hurry = threading.Event(), threading.Event()
+
+    def on_signal(signum: int, _frame) -> None:
+        if stop.is_set() and not hurry.is_set():
+            hurry.set()  # a second Ctrl-C: no more waiting for drains
+            _say(f"{signal.Signals(signum).name} again: killing the services now")
+        stop.set()
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
     code = 1
     try:
         for child in children:
@@ -184,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         code = supervise(children, stop, args.startup_timeout)
     finally:
         for child in reversed(children):  # gateway, scheduler, worker: each drains before the next
-            child.stop(args.shutdown_timeout + STOP_MARGIN_S)
-        print("[launcher] stopped", file=sys.stderr)
+            child.stop(args.shutdown_timeout + STOP_MARGIN_S, hurry)
+        left = [c.name for c in children if c.alive()]  # by construction none: said if ever not
+        _say(f"stopped; still running: {left}" if left else "stopped")
     return code
 
 

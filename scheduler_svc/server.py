@@ -8,7 +8,6 @@ SERVING. SIGTERM/SIGINT stop the server with a grace period.
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -19,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from pagoda.contract.step import WorkerInfo
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.runtime.logging import get_logger
+from pagoda.runtime.shutdown import EXIT_MARGIN_S, install_stop_handlers
 from pagoda.runtime.tls import add_port, new_server
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
 from scheduler_svc.core.config import SchedulerConfig
@@ -103,7 +103,12 @@ async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
         log.warning("extra_workers_ignored", used=config.workers[0], ignored=config.workers[1:])
     client = WorkerClient(config.workers[0], config.max_num_batched_tokens, config.max_num_seqs,
                           tls_ca=config.tls_ca)
-    info = await client.connect(timeout_s=None)
+    try:
+        info = await client.connect(timeout_s=None)
+    except BaseException:  # stopped (cancelled) while waiting for the worker, or Init refused
+        await client.close()
+        await server.stop(0)
+        raise
     sched_config = scheduler_config(info, config)
     engine = EngineLoop(Scheduler(sched_config), client, worker_timeout_s=config.worker_timeout_s,
                         on_health=health.set_serving)
@@ -116,20 +121,30 @@ async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
 
 
 async def serve(config: EngineServiceConfig, grace_s: float = 2.0) -> None:
+    """Serve until SIGINT/SIGTERM, then drain and stop. Every branch returns, and the exit
+    watchdog armed by the signal ends the process even if something below does not."""
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    start = asyncio.create_task(start_engine_server(config))
-    await asyncio.wait([start, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if not start.done():  # stopped while still waiting for the worker
-        start.cancel()
-        return
-    running = start.result()
-    await stop.wait()
+    install_stop_handlers(stop, config.shutdown_timeout_s + grace_s + EXIT_MARGIN_S, "scheduler")
+    start = asyncio.create_task(start_engine_server(config), name="start-engine-server")
+    stopped = asyncio.create_task(stop.wait(), name="stop-signal")
+    try:
+        await asyncio.wait([start, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():  # stopped while still waiting for the worker: its server stops too
+            start.cancel()
+            await asyncio.gather(start, return_exceptions=True)
+            log.info("scheduler_stopped", served=False)
+            return
+        running = start.result()  # raises what failed the start-up (address in use...)
+        await stopped
+    finally:
+        stopped.cancel()
     await drain(running, config.shutdown_timeout_s)
     log.info("scheduler_stopping")
-    await running.stop(grace_s)
+    try:  # bounded: the watchdog is the last resort, not the plan
+        await asyncio.wait_for(running.stop(grace_s), grace_s + EXIT_MARGIN_S / 2)
+    except TimeoutError:
+        log.error("scheduler_stop_timed_out", bound_s=grace_s + EXIT_MARGIN_S / 2)
+    log.info("scheduler_stopped", served=True)
 
 
 async def drain(running: RunningEngine, timeout_s: float) -> None:

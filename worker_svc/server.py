@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.runtime.logging import get_logger
+from pagoda.runtime.shutdown import EXIT_MARGIN_S, install_stop_handlers
 from pagoda.runtime.tls import add_port, new_server
 from pagoda.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.service import StepRunner, WorkerServicer
@@ -42,10 +42,14 @@ async def serve(runner: StepRunner, host: str, port: int, grace_s: float = 2.0,
                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
     server, servicer, _ = await start_worker_server(runner, host, port, tls_cert, tls_key)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    # No drain here (the scheduler drains); the bound covers the grace, a step still running and
+    # a tensor-parallel group's stop (atexit), else the watchdog ends the process.
+    install_stop_handlers(stop, grace_s + EXIT_MARGIN_S, "worker")
     await stop.wait()
     log.info("worker_stopping")
-    await server.stop(grace_s)
+    try:
+        await asyncio.wait_for(server.stop(grace_s), grace_s + EXIT_MARGIN_S / 2)
+    except TimeoutError:
+        log.error("worker_stop_timed_out", bound_s=grace_s + EXIT_MARGIN_S / 2)
     servicer.close()
+    log.info("worker_stopped")
