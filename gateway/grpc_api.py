@@ -14,7 +14,7 @@ from gateway.generation import GenerationInput, GenerationStep, generate, start_
 from gateway.state import GatewayState
 from gateway.stop_strings import check_stop_strings
 from pagoda.contract.errors import InvalidRequestError
-from pagoda.contract.params import check_context_length
+from pagoda.contract.params import check_context_length, check_vocab
 from pagoda.runtime.logging import get_logger
 from pagoda.runtime.telemetry import context_from_grpc_metadata
 from pagoda.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -80,6 +80,7 @@ def to_chunks(request_id: str, step: GenerationStep) -> list[gateway_pb2.Generat
         for c in step.chunks if c.text or c.token_ids or c.finish_reason]
     if step.usage is not None:
         if not chunks:
+        check_vocab(sampling, info.vocab_size)
             chunks.append(gateway_pb2.GenerationChunk(request_id=request_id))
         chunks[-1].usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=step.usage.prompt_tokens, completion_tokens=step.usage.completion_tokens,

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gateway.generation import GenerationStep, SequenceChunk, generate, start_request_span
 from gateway.openai_common import (
     build_generation_input,
+    build_sampling,
     new_request_id,
     sse_stream,
     until_disconnected,
@@ -64,8 +65,9 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
     tokenizer, info = state.require_ready()
     model = state.check_model(body.model)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    sampling = build_sampling(body, body.effective_max_tokens, logprobs, tokenizer, info.vocab_size)
     request = build_generation_input(body, new_request_id("chatcmpl"), chat_prompt_ids(body, tokenizer),
-                                     body.effective_max_tokens, logprobs, info.max_model_len)
+                                     sampling, info.max_model_len)
     span = start_request_span("chat", model, context_from_headers(http.headers), request)
     steps = generate(state.client, tokenizer, request, span)
     if not body.stream:

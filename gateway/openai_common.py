@@ -14,8 +14,14 @@ from pydantic import BaseModel
 from gateway.errors import ClientDisconnectedError, openai_error_body, to_client_error
 from gateway.generation import GenerationInput, Usage
 from gateway.openai_protocol import PromptTokensDetails, UsageInfo, _GenerationFields
+from gateway.tokenizer import Tokenizer
 from pagoda.contract.errors import InvalidRequestError
-from pagoda.contract.params import SamplingParams, check_context_length
+from pagoda.contract.params import (
+    SamplingParams,
+    check_context_length,
+    check_vocab,
+    with_bad_words_tokenized,
+)
 from pagoda.runtime.logging import get_logger
 
 log = get_logger(__name__)
@@ -29,20 +35,30 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def build_generation_input(request: _GenerationFields, request_id: str, prompt_ids: list[int],
-                           max_tokens: int | None, logprobs: int | None,
-                           max_model_len: int) -> GenerationInput:
-    """Validate through the core SamplingParams (one set of rules) and the context length."""
-    if not prompt_ids:
-        raise InvalidRequestError("the prompt must not be empty")
+def build_sampling(request: _GenerationFields, max_tokens: int | None, logprobs: int | None,
+                   tokenizer: Tokenizer, vocab_size: int) -> SamplingParams:
+    """Validate through the core SamplingParams (one set of rules); token ids against the vocab."""
     optional = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING
                 if getattr(request, name) is not None}
     sampling = SamplingParams(
         n=request.n, seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens,
         stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
         logprobs=logprobs, presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty, **optional)
-    check_context_length(max_model_len, len(prompt_ids), max_tokens)
+        frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias,
+        allowed_token_ids=request.allowed_token_ids, bad_words=tuple(request.bad_words or ()),
+        **optional)
+    sampling = with_bad_words_tokenized(
+        sampling, lambda text: tokenizer.encode(text, add_special_tokens=False))
+    check_vocab(sampling, vocab_size)
+    return sampling
+
+
+def build_generation_input(request: _GenerationFields, request_id: str, prompt_ids: list[int],
+                           sampling: SamplingParams, max_model_len: int) -> GenerationInput:
+    """One prompt's GenerationInput; checks the context length."""
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt must not be empty")
+    check_context_length(max_model_len, len(prompt_ids), sampling.max_tokens)
     return GenerationInput(
         request_id=request_id, prompt_token_ids=tuple(prompt_ids), sampling=sampling,
         stop=request.stop_strings(), include_stop_str_in_output=request.include_stop_str_in_output,

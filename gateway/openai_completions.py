@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gateway.generation import GenerationStep, SequenceChunk, generate, start_request_span
 from gateway.openai_common import (
     build_generation_input,
+    build_sampling,
     check_token_ids,
     new_request_id,
     sse_stream,
@@ -93,8 +94,8 @@ async def create_completion(body: CompletionRequest, http: Request, state: Gatew
     if body.echo and body.logprobs is not None:
         raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)")
     prompt_ids, prompt_text = prompt_token_ids(body.prompt, tokenizer, info.vocab_size)
-    request = build_generation_input(body, new_request_id("cmpl"), prompt_ids, body.max_tokens,
-                                     body.logprobs, info.max_model_len)
+    sampling = build_sampling(body, body.max_tokens, body.logprobs, tokenizer, info.vocab_size)
+    request = build_generation_input(body, new_request_id("cmpl"), prompt_ids, sampling, info.max_model_len)
     choices = CompletionChoices(body.n, tokenizer, prompt_text if body.echo else "",
                                 body.logprobs is not None)
     span = start_request_span("text_completion", model, context_from_headers(http.headers), request)

@@ -49,7 +49,6 @@ CONDITIONAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "moderation": _unsupported("Pagoda runs no moderation"),
     "store": (lambda v: not v, "store=true is not supported: Pagoda stores no completions"),
     # both, until they are served
-    "logit_bias": _unsupported("logit_bias is not implemented yet"),
     "response_format": (lambda v: _absent(v) or (isinstance(v, dict) and v.get("type") == "text"),
                         "only {\"type\": \"text\"} is supported: structured outputs are not implemented yet"),
 }
@@ -75,6 +74,10 @@ INFORMATIONAL = frozenset({
 def check_conditional(name: str, value: Any) -> Any:
     """The validator of every CONDITIONAL field: the value back, or a 400 naming the field."""
     acceptable, message = CONDITIONAL[name]
-    if not acceptable(value):
+    try:
+        ok = acceptable(value)
+    except (TypeError, ValueError, AttributeError):  # a value of the wrong shape is not the default
+        ok = False
+    if not ok:
         raise PydanticCustomError("unsupported_field", message)
     return value

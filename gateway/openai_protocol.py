@@ -50,7 +50,7 @@ class _GenerationFields(BaseModel):
     prompt_cache_key: Any = None
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
-    logit_bias: Any = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key) -> [-100, 100]
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -62,6 +62,8 @@ class _GenerationFields(BaseModel):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # int32 on the wire
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @field_validator(*CONDITIONAL, mode="before", check_fields=False)
     @classmethod

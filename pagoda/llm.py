@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.contract.ids import RequestId
-from pagoda.contract.params import SamplingParams
+from pagoda.contract.params import SamplingParams, check_vocab, with_bad_words_tokenized
 from pagoda.contract.step import TokenLogprobs
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.outputs import SequenceDelta
@@ -115,6 +115,7 @@ class LLM:
             for prompt, sampling in zip(prompts, params, strict=True):
                 request_id = RequestId(str(next(self._request_counter)))
                 text, token_ids = self._tokenize(prompt)
+                sampling = self._resolve_params(sampling)
                 self.scheduler.add_request(EngineRequest(request_id, tuple(token_ids), sampling))
                 outputs[request_id] = RequestOutput(
                     request_id, text, list(token_ids),
@@ -151,6 +152,15 @@ class LLM:
                         if unfinished[delta.request_id] == 0:
                             outputs[delta.request_id].finished = True
                             bar.update(1)
+
+    def _resolve_params(self, sampling: SamplingParams) -> SamplingParams:
+        """bad_words text -> token ids; token ids checked against the vocabulary."""
+        if sampling.bad_words:
+            def encode(text: str) -> list[int]:
+                return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            sampling = with_bad_words_tokenized(sampling, encode)
+        check_vocab(sampling, self.worker_info.vocab_size)
+        return sampling
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -3,7 +3,8 @@
 Pipeline over logits [N, V] fp32:
  1. logprobs (when a row asks): log_softmax of the *raw* model logits, before min_tokens masking,
     penalties, temperature, min-p, top-k and top-p (vLLM's default "raw_logprobs" mode).
- 2. min_tokens: while a row has fewer than min_tokens outputs, its stop tokens get -inf
+ 2. token constraints (worker_svc/token_constraints.py): allowed_token_ids, bad_words, logit_bias.
+ 2b. min_tokens: while a row has fewer than min_tokens outputs, its stop tokens get -inf
     (stop_token_ids, plus the EOS ids unless ignore_eos, for which EOS does not stop anyway).
  3. penalties: repetition (HF semantics, over prompt + output tokens: a positive logit is divided,
     a negative one multiplied), then frequency and presence (OpenAI semantics, output tokens only).
@@ -25,6 +26,7 @@ import torch
 
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.step import TokenLogprobs
+from worker_svc.token_constraints import apply_token_constraints
 
 
 @dataclass(slots=True)
@@ -78,7 +80,8 @@ class Sampler:
     # -- masking and penalties ------------------------------------------------------------------
 
     def adjust_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """min_tokens masking, then penalties, in place on logits [N, V]; returns logits."""
+        """Token constraints, min_tokens masking, then penalties, in place on logits [N, V]."""
+        apply_token_constraints(logits, rows)
         self._mask_stop_tokens(logits, rows)
         self._apply_penalties(logits, rows)
         return logits

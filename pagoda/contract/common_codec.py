@@ -30,7 +30,9 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         min_p=params.min_p, min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos, presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty)
+        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+        logit_bias=params.logit_bias or {}, allowed_token_ids=params.allowed_token_ids or (),
+        bad_words=[common_pb2.TokenIds(token_ids=word) for word in params.bad_words_token_ids])
     for name in ("seed", "max_tokens", "logprobs"):
         value = getattr(params, name)
         if value is not None:
@@ -45,7 +47,9 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         **kwargs, top_k=pb.top_k, min_p=pb.min_p, min_tokens=pb.min_tokens,
         stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
-        presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty)
+        presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty,
+        logit_bias=dict(pb.logit_bias) or None, allowed_token_ids=tuple(pb.allowed_token_ids) or None,
+        bad_words_token_ids=tuple(tuple(word.token_ids) for word in pb.bad_words))
 
 
 def logprobs_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:

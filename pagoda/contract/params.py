@@ -7,7 +7,8 @@ Field names follow vLLM's `SamplingParams` so users recognise them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from pagoda.contract.errors import InvalidRequestError
@@ -47,9 +48,26 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Token-level constraints, applied on the device before penalties (vLLM's logits processors).
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
+    bad_words: tuple[str, ...] = ()  # text; the offline API and the gateway tokenize them into:
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # what travels: never completed
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.logit_bias is not None:
+            try:
+                bias = {int(t): float(b) for t, b in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                raise InvalidRequestError("logit_bias must map token ids to numbers") from None
+            object.__setattr__(self, "logit_bias", bias or None)
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        words = self.bad_words
+        object.__setattr__(self, "bad_words", (words,) if isinstance(words, str) else tuple(words))
+        object.__setattr__(self, "bad_words_token_ids",
+                           tuple(tuple(word) for word in self.bad_words_token_ids))
         self.validate()
 
     @property
@@ -91,11 +109,60 @@ class SamplingParams:
             bad(f"logprobs must be between 0 and {max_logprobs}, got {self.logprobs}")
         if any(not 0 <= t <= _UINT32_MAX for t in self.stop_token_ids):
             bad("stop_token_ids must be token ids (non-negative 32-bit integers)")
+        self._validate_token_constraints(bad)
         # Integers must also fit their wire types (common.proto), or encoding fails mid-request.
         for name, low, high in _INTEGER_RANGES:
             value = getattr(self, name)
             if value is not None and not low <= value <= high:
                 bad(f"{name} must be between {low} and {high}, got {value}")
+
+
+    def _validate_token_constraints(self, bad) -> None:
+        for token, bias in (self.logit_bias or {}).items():
+            if not 0 <= token <= _UINT32_MAX:
+                bad(f"logit_bias keys must be token ids (non-negative), got {token}")
+            if not math.isfinite(bias) or not -100 <= bias <= 100:
+                bad(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids must not be empty")
+            if any(not 0 <= t <= _UINT32_MAX for t in self.allowed_token_ids):
+                bad("allowed_token_ids must be token ids (non-negative 32-bit integers)")
+        for word in self.bad_words_token_ids:
+            if not word or any(not 0 <= t <= _UINT32_MAX for t in word):
+                bad("bad_words must tokenize to non-empty lists of token ids")
+
+
+def check_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """400 when a token id the request names is outside the model's vocabulary."""
+    if not vocab_size:
+        return
+    for name, ids in (("logit_bias", params.logit_bias or ()),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
+        outside = [t for t in ids if t >= vocab_size]
+        if outside:
+            raise InvalidRequestError(f"{name}: token id {outside[0]} is outside the vocabulary "
+                                      f"[0, {vocab_size})")
+
+
+def tokenize_bad_words(words: Sequence[str], encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's rule: each word as written and with a leading space (how it appears mid-text), each
+    tokenized without special tokens; distinct non-empty token lists only."""
+    out: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tuple(encode(text))
+            if ids:
+                out[ids] = None
+    return tuple(out)
+
+
+def with_bad_words_tokenized(params: SamplingParams, encode: Callable[[str], list[int]]) -> SamplingParams:
+    """params with `bad_words` (text) turned into bad_words_token_ids, what travels and is applied."""
+    if not params.bad_words:
+        return params
+    ids = params.bad_words_token_ids + tokenize_bad_words(params.bad_words, encode)
+    return replace(params, bad_words=(), bad_words_token_ids=ids)
 
 
 def check_context_length(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> None:

@@ -24,7 +24,7 @@ NON_DEFAULT = {
     "tool_choice": "auto", "parallel_tool_calls": True,
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
     "web_search_options": {"search_context_size": "low"}, "moderation": {"model": "m"}, "store": True,
-    "logit_bias": {"5": 10}, "response_format": {"type": "json_object"},
+    "response_format": {"type": "json_object"},
 }
 # The value each INFORMATIONAL field is sent with (must be a 200).
 INFORMATIVE = {
@@ -105,3 +105,23 @@ async def test_continuous_usage_stats_put_usage_so_far_on_every_chunk(gateway, e
     assert len(with_content) >= 2 and completion_tokens == sorted(completion_tokens)
     assert completion_tokens[-1] == chunks[-1]["usage"]["completion_tokens"]
     assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in with_content)
+
+
+async def test_logit_bias_allowed_ids_and_bad_words_reach_the_engine(gateway, upstream, tokenizer):
+    reply = await gateway.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"5": -100, "7": 2.5},
+        "allowed_token_ids": [5, 7, 9], "bad_words": ["world"]})
+    assert reply.status_code == 200, reply.text
+    s = upstream.engine.requests[0].sampling
+    assert dict(s.logit_bias) == {5: -100.0, 7: 2.5} and list(s.allowed_token_ids) == [5, 7, 9]
+    expected = {tuple(tokenizer.encode(w, add_special_tokens=False)) for w in ("world", " world")}
+    assert {tuple(w.token_ids) for w in s.bad_words} == expected
+
+
+@pytest.mark.parametrize("fields", [{"logit_bias": {"5": 100.5}}, {"logit_bias": {"5000": 1}},
+                                    {"logit_bias": {"x": 1}}, {"allowed_token_ids": []},
+                                    {"allowed_token_ids": [1, 5000]}])
+async def test_bad_token_constraints_are_400(gateway, upstream, fields):
+    reply = await gateway.http.post("/v1/completions", json={"prompt": "Hi", **fields})
+    assert reply.status_code == 400 and next(iter(fields)) in reply.json()["error"]["message"]
+    assert not upstream.engine.requests

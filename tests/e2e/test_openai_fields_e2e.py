@@ -1,0 +1,82 @@
+"""Issue 23 on the real default model (SmolLM2-135M-Instruct) through real worker, scheduler and
+gateway processes, asked by the real `openai` client: logit_bias, allowed_token_ids, bad_words,
+batch prompts."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import start_scheduler, start_worker
+from tests.e2e.gateway_conftest import start_gateway
+
+pytestmark = pytest.mark.slow
+KV_BYTES = 64 << 20
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2_api(smollm2_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("smollm2-api")
+    processes = [start_worker(smollm2_dir, logs, device="cpu", dtype="float32",
+                              kv_cache_memory_bytes=KV_BYTES)]
+    try:
+        processes.append(start_scheduler(processes[0].target, logs, max_num_seqs=16))
+        gateway, http_url = start_gateway(processes[1].target, logs)
+        processes.append(gateway)
+        yield http_url
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_api) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{smollm2_api}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def tokenize(http_url: str, text: str) -> list[int]:
+    return httpx.post(f"{http_url}/tokenize", json={"prompt": text, "add_special_tokens": False},
+                      timeout=10).json()["tokens"]
+
+
+def test_logit_bias_removes_and_forces_the_greedy_token(client, model, smollm2_api):
+    def first_token(**kwargs) -> int:
+        reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0, **kwargs)
+        return tokenize(smollm2_api, reply.choices[0].text)[0]
+
+    greedy_id = first_token()
+    runner_up = first_token(logit_bias={str(greedy_id): -100})
+    assert runner_up != greedy_id
+    forced = tokenize(smollm2_api, " Berlin")[0]
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0,
+                                      logit_bias={str(forced): 100})
+    assert tokenize(smollm2_api, reply.choices[0].text) == [forced] * 3
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=3, temperature=0,
+                                          logit_bias={str(forced): 100})
+    assert tokenize(smollm2_api, chat.choices[0].message.content) == [forced] * 3
+
+
+def test_bad_words_and_allowed_token_ids(client, model, smollm2_api):
+    plain = client.chat.completions.create(model=model, messages=CHAT, max_tokens=16, temperature=0)
+    assert "Paris" in plain.choices[0].message.content
+    banned = client.chat.completions.create(model=model, messages=CHAT, max_tokens=16, temperature=0,
+                                            extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in banned.choices[0].message.content
+    allowed_ids = tokenize(smollm2_api, " yes no")
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0.8, seed=1,
+                                      extra_body={"allowed_token_ids": allowed_ids})
+    assert set(reply.choices[0].text.split()) <= {"yes", "no"}
+
+
+def test_bad_logit_bias_is_400(client, model):
+    for bias in ({"5": 101}, {"99999999": 1}, {"x": 1}):
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=1, logit_bias=bias)
