@@ -8,6 +8,7 @@ import os
 
 from gateway.config import GatewayConfig
 from gateway.server import serve
+from gateway.tenants import TenantFileError, load_tenant_file
 from pagoda.runtime.logging import configure_logging
 
 
@@ -22,6 +23,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $PAGODA_API_KEY)")
+    parser.add_argument("--api-keys", metavar="FILE", default=None,
+                        help="API keys -> tenants with optional limits, one JSON object per line "
+                             "(docs/reliability.md#tenancy)")
     parser.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--otlp-traces-endpoint", default=None,
@@ -32,9 +36,17 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     parser.add_argument("--tls-key", default=None, help="PEM key of the public gRPC port")
     parser.add_argument("--tls-ca", default=None, help="PEM CA to verify the scheduler (TLS channel)")
     args = parser.parse_args(argv)
+    try:
+        api_keys = load_tenant_file(args.api_keys) if args.api_keys else None
+        return _config(args, api_keys)
+    except TenantFileError as error:  # exits 2 with "python -m gateway: error: FILE line N: ..."
+        parser.error(str(error))
+
+
+def _config(args: argparse.Namespace, api_keys) -> GatewayConfig:
     return GatewayConfig(scheduler=args.scheduler, host=args.host, port=args.port, grpc_port=args.grpc_port,
                          tokenizer=args.tokenizer, served_model_name=args.served_model_name,
-                         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                         api_key=args.api_key, api_keys=api_keys, max_request_bytes=args.max_request_bytes,
                          log_json=args.log_json, otlp_traces_endpoint=args.otlp_traces_endpoint,
                          shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert,
                          tls_key=args.tls_key, tls_ca=args.tls_ca)

@@ -1,27 +1,22 @@
-"""API-key checks shared by the HTTP middleware and the public gRPC servicer."""
+"""Reading the API key a request presents; `tenancy.Tenancy.authenticate` says whose it is."""
 
 from __future__ import annotations
-
-import hmac
 
 # Liveness, readiness and scraping stay open so orchestrators and Prometheus need no key.
 OPEN_HTTP_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
-def bearer_token_ok(authorization: str | None, api_key: str | None) -> bool:
-    """True when no key is configured, or `authorization` is exactly "Bearer <api_key>"."""
-    if api_key is None:
-        return True
+def bearer_token(authorization: str | None) -> str | None:
+    """KEY from "Bearer KEY" (the scheme in any case); None for anything else."""
     if not authorization:
-        return False
+        return None
     scheme, _, token = authorization.partition(" ")
-    # constant-time compare: the time taken does not reveal how much of the key matched
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
 
 
-def grpc_metadata_ok(metadata, api_key: str | None) -> bool:
-    """The same check over gRPC invocation metadata (keys are lower-case)."""
-    if api_key is None:
-        return True
+def grpc_bearer_token(metadata) -> str | None:
+    """The same from gRPC invocation metadata (keys are lower-case): `authorization: Bearer KEY`."""
     values = [value for key, value in (metadata or ()) if key == "authorization"]
-    return bool(values) and bearer_token_ok(values[0], api_key)
+    return bearer_token(values[0]) if values else None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.tenants import TenantTable, tenant_table
+
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
@@ -20,7 +22,10 @@ class GatewayConfig:
     served_model_name: str | None = None
     """Model id clients send and /v1/models lists; None: the scheduler's model_name (as vLLM)."""
     api_key: str | None = None
-    """When set, /v1/*, /tokenize, /detokenize, /version and gRPC Generate need `Bearer KEY`."""
+    """When set, /v1/*, /tokenize, /detokenize, /version and gRPC Generate need `Bearer KEY`
+    (the key of tenant "default", unlimited)."""
+    api_keys: TenantTable | None = None
+    """Tenants, their keys and limits, from `--api-keys FILE` (gateway/tenants.py has the format)."""
     max_request_bytes: int = 16 * 1024 * 1024
     """Largest HTTP request body accepted; bigger bodies get 413."""
     engine_timeout_s: float = 5.0
@@ -53,3 +58,8 @@ class GatewayConfig:
             raise ValueError("shutdown_timeout_s must not be negative")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
+        self.tenant_table()  # raises when api_key is also in the file
+
+    def tenant_table(self) -> TenantTable:
+        """Every tenant: the file's plus the single api_key's; empty (auth off) without either."""
+        return tenant_table(self.api_key, self.api_keys)

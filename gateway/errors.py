@@ -20,6 +20,7 @@ class GatewayError(Exception):
 
     http_status = 500
     grpc_code = grpc.StatusCode.INTERNAL
+    retry_after_s: float | None = None  # a 429 / 503's Retry-After; None: the configured default
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -37,6 +38,16 @@ class UnauthorizedError(GatewayError):
 
 class RequestTooLargeError(GatewayError):
     http_status, grpc_code = 413, grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class RateLimitedError(GatewayError):
+    """A tenant is over its requests/min, tokens/min or concurrency limit (gateway/rate_limit.py)."""
+
+    http_status, grpc_code = 429, grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class EngineNotReadyError(GatewayError):
@@ -74,12 +85,14 @@ class ClientError:
     grpc_code: grpc.StatusCode
     message: str
     param: str | None = None
+    retry_after_s: float | None = None
 
 
 def to_client_error(error: BaseException) -> ClientError:
     """The one place a gateway exception becomes a status; unknown errors stay generic (500)."""
     if isinstance(error, GatewayError):
-        return ClientError(error.http_status, error.grpc_code, error.message, error.param)
+        return ClientError(error.http_status, error.grpc_code, error.message, error.param,
+                           error.retry_after_s)
     if isinstance(error, InvalidRequestError):
         return ClientError(400, grpc.StatusCode.INVALID_ARGUMENT, str(error))
     return ClientError(500, grpc.StatusCode.INTERNAL, "internal server error")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry.context import Context
@@ -30,6 +31,9 @@ from pagoda.runtime.telemetry import (
     tracing_enabled,
 )
 from pagoda.v1 import common_pb2, engine_pb2
+
+if TYPE_CHECKING:
+    from gateway.tenancy import Lease
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,26 +131,31 @@ def to_engine_request(request: GenerationInput) -> engine_pb2.GenerateRequest:
 
 
 def start_request_span(operation: str, model: str, parent: Context | None,
-                       request: GenerationInput) -> Span | None:
+                       request: GenerationInput, tenant: str | None = None) -> Span | None:
     """The request's `{operation} {model}` span (operation "chat" or "text_completion"), a child
-    of the caller's span when `parent` came from its traceparent. Hand it to generate(), which
-    ends it. None when tracing is off (no span, no traceparent sent upstream)."""
+    of the caller's span when `parent` came from its traceparent, with the tenant as `pagoda.tenant`.
+    Hand it to generate(), which ends it. None when tracing is off (no span, no traceparent sent
+    upstream)."""
     if not tracing_enabled():
         return None
     s = request.sampling
-    return start_genai_span(
+    span = start_genai_span(
         get_tracer("gateway"), operation, model, parent, max_tokens=s.max_tokens,
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
         frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
         stop_sequences=list(request.stop) or None, choice_count=s.n)
+    if tenant is not None:
+        span.set_attribute("pagoda.tenant", tenant)
+    return span
 
 
 async def generate(client: EngineClient, tokenizer: Tokenizer, request: GenerationInput,
-                   span: Span | None = None) -> AsyncIterator[GenerationStep]:
+                   span: Span | None = None, lease: Lease | None = None) -> AsyncIterator[GenerationStep]:
     """Yield one GenerationStep per upstream response; the last one carries usage.
 
-    Observes the request's latency histograms, and ends `span` (usage, finish reasons, TTFT and
-    queue time; `error.type` when the request fails or its client goes away)."""
+    Observes the request's latency histograms, ends `span` (usage, finish reasons, TTFT and
+    queue time; `error.type` when the request fails or its client goes away), and keeps the
+    tenant's `lease` told of the tokens used so far (its owner closes it)."""
     sequences = [_Sequence(tokenizer, request) for _ in range(request.sampling.n)]
     num_prompt_tokens, num_cached_tokens = len(request.prompt_token_ids), 0
     timer = metrics.METRICS.request_timer()
@@ -164,8 +173,10 @@ async def generate(client: EngineClient, tokenizer: Tokenizer, request: Generati
                            time_in_queue_s=queue_s, response_id=request.request_id,
                            error_type=error_type)
 
+    answered = False
     try:
         async for response in stream:
+            answered = True
             if queue_s is None:
                 queue_s = response.queue_seconds
             if response.num_prompt_tokens:
@@ -173,6 +184,8 @@ async def generate(client: EngineClient, tokenizer: Tokenizer, request: Generati
                 num_cached_tokens = response.num_cached_tokens
             chunks = [sequences[d.index].apply(d, request.sampling.stop_token_ids)
                       for d in response.sequences if d.index < len(sequences)]
+            if lease is not None:
+                lease.record(num_prompt_tokens + sum(s.num_tokens for s in sequences))
             _raise_on_engine_error(chunks)
             timer.on_tokens(sum(len(c.token_ids) for c in chunks))
             progress = Usage(num_prompt_tokens, sum(s.num_tokens for s in sequences), num_cached_tokens)
@@ -187,6 +200,8 @@ async def generate(client: EngineClient, tokenizer: Tokenizer, request: Generati
         end_span("cancelled")  # the client went away
         raise
     except BaseException as error:
+        if lease is not None and not answered and isinstance(error, UpstreamError):
+            lease.record(0)  # the engine refused it (queue full, shutting down): nothing to charge
         end_span(type(error).__name__)
         raise
     finally:

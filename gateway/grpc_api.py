@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway.auth import grpc_metadata_ok
+from gateway.auth import grpc_bearer_token
 from gateway.convert import finish_reason_to_pb, sampling_from_pb
 from gateway.errors import UnauthorizedError, to_client_error
 from gateway.generation import GenerationInput, GenerationStep, generate, start_request_span
+from gateway.rate_limit import retry_after_header
 from gateway.state import GatewayState
 from gateway.stop_strings import check_stop_strings
 from pagoda.contract.errors import InvalidRequestError
@@ -29,24 +30,40 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     async def Generate(self, request: gateway_pb2.GenerationRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerationChunk]:
         # A client that goes away cancels this coroutine; leaving generate() cancels upstream.
+        # The tenant's limits apply as over HTTP: the rate-limit headers go out as initial metadata
+        # (trailing, with retry-after, on RESOURCE_EXHAUSTED), and the lease closes however it ends.
+        lease = None
         try:
-            generation = self._prepare(request, context)
+            tenant = self._state.tenancy.authenticate(grpc_bearer_token(context.invocation_metadata()))
+            if tenant is None:
+                raise UnauthorizedError("a valid API key is required (metadata authorization: Bearer KEY)")
+            lease = self._state.tenancy.lease(tenant)
+            generation, max_model_len = self._prepare(request)
+            generation = lease.admit(generation, max_model_len)
+            if headers := lease.headers():
+                await context.send_initial_metadata(headers)
             operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
             span = start_request_span(operation, self._state.served_model_name,
                                       context_from_grpc_metadata(context.invocation_metadata()),
-                                      generation)
-            async for step in generate(self._state.client, self._state.tokenizer, generation, span):
+                                      generation, tenant.name)
+            steps = generate(self._state.client, self._state.tokenizer, generation, span, lease)
+            async for step in steps:
                 for chunk in to_chunks(generation.request_id, step):
                     yield chunk
         except Exception as error:  # noqa: BLE001 - every failure leaves with a status code
             client_error = to_client_error(error)
             log.info("grpc_generate_failed", code=client_error.grpc_code.name, error=client_error.message)
-            await context.abort(client_error.grpc_code, client_error.message)
+            trailing = lease.headers() if lease is not None else []
+            if client_error.retry_after_s is not None:
+                trailing.append(("retry-after", retry_after_header(client_error.retry_after_s)))
+            await context.abort(client_error.grpc_code, client_error.message,
+                                trailing_metadata=tuple(trailing))
+        finally:
+            if lease is not None:
+                lease.close()
 
-    def _prepare(self, request: gateway_pb2.GenerationRequest,
-                 context: grpc.aio.ServicerContext) -> GenerationInput:
-        if not grpc_metadata_ok(context.invocation_metadata(), self._state.config.api_key):
-            raise UnauthorizedError("a valid API key is required (metadata authorization: Bearer KEY)")
+    def _prepare(self, request: gateway_pb2.GenerationRequest) -> tuple[GenerationInput, int]:
+        """The tokenized, validated request and the engine's max_model_len."""
         tokenizer, info = self._state.require_ready()
         self._state.check_model(request.model)
         if request.WhichOneof("input") == "prompt":
@@ -63,13 +80,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         sampling = sampling_from_pb(request.sampling)  # raises InvalidRequestError when out of range
         check_stop_strings(request.stop)
         check_context_length(info.max_model_len, len(prompt_ids), sampling.max_tokens)
+        check_vocab(sampling, info.vocab_size)
         return GenerationInput(
             request_id=request.request_id or f"gen-{uuid.uuid4().hex}", prompt_token_ids=tuple(prompt_ids),
             sampling=sampling, stop=tuple(request.stop),
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=(request.skip_special_tokens if request.HasField("skip_special_tokens")
                                  else True),
-            cache_salt=request.cache_salt)
+            cache_salt=request.cache_salt), info.max_model_len
 
 
 def to_chunks(request_id: str, step: GenerationStep) -> list[gateway_pb2.GenerationChunk]:
@@ -80,7 +98,6 @@ def to_chunks(request_id: str, step: GenerationStep) -> list[gateway_pb2.Generat
         for c in step.chunks if c.text or c.token_ids or c.finish_reason]
     if step.usage is not None:
         if not chunks:
-        check_vocab(sampling, info.vocab_size)
             chunks.append(gateway_pb2.GenerationChunk(request_id=request_id))
         chunks[-1].usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=step.usage.prompt_tokens, completion_tokens=step.usage.completion_tokens,

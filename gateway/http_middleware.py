@@ -1,4 +1,4 @@
-"""Pure ASGI middlewares: API key, request body size cap, request counting.
+"""Pure ASGI middlewares: API key and tenant lease, request body size cap, request counting.
 
 Written at the ASGI level (not BaseHTTPMiddleware) so streaming responses and client
 disconnects pass through untouched.
@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 
 from gateway import metrics
-from gateway.auth import OPEN_HTTP_PATHS, bearer_token_ok
+from gateway.auth import OPEN_HTTP_PATHS, bearer_token
 from gateway.errors import openai_error_body
+from gateway.tenancy import LEASE_KEY, Tenancy
 
 
 async def _send_error(send, status: int, message: str, headers: list | None = None) -> None:
@@ -28,17 +29,37 @@ def _header(scope, name: bytes) -> str | None:
     return None
 
 
-class ApiKeyMiddleware:
-    def __init__(self, app, api_key: str | None) -> None:
-        self.app, self.api_key = app, api_key
+class TenancyMiddleware:
+    """The API key names the tenant (401 when it names none); each request gets a `Lease` on its
+    tenant's limits, which a generation handler admits through (`tenancy.admit`). The rate-limit headers
+    of the admission join the response, and the lease closes - slot freed, tokens settled - only
+    once the response, a stream included, has ended or its client has gone."""
+
+    def __init__(self, app, tenancy: Tenancy) -> None:
+        self.app, self.tenancy = app, tenancy
 
     async def __call__(self, scope, receive, send) -> None:
-        if (scope["type"] == "http" and scope["path"] not in OPEN_HTTP_PATHS
-                and not bearer_token_ok(_header(scope, b"authorization"), self.api_key)):
+        if scope["type"] != "http" or scope["path"] in OPEN_HTTP_PATHS:
+            await self.app(scope, receive, send)
+            return
+        tenant = self.tenancy.authenticate(bearer_token(_header(scope, b"authorization")))
+        if tenant is None:
             await _send_error(send, 401, "Unauthorized: a valid API key is required",
                               [(b"www-authenticate", b"Bearer")])
             return
-        await self.app(scope, receive, send)
+        lease = self.tenancy.lease(tenant)
+        scope.setdefault("state", {})[LEASE_KEY] = lease
+
+        async def send_with_headers(message) -> None:
+            if message["type"] == "http.response.start" and (headers := lease.headers()):
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  *((k.encode(), v.encode()) for k, v in headers)]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            lease.close()
 
 
 class BodySizeLimitMiddleware:

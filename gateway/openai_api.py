@@ -11,7 +11,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
 from gateway.errors import GatewayError, UpstreamError, openai_error_body, to_client_error
-from gateway.http_middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCounterMiddleware
+from gateway.http_middleware import BodySizeLimitMiddleware, RequestCounterMiddleware, TenancyMiddleware
+from gateway.json_body import IJSONRoute
 from gateway.openai_chat import chat_prompt_ids, create_chat_completion
 from gateway.openai_completions import create_completion
 from gateway.openai_protocol import (
@@ -20,6 +21,7 @@ from gateway.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from gateway.rate_limit import retry_after_header
 from gateway.state import GatewayState
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.runtime.logging import get_logger
@@ -33,13 +35,19 @@ def error_response(error: BaseException, retry_after_s: int = 1) -> JSONResponse
     if client_error.http_status >= 500:
         log.warning("request_failed", status=client_error.http_status, error=str(error),
                     error_type=type(error).__name__)
-    headers = {"Retry-After": str(retry_after_s)} if client_error.http_status in (429, 503) else None
+    retry_after = (retry_after_header(client_error.retry_after_s) if client_error.retry_after_s is not None
+                   else str(retry_after_s))
+    headers = {"Retry-After": retry_after} if client_error.http_status in (429, 503) else None
     return JSONResponse(openai_error_body(client_error.http_status, client_error.message, client_error.param),
                         status_code=client_error.http_status, headers=headers)
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
     first = error.errors()[0] if error.errors() else {}
+    if first.get("type") == "json_invalid":  # loc is ("body", character offset), not a field
+        offset = first.get("loc", ("body", 0))[-1]
+        reason = (first.get("ctx") or {}).get("error", "JSON decode error")
+        return f"the body could not be read as JSON: {reason} (at character {offset})", None
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
     return (f"{param}: {first.get('msg', 'invalid request')}" if param
@@ -55,12 +63,13 @@ _NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs
 def create_app(state: GatewayState) -> FastAPI:
     app = FastAPI(title="Pagoda gateway", version=VERSION, **_NO_NATIVE_TELEMETRY)
     app.state.gateway = state
+    app.router.route_class = IJSONRoute  # bodies read as I-JSON: a lone surrogate is a 400
     _add_routes(app, state)
     _add_error_handlers(app, state.config.retry_after_s)
     routes = frozenset(route.path for route in app.routes)
     # Outermost first at run time: count, then auth, then the size cap.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.max_request_bytes)
-    app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key)
+    app.add_middleware(TenancyMiddleware, tenancy=state.tenancy)
     app.add_middleware(RequestCounterMiddleware, routes=routes)
     return app
 

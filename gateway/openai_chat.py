@@ -30,6 +30,7 @@ from gateway.openai_protocol import (
     TopLogprob,
 )
 from gateway.state import GatewayState
+from gateway.tenancy import admit
 from gateway.tokenizer import Tokenizer
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.runtime.telemetry import context_from_headers
@@ -68,8 +69,10 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
     sampling = build_sampling(body, body.effective_max_tokens, logprobs, tokenizer, info.vocab_size)
     request = build_generation_input(body, new_request_id("chatcmpl"), chat_prompt_ids(body, tokenizer),
                                      sampling, info.max_model_len)
-    span = start_request_span("chat", model, context_from_headers(http.headers), request)
-    steps = generate(state.client, tokenizer, request, span)
+    request, lease = admit(http, request, info.max_model_len)
+    span = start_request_span("chat", model, context_from_headers(http.headers), request,
+                              lease.tenant.name)
+    steps = generate(state.client, tokenizer, request, span, lease)
     if not body.stream:
         choices = [ChatChoice(index=i, message=ChatResponseMessage(content=""),
                               logprobs=ChatLogprobs(content=[]) if body.logprobs else None)

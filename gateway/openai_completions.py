@@ -25,6 +25,7 @@ from gateway.openai_protocol import (
     CompletionResponse,
 )
 from gateway.state import GatewayState
+from gateway.tenancy import admit
 from gateway.tokenizer import Tokenizer
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.runtime.telemetry import context_from_headers
@@ -98,8 +99,10 @@ async def create_completion(body: CompletionRequest, http: Request, state: Gatew
     request = build_generation_input(body, new_request_id("cmpl"), prompt_ids, sampling, info.max_model_len)
     choices = CompletionChoices(body.n, tokenizer, prompt_text if body.echo else "",
                                 body.logprobs is not None)
-    span = start_request_span("text_completion", model, context_from_headers(http.headers), request)
-    steps = generate(state.client, tokenizer, request, span)
+    request, lease = admit(http, request, info.max_model_len)
+    span = start_request_span("text_completion", model, context_from_headers(http.headers), request,
+                              lease.tenant.name)
+    steps = generate(state.client, tokenizer, request, span, lease)
     if not body.stream:
         usage = await until_disconnected(http, _collect(steps, choices))
         return JSONResponse(CompletionResponse(id=request.request_id, model=model, choices=choices.choices,

@@ -13,6 +13,7 @@ from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import EngineNotReadyError, ModelNotFoundError
+from gateway.tenancy import Tenancy
 from gateway.tokenizer import Tokenizer
 from pagoda.runtime.logging import get_logger
 from pagoda.v1 import engine_pb2
@@ -22,9 +23,10 @@ log = get_logger(__name__)
 
 class GatewayState:
     def __init__(self, config: GatewayConfig, client: EngineClient,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, tenancy: Tenancy | None = None) -> None:
         self.config = config
         self.client = client
+        self.tenancy = tenancy or Tenancy(config.tenant_table())  # keys, tenants and their limits
         self.tokenizer = tokenizer
         self.info: engine_pb2.EngineInfo | None = None
         self.served_model_name = config.served_model_name or ""

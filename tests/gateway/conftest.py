@@ -16,6 +16,7 @@ from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.openai_api import create_app
 from gateway.state import GatewayState
+from gateway.tenancy import Tenancy
 from gateway.tokenizer import Tokenizer
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.v1 import engine_pb2_grpc
@@ -74,13 +75,15 @@ class Gateway:
 
 @pytest.fixture
 async def make_gateway(upstream, tokenizer):
-    """make_gateway(**GatewayConfig fields) -> Gateway connected to the fake engine."""
+    """make_gateway(**GatewayConfig fields) -> Gateway connected to the fake engine; `clock`: the
+    rate limiter's (tests drive time by hand)."""
     async with contextlib.AsyncExitStack() as stack:
-        async def make(connect: bool = True, **overrides) -> Gateway:
+        async def make(connect: bool = True, clock=None, **overrides) -> Gateway:
             config = GatewayConfig(scheduler=upstream.target, **overrides)
             client = EngineClient(config.scheduler, timeout_s=2.0)
             stack.push_async_callback(client.close)
-            state = GatewayState(config, client, tokenizer=tokenizer)
+            tenancy = Tenancy(config.tenant_table(), clock) if clock is not None else None
+            state = GatewayState(config, client, tokenizer=tokenizer, tenancy=tenancy)
             if connect:
                 await state.connect()
             http = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)),

@@ -5,16 +5,23 @@ from __future__ import annotations
 import pytest
 
 from gateway.__main__ import parse_args
-from gateway.auth import bearer_token_ok, grpc_metadata_ok
+from gateway.auth import bearer_token, grpc_bearer_token
+from gateway.tenancy import Tenancy
+from gateway.tenants import ANONYMOUS, tenant_table
 
 
 def test_bearer_token_checks():
-    assert bearer_token_ok(None, None)
-    assert bearer_token_ok("Bearer k1", "k1") and bearer_token_ok("bearer k1", "k1")
-    assert not bearer_token_ok("Bearer k2", "k1")
-    assert not bearer_token_ok("k1", "k1") and not bearer_token_ok(None, "k1")
-    assert grpc_metadata_ok((("authorization", "Bearer k1"),), "k1")
-    assert not grpc_metadata_ok((("x-other", "Bearer k1"),), "k1")
+    assert bearer_token("Bearer k1") == bearer_token("bearer k1") == "k1"
+    assert bearer_token("k1") is None and bearer_token(None) is None and bearer_token("Bearer ") is None
+    assert grpc_bearer_token((("authorization", "Bearer k1"),)) == "k1"
+    assert grpc_bearer_token((("x-other", "Bearer k1"),)) is None
+
+
+def test_single_api_key_is_the_default_tenant():
+    tenancy = Tenancy(tenant_table("k1", None))
+    assert tenancy.authenticate("k1").name == "default"
+    assert tenancy.authenticate("k2") is None and tenancy.authenticate(None) is None
+    assert Tenancy(tenant_table(None, None)).authenticate(None) is ANONYMOUS  # no key: auth off
 
 
 def test_parse_args_builds_the_config(monkeypatch):
