@@ -195,3 +195,15 @@ def test_the_request_span_carries_the_tenant(monkeypatch, tokenizer):
     generation.start_request_span("chat", "m", None, request, "team-a").end()
     [span] = exporter.get_finished_spans()
     assert span.attributes["pagoda.tenant"] == "team-a"
+
+
+async def test_a_stream_carries_the_headers_and_is_settled_when_it_ends(tenant_gateway, upstream):
+    t = client_for(tenant_gateway, "sk-t")
+    raw = await t.completions.with_raw_response.create(model="", prompt="Hi", max_tokens=40, stream=True,
+                                                       stream_options={"include_usage": True})
+    num_prompt = len(upstream.engine.requests[-1].prompt_token_ids)
+    assert raw.headers["x-ratelimit-remaining-tokens"] == str(200 - num_prompt - 40)
+    usage = [chunk.usage async for chunk in raw.parse() if chunk.usage][-1]
+    after = await complete(t, max_tokens=1)  # the stream's unused reservation is back
+    assert after.headers["x-ratelimit-remaining-tokens"] == str(
+        200 - usage.total_tokens - num_prompt - 1)
