@@ -9,13 +9,13 @@ scheduler, then the worker.
 No child outlives the launcher: each is stopped with SIGTERM, waited for, and SIGKILLed if it has
 not exited in time; then what it started itself (its process group) is waited for and killed too.
 A second Ctrl-C skips the drains (SIGKILL at once). Should the launcher itself die without
-stopping them (SIGKILL), Linux sends each child SIGTERM (PR_SET_PDEATHSIG).
+stopping them (SIGKILL), Linux sends each child SIGTERM (PR_SET_PDEATHSIG, which each service sets
+itself when it finds PAGODA_LAUNCHER_PID: pagoda/runtime/shutdown.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import socket
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pagoda.runtime.healthcheck import check_serving
 from pagoda.runtime.model_files import is_gguf_file
-from pagoda.runtime.shutdown import EXIT_MARGIN_S
+from pagoda.runtime.shutdown import EXIT_MARGIN_S, LAUNCHER_PID_ENV
 from worker_svc.config import DTYPES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +39,6 @@ RESTART_WINDOW_S = 60.0
 STOP_MARGIN_S = EXIT_MARGIN_S + 5.0
 GROUP_EXIT_S = 5.0  # what a child started itself gets this long to follow it, then SIGKILL
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _say(message: str) -> None:
@@ -102,24 +101,6 @@ def reap_group(pgid: int, timeout_s: float = GROUP_EXIT_S) -> list[int]:
     return left
 
 
-def _die_with_launcher():
-    """preexec_fn for the children (Linux): SIGTERM when the launcher dies, however it dies, so no
-    service outlives it. None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    launcher = os.getpid()
-
-    def preexec() -> None:  # in the child, between fork and exec: two system calls, nothing more
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != launcher:  # it died before prctl: no signal would ever come
-            os._exit(1)
-
-    return preexec
-
 @dataclass
 class Child:
     name: str
@@ -132,9 +113,10 @@ class Child:
     def start(self) -> None:
         # A session of its own: a terminal's Ctrl-C reaches only the launcher, which then stops
         # the children in order (all at once, the worker would die under a draining scheduler).
-        # Its process group then holds what it starts itself, for `reap_group`.
+        # Its process group then holds what it starts itself, for `reap_group`. No preexec_fn:
+        # subprocess would fork() rather than vfork(), and gRPC's fork handlers can hang that.
         self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], cwd=REPO, start_new_session=True,
-                                     preexec_fn=_die_with_launcher())
+                                     env={**os.environ, LAUNCHER_PID_ENV: str(os.getpid())})
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -168,17 +150,20 @@ def build_children(args: argparse.Namespace) -> list[Child]:
     model_dir = ["--model", args.model] if has_model or not args.fake else []
     model = ["--fake", *model_dir] if args.fake else model_dir
     drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
+    spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
+    api_keys = ["--api-keys", args.api_keys] if args.api_keys else []
     children = [
         Child("worker", ["worker_svc", *model, "--port", str(args.worker_port),
                          "--tensor-parallel-size", str(args.tensor_parallel_size),
                          "--device", args.device, "--dtype", args.dtype], worker, needs_serving=False),
         Child("scheduler", ["scheduler_svc", "--workers", worker, "--port", str(args.scheduler_port),
-                            *drain], scheduler, needs_serving=True),
+                            *drain, *spec], scheduler, needs_serving=True),
     ]
     if (REPO / "gateway" / "__main__.py").exists() and not args.no_gateway:
         tokenizer = ["--tokenizer", args.model] if model_dir else []
         children.append(Child("gateway", ["gateway", "--scheduler", scheduler, "--port", str(args.gateway_port),
-                                          "--grpc-port", str(args.grpc_port), *tokenizer, *drain],
+                                          "--grpc-port", str(args.grpc_port), *tokenizer, *drain,
+                                          *api_keys],
                               f"127.0.0.1:{args.grpc_port}", needs_serving=True))
     return children
 
@@ -230,6 +215,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gateway-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--no-gateway", action="store_true")
+    p.add_argument("--speculative-config", default=None,
+                   help="the scheduler's n-gram speculative decoding, as JSON (see its --help)")
+    p.add_argument("--api-keys", default=None, help="the gateway's tenant key file (JSON Lines)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds the gateway and the scheduler may each drain requests in flight")
