@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.batch_prompts import admit_batch, merge_steps, split_prompts
 from gateway.generation import GenerationStep, SequenceChunk, generate, start_request_span
 from gateway.openai_common import (
     build_generation_input,
@@ -31,12 +32,8 @@ from pagoda.contract.errors import InvalidRequestError
 from pagoda.runtime.telemetry import context_from_headers
 
 
-def prompt_token_ids(prompt: str | list, tokenizer: Tokenizer, vocab_size: int) -> tuple[list[int], str]:
-    """(token ids, prompt text) for a string, a token id list, or a list of one of those."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise InvalidRequestError("batched prompts are not supported: send one prompt per request")
-        prompt = prompt[0]
+def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: int) -> tuple[list[int], str]:
+    """(token ids, prompt text) for one prompt: a string or a token id list."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("the prompt must not be empty")
@@ -46,15 +43,15 @@ def prompt_token_ids(prompt: str | list, tokenizer: Tokenizer, vocab_size: int) 
 
 
 class CompletionChoices:
-    """Accumulates each of the n choices: text, logprobs with their text offsets, finish."""
+    """Accumulates every choice (prompts × n): text, logprobs with their text offsets, finish."""
 
-    def __init__(self, n: int, tokenizer: Tokenizer, echo_text: str, with_logprobs: bool) -> None:
+    def __init__(self, echo_texts: list[str], tokenizer: Tokenizer, with_logprobs: bool) -> None:
         self._tokenizer = tokenizer
         self._with_logprobs = with_logprobs
-        self._pending_echo = [echo_text] * n  # sent with each choice's first delta
-        self._offsets = [0] * n  # length of the text each choice has so far
+        self._pending_echo = list(echo_texts)  # one per choice: sent with its first delta
+        self._offsets = [0] * len(echo_texts)  # length of the text each choice has so far
         self.choices = [CompletionChoice(index=i, text="", logprobs=self._empty_logprobs())
-                        for i in range(n)]
+                        for i in range(len(echo_texts))]
 
     def _empty_logprobs(self) -> CompletionLogprobs | None:
         return CompletionLogprobs() if self._with_logprobs else None
@@ -94,21 +91,26 @@ async def create_completion(body: CompletionRequest, http: Request, state: Gatew
     model = state.check_model(body.model)
     if body.echo and body.logprobs is not None:
         raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)")
-    prompt_ids, prompt_text = prompt_token_ids(body.prompt, tokenizer, info.vocab_size)
+    prompts = [prompt_token_ids(p, tokenizer, info.vocab_size) for p in split_prompts(body.prompt)]
     sampling = build_sampling(body, body.max_tokens, body.logprobs, tokenizer, info.vocab_size)
-    request = build_generation_input(body, new_request_id("cmpl"), prompt_ids, sampling, info.max_model_len)
-    choices = CompletionChoices(body.n, tokenizer, prompt_text if body.echo else "",
-                                body.logprobs is not None)
-    request, lease = admit(http, request, info.max_model_len)
-    span = start_request_span("text_completion", model, context_from_headers(http.headers), request,
-                              lease.tenant.name)
-    steps = generate(state.client, tokenizer, request, span, lease)
+    request_id = new_request_id("cmpl")
+    requests = [build_generation_input(body, request_id if len(prompts) == 1 else f"{request_id}-{k}",
+                                       ids, sampling, info.max_model_len)
+                for k, (ids, _) in enumerate(prompts)]
+    choices = CompletionChoices([text if body.echo else "" for _, text in prompts for _ in range(body.n)],
+                                tokenizer, body.logprobs is not None)
+    requests, leases = admit_batch(lambda r, m: admit(http, r, m), requests, info.max_model_len)
+    parent = context_from_headers(http.headers)
+    steps = merge_steps([
+        generate(state.client, tokenizer, r,
+                 start_request_span("text_completion", model, parent, r, lease.tenant.name), lease)
+        for r, lease in zip(requests, leases, strict=True)], body.n)
     if not body.stream:
         usage = await until_disconnected(http, _collect(steps, choices))
-        return JSONResponse(CompletionResponse(id=request.request_id, model=model, choices=choices.choices,
+        return JSONResponse(CompletionResponse(id=request_id, model=model, choices=choices.choices,
                                                usage=usage_info(usage)).model_dump())
     first = await until_disconnected(http, anext(steps))  # upstream errors keep their HTTP status
-    events = _stream(first, steps, choices, request.request_id, model, body.include_usage,
+    events = _stream(first, steps, choices, request_id, model, body.include_usage,
                      body.continuous_usage)
     return StreamingResponse(sse_stream(events), media_type="text/event-stream")
 

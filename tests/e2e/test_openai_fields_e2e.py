@@ -1,6 +1,6 @@
 """Issue 23 on the real default model (SmolLM2-135M-Instruct) through real worker, scheduler and
 gateway processes, asked by the real `openai` client: logit_bias, allowed_token_ids, bad_words,
-batch prompts."""
+batch prompts (structured outputs: test_structured_outputs_e2e.py)."""
 
 from __future__ import annotations
 
@@ -80,3 +80,22 @@ def test_bad_logit_bias_is_400(client, model):
     for bias in ({"5": 101}, {"99999999": 1}, {"x": 1}):
         with pytest.raises(openai.BadRequestError, match="logit_bias"):
             client.completions.create(model=model, prompt=PROMPT, max_tokens=1, logit_bias=bias)
+
+
+def test_batch_prompts_equal_their_single_prompt_answers(client, model):
+    prompts = [PROMPT, "The largest planet is", "Water boils at"]
+    singles = [client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0).choices[0].text
+               for p in prompts]
+    batch = client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [s for s in singles for _ in range(2)]
+    assert 6 <= batch.usage.completion_tokens <= 6 * 8
+    stream = client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    texts = ["", "", ""]
+    usage = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert texts == singles and usage.prompt_tokens > 3

@@ -1,0 +1,132 @@
+"""Several prompts in one /v1/completions call (vLLM and OpenAI accept a list of them).
+
+Each prompt becomes its own upstream request (id `<id>-<k>`), so the scheduler batches them like
+any others; their steps are merged into one stream whose choice indices are OpenAI's:
+index = prompt_index * n + sequence_index. Usage is summed over the prompts. A tenant's lease is
+taken once for the whole call, reserving what every prompt may use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from gateway.generation import GenerationInput, GenerationStep, Usage
+from pagoda.contract.errors import InvalidRequestError
+
+MAX_PROMPTS = 256  # prompts in one call; each is an upstream request
+
+
+def split_prompts(prompt: str | list) -> list[str | list[int]]:
+    """A string, a token id list, or a list of either -> the list of prompts."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > MAX_PROMPTS:
+            raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+        return list(prompt)
+    return [prompt]
+
+
+def admit_batch(admit: Callable[[GenerationInput, int], tuple[GenerationInput, Any]],
+                requests: Sequence[GenerationInput], max_model_len: int
+                ) -> tuple[list[GenerationInput], list[Any]]:
+    """Admit every prompt under one lease: one combined reservation of the prompts' tokens plus
+    n × max_tokens each. Returns the requests (with the lease's cache salt) and one lease view per
+    request (each records its own usage; the lease sees the sum)."""
+    if len(requests) == 1:
+        request, lease = admit(requests[0], max_model_len)
+        return [request], [lease]
+    first = requests[0]
+    sampling = first.sampling
+    max_new = sum(sampling.max_tokens if sampling.max_tokens is not None
+                  else max(0, max_model_len - len(r.prompt_token_ids)) for r in requests)
+    combined = dataclasses.replace(
+        first, prompt_token_ids=tuple(t for r in requests for t in r.prompt_token_ids),
+        sampling=dataclasses.replace(sampling, max_tokens=max(1, max_new)))
+    salted, lease = admit(combined, max_model_len)
+    shared = _SharedUsage(lease, len(requests))
+    return ([dataclasses.replace(r, cache_salt=salted.cache_salt) for r in requests],
+            [shared.view(k) for k in range(len(requests))])
+
+
+class _SharedUsage:
+    """The lease's `record` as the sum of what each prompt's stream recorded."""
+
+    def __init__(self, lease: Any, num_streams: int) -> None:
+        self.lease = lease
+        self.used = [0] * num_streams
+
+    def view(self, index: int) -> _UsageView:
+        return _UsageView(self, index)
+
+    def record(self, index: int, used_tokens: int) -> None:
+        self.used[index] = used_tokens
+        self.lease.record(sum(self.used))
+
+
+@dataclasses.dataclass(slots=True)
+class _UsageView:
+    shared: _SharedUsage
+    index: int
+
+    @property
+    def tenant(self) -> Any:
+        return self.shared.lease.tenant
+
+    def record(self, used_tokens: int) -> None:
+        self.shared.record(self.index, used_tokens)
+
+
+async def merge_steps(streams: Sequence[AsyncIterator[GenerationStep]], n: int
+                      ) -> AsyncIterator[GenerationStep]:
+    """One stream of steps from one per prompt: chunk indices renumbered prompt_index * n + i,
+    usage (and progress) summed; the last step carries the total once every prompt finished.
+    The first error of any stream is raised; leaving early cancels every stream (aborts upstream)."""
+    if len(streams) == 1:
+        async for step in streams[0]:
+            yield step
+        return
+    queue: asyncio.Queue[tuple[int, GenerationStep | BaseException | None]] = asyncio.Queue()
+
+    async def pump(k: int, steps: AsyncIterator[GenerationStep]) -> None:
+        try:
+            async for step in steps:
+                await queue.put((k, step))
+            await queue.put((k, None))
+        except Exception as error:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((k, error))
+        finally:
+            await steps.aclose()
+
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    progress: list[Usage | None] = [None] * len(streams)
+    finals: list[Usage | None] = [None] * len(streams)
+    try:
+        running = len(streams)
+        while running:
+            k, item = await queue.get()
+            if item is None:
+                running -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            for chunk in item.chunks:
+                chunk.index += k * n
+            progress[k] = item.progress or progress[k]
+            finals[k] = item.usage or finals[k]
+            done = all(u is not None for u in finals)
+            total = _sum(finals) if done else None
+            yield GenerationStep(item.chunks, usage=total, progress=total or _sum(progress))
+            if done:
+                return
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sum(usages: Sequence[Usage | None]) -> Usage:
+    present = [u for u in usages if u is not None]
+    return Usage(sum(u.prompt_tokens for u in present), sum(u.completion_tokens for u in present),
+                 sum(u.cached_tokens for u in present))
