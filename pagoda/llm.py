@@ -18,7 +18,7 @@ from typing import Any
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams, check_vocab, with_bad_words_tokenized
 from pagoda.contract.step import TokenLogprobs
-from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig, SpeculativeConfig
 from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.request import EngineRequest
 from scheduler_svc.core.scheduler import Scheduler
@@ -53,7 +53,13 @@ class LLM:
                  num_gpu_blocks_override: int | None = None, enable_prefix_caching: bool = True,
                  seed: int = 0, kv_cache_memory_bytes: int | None = None,
                  attention_backend: str = "auto", tensor_parallel_size: int = 1, device: str = "auto",
-                 long_prefill_token_threshold: int = 0) -> None:
+                 long_prefill_token_threshold: int = 0,
+                 speculative_config: dict | str | None = None) -> None:
+        # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
+        # "prompt_lookup_min": 2} (scheduler_svc/core/spec_decode.py). Checked before loading.
+        speculative = SpeculativeConfig.parse(speculative_config)
+        if speculative is not None and tensor_parallel_size > 1:
+            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet")
         worker_config = WorkerConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, max_model_len=max_model_len,
             num_gpu_blocks_override=num_gpu_blocks_override,
@@ -75,7 +81,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching,
-            eos_token_ids=self.worker_info.eos_token_ids))
+            eos_token_ids=self.worker_info.eos_token_ids, speculative=speculative))
         self.model_dir = model
         self._tokenizer: Any = None
         self._request_counter = itertools.count()

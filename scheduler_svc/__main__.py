@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from pagoda.runtime.logging import configure_logging
+from scheduler_svc.core.config import SpeculativeConfig
 from scheduler_svc.server import EngineServiceConfig, serve
 
 
@@ -23,6 +24,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-waiting-requests", type=int, default=4096)
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--no-pipelining", action="store_true", help="one plan in flight at a time")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='n-gram speculative decoding, as vLLM spells it: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     p.add_argument("--worker-timeout", type=float, default=30.0,
                    help="seconds a lost worker may take to come back before requests fail")
     p.add_argument("--log-level", default="info")
@@ -36,6 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _speculative_config(value: str) -> SpeculativeConfig | None:
+    try:
+        return SpeculativeConfig.parse(value)
+    except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
+        raise argparse.ArgumentTypeError(f"bad --speculative-config: {error}") from error
+
+
 def build_config(args: argparse.Namespace) -> EngineServiceConfig:
     return EngineServiceConfig(
         workers=tuple(w.strip() for w in args.workers.split(",") if w.strip()),
@@ -46,7 +57,7 @@ def build_config(args: argparse.Namespace) -> EngineServiceConfig:
         max_waiting_requests=args.max_waiting_requests, scheduling_policy=args.scheduling_policy,
         pipelining=not args.no_pipelining, worker_timeout_s=args.worker_timeout,
         shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_ca=args.tls_ca)
+        tls_ca=args.tls_ca, speculative=args.speculative_config)
 
 
 def main(argv: list[str] | None = None) -> None:

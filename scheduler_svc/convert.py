@@ -96,6 +96,8 @@ _STATS_FIELDS = {
     "prompt_tokens": "prompt_tokens", "generation_tokens": "generation_tokens",
     "blocks_allocated": "blocks_allocated", "blocks_freed": "blocks_freed",
     "num_step_failures": "num_step_failures", "num_requests_isolated": "num_requests_isolated",
+    "spec_num_drafts": "spec_num_drafts", "spec_num_draft_tokens": "spec_num_draft_tokens",
+    "spec_num_accepted_tokens": "spec_num_accepted_tokens",
 }
 
 
@@ -110,4 +112,5 @@ def stats_to_pb(core_stats: object, *, num_total_blocks: int, num_steps: int, id
         value = getattr(core_stats, attr, None)  # counters the core does not keep stay 0
         if value is not None:
             setattr(pb, field, value)
+    pb.spec_accepted_per_pos.extend(getattr(core_stats, "spec_accepted_per_pos", ()))
     return pb

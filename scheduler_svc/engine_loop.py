@@ -160,7 +160,7 @@ class EngineLoop:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _send_loop(self, stream: StepStream) -> None:
-        max_inflight = self.scheduler.config.max_inflight_steps
+        max_inflight = self.scheduler.max_inflight_steps
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -180,7 +180,7 @@ class EngineLoop:
             self._last_result_at = now
             self.num_steps += 1
             self._dispatch(self.scheduler.update(result))
-            self._tracing.step_reported(result.step_id)
+            self._tracing.step_reported(result.step_id, self.scheduler)
             if self.idle:
                 self.check_invariants()
                 freeze_long_lived_objects()  # what survives a drained engine is long-lived

@@ -38,7 +38,7 @@ class NoTracing:
     def plan_sent(self, plan: StepPlan, scheduler: Scheduler) -> None:
         pass
 
-    def step_reported(self, step_id: int) -> None:
+    def step_reported(self, step_id: int, scheduler: Scheduler | None = None) -> None:
         pass
 
     def first_token(self, request_id: RequestId) -> None:
@@ -57,6 +57,7 @@ class EngineTracing(NoTracing):
         self._requests = RequestSpans(self._tracer)
         self._steps: dict[int, Span] = {}  # open step spans by step id (at most the in-flight ones)
         self._prefix_hits_seen = 0  # the core's prefix_hits counter at the previous step
+        self._spec_seen = (0, 0)  # the core's (draft tokens, accepted tokens) at the last report
 
     def request_added(self, request: EngineRequest, parent: otel_context.Context | None) -> None:
         self._requests.start(request.request_id, parent, {
@@ -83,9 +84,18 @@ class EngineTracing(NoTracing):
         plan.traceparent = inject_traceparent(span)
         self._steps[plan.step_id] = span
 
-    def step_reported(self, step_id: int) -> None:
-        if (span := self._steps.pop(step_id, None)) is not None:
-            span.end()
+    def step_reported(self, step_id: int, scheduler: Scheduler | None = None) -> None:
+        """`scheduler`: the core right after update() applied this step (its drafts' acceptance)."""
+        if (span := self._steps.pop(step_id, None)) is None:
+            return
+        if scheduler is not None and scheduler.spec_num_draft_tokens != self._spec_seen[0]:
+            drafted = scheduler.spec_num_draft_tokens - self._spec_seen[0]
+            accepted = scheduler.spec_num_accepted_tokens - self._spec_seen[1]
+            span.set_attributes({"pagoda.step.spec_draft_tokens": drafted,
+                                 "pagoda.step.spec_accepted_tokens": accepted,
+                                 "pagoda.step.spec_acceptance_rate": accepted / drafted})
+            self._spec_seen = (scheduler.spec_num_draft_tokens, scheduler.spec_num_accepted_tokens)
+        span.end()
 
     def first_token(self, request_id: RequestId) -> None:
         self._requests.event(request_id, "first_token")

@@ -21,7 +21,7 @@ from pagoda.runtime.logging import get_logger
 from pagoda.runtime.shutdown import EXIT_MARGIN_S, install_stop_handlers
 from pagoda.runtime.tls import add_port, new_server
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
-from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig, SpeculativeConfig
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.service import EngineServicer
@@ -51,6 +51,7 @@ class EngineServiceConfig:
     tls_cert: str | None = None  # PEM files of the Engine API port; None: plaintext
     tls_key: str | None = None
     tls_ca: str | None = None  # PEM CA that signed the worker's certificate; None: plaintext
+    speculative: SpeculativeConfig | None = None  # n-gram speculative decoding; None: off
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -67,7 +68,8 @@ def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> Scheduler
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         enable_prefix_caching=config.enable_prefix_caching,
         max_waiting_requests=config.max_waiting_requests, eos_token_ids=info.eos_token_ids,
-        policy=config.scheduling_policy, max_inflight_steps=2 if config.pipelining else 1)
+        policy=config.scheduling_policy, max_inflight_steps=2 if config.pipelining else 1,
+        speculative=config.speculative)
 
 
 @dataclass(slots=True)

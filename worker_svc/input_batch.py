@@ -48,6 +48,7 @@ class ModelInputs:
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [S] int64: the last query row of each sequence
+    last_rows: np.ndarray  # the same, on the host
 
 
 def build_model_inputs(seqs: list[ScheduledSeq], block_size: int, backend: object,
@@ -85,6 +86,7 @@ def build_model_inputs(seqs: list[ScheduledSeq], block_size: int, backend: objec
         max_seq_len=int(seq_lens.max()),
         backend=backend,
     )
+    last_rows = query_start_loc[1:] - 1
     return ModelInputs(input_ids=to_device(input_ids, torch.int64),
                        positions=to_device(positions, torch.int64), attn=attn,
-                       logits_indices=to_device(query_start_loc[1:] - 1, torch.int64))
+                       logits_indices=to_device(last_rows, torch.int64), last_rows=last_rows)

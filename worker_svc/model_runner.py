@@ -31,6 +31,7 @@ from worker_svc.model_config import ModelConfig
 from worker_svc.models.packed_linear import can_pack, pack_linear_weights
 from worker_svc.plan_validation import validate_plan
 from worker_svc.sampler import Sampler, SamplingRow
+from worker_svc.spec_verify import DraftVerifier
 
 PROFILE_SAMPLING_ROWS = 256  # logits rows the memory profile samples (a full decode batch)
 
@@ -62,6 +63,7 @@ class ModelRunner:
         self.backend = get_backend(default_backend_name(self.device) if backend == "auto" else backend)
         self.max_model_len = self._resolve_max_model_len()
         self.sampler = Sampler(self.model_config.eos_token_ids, self.device, config.seed)
+        self.verifier = DraftVerifier(self.sampler, config.seed)
         self.requests: dict[RequestId, CachedRequestState] = {}
         self.kv_cache: KVCache | None = None
         self._last_step_id: int | None = None
@@ -109,6 +111,8 @@ class ModelRunner:
             raise NotInitializedError("initialize() must run before any step")
         if self._last_step_id is not None and plan.step_id != self._last_step_id + 1:
             raise PlanError(f"step {plan.step_id} does not follow step {self._last_step_id}")
+        if plan.draft_token_ids and self.tp.size > 1:
+            raise PlanError("speculative decoding with tensor parallelism is not supported yet")
         validate_plan(plan, self.requests, self.kv_cache.num_blocks, self.config.block_size)
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -126,20 +130,44 @@ class ModelRunner:
         fault_injection.check(seq.state.request_id for seq in seqs)  # no-op unless a test set it
         forks = {fork.parent_id: fork for fork in plan.forks}
         started = time.perf_counter()
-        logits, rows, states = self._forward(seqs, forks)
+        logits, rows, states, drafted = self._forward(seqs, forks, plan.draft_token_ids)
         if logits is None:  # a TP follower: rank 0 samples and sends the tokens with the next plan
             self.unsampled = states
             return result
         sampled_at = self._sync_clock()
-        output = self.sampler(logits, rows)
+        output = self.sampler(logits[:len(rows)], rows)
         for state, token in zip(states, output.token_ids, strict=True):
             state.token_ids.append(token)
         result.request_ids = [state.request_id for state in states]
         result.token_ids = output.token_ids
         result.logprobs = output.logprobs
+        if drafted:
+            self._verify_drafts(logits[len(rows):], drafted, result)
         result.forward_seconds = sampled_at - started
         result.sample_seconds = time.perf_counter() - sampled_at
         return result
+
+    def _verify_drafts(self, logits: torch.Tensor, drafted: list[tuple[CachedRequestState, list[int]]],
+                       result: StepResult) -> None:
+        """Keep each drafted sequence's accepted drafts plus its own token; roll back the rest: its
+        tokens, num_computed, and its table cut to the blocks of positions <= num_computed (as the
+        scheduler cuts its copy)."""
+        items = []
+        for state, drafts in drafted:
+            history = len(state.token_ids) - len(drafts)
+            items.append((SamplingRow(state.sampling, state.token_ids[:history], state.num_prompt_tokens,
+                                      state.seq_index), drafts))
+        bs = self.config.block_size
+        for (state, drafts), tokens in zip(drafted, self.verifier(logits, items), strict=True):
+            history = len(state.token_ids) - len(drafts)
+            del state.token_ids[history:]
+            state.token_ids.extend(tokens)
+            state.num_computed_tokens = len(state.token_ids) - 1
+            del state.block_ids[state.num_computed_tokens // bs + 1:]
+            result.request_ids.extend([state.request_id] * len(tokens))
+            result.token_ids.extend(tokens)
+            if result.logprobs:  # drafted requests never ask for logprobs: keep the list parallel
+                result.logprobs.extend([None] * len(tokens))
 
     def append_sampled(self, token_ids: list[int]) -> None:
         """TP follower: the tokens rank 0 sampled for `unsampled` in the last step, in order."""
@@ -160,6 +188,8 @@ class ModelRunner:
         for update in plan.table_updates:
             table = self.requests[update.request_id].block_ids
             table[update.start:update.start + len(update.block_ids)] = update.block_ids
+        for request_id, drafts in plan.draft_token_ids.items():  # computed after its own tokens
+            self.requests[request_id].token_ids.extend(drafts)
         if plan.block_copies:
             assert self.kv_cache is not None
             self.kv_cache.copy_blocks([c.src for c in plan.block_copies],
@@ -168,10 +198,13 @@ class ModelRunner:
         return [ScheduledSeq(state, n) for state, n in scheduled if n > 0]
 
     @torch.inference_mode()
-    def _forward(self, seqs: list[ScheduledSeq], forks: dict[RequestId, Fork]
-                 ) -> tuple[torch.Tensor | None, list[SamplingRow], list[CachedRequestState]]:
-        """Forward every scheduled token; logits [N, V] only for the rows that sample (None on a
-        TP follower, which never samples).
+    def _forward(self, seqs: list[ScheduledSeq], forks: dict[RequestId, Fork],
+                 drafts: dict[RequestId, list[int]]
+                 ) -> tuple[torch.Tensor | None, list[SamplingRow], list[CachedRequestState],
+                            list[tuple[CachedRequestState, list[int]]]]:
+        """Forward every scheduled token. Logits [N, V] (None on a TP follower, which never
+        samples): first one row per sampling sequence (`rows`, `states`), then, per sequence with
+        drafts (`drafted`), its K+1 rows: after its last token and after each draft.
 
         A fork's children sample from the parent's final-prompt logits row (repeated), each with
         its own seq_index; they become resident here as copies of the parent before its token.
@@ -182,11 +215,19 @@ class ModelRunner:
         logit_rows: list[int] = []
         rows: list[SamplingRow] = []
         states: list[CachedRequestState] = []
+        drafted: list[tuple[CachedRequestState, list[int]]] = []
+        draft_rows: list[int] = []  # flat token rows
         for i, seq in enumerate(seqs):
             state = seq.state
             state.num_computed_tokens += seq.num_tokens
             if state.num_computed_tokens != len(state.token_ids):
                 continue  # a prefill chunk that is not the last: nothing to sample
+            if drafts and state.request_id in drafts:
+                last = int(inputs.last_rows[i])
+                state_drafts = drafts[state.request_id]
+                draft_rows.extend(range(last - len(state_drafts), last + 1))
+                drafted.append((state, state_drafts))
+                continue
             family = [state]
             fork = forks.get(state.request_id)
             if fork is not None:
@@ -197,10 +238,12 @@ class ModelRunner:
                 rows.append(member.sampling_row())
                 states.append(member)
         if not self.tp.is_driver:
-            return None, rows, states
+            return None, rows, states, drafted
         index = inputs.logits_indices[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
+        if draft_rows:
+            index = torch.cat([index, torch.tensor(draft_rows, dtype=torch.long, device=self.device)])
         logits = self.model.compute_logits(hidden[index]).float()  # [N, V]
-        return logits, rows, states
+        return logits, rows, states, drafted
 
     # -- helpers --------------------------------------------------------------------------------
 

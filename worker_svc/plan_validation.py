@@ -27,6 +27,9 @@ def validate_plan(plan: StepPlan, resident: Mapping[RequestId, CachedRequestStat
             raise PlanError(f"num_scheduled_tokens names {request_id!r}, which is not resident")
         if count < 0:
             raise PlanError(f"negative token count {count} for {request_id!r}")
+    for request_id in plan.draft_token_ids:
+        if request_id not in resident or request_id in dropped:
+            raise PlanError(f"draft tokens for {request_id!r}, which is not resident")
     samples = _check_capacity(plan, resident, new, dropped, table_lens, block_size)
     _check_forks(plan, is_live, samples)
     for copy in plan.block_copies:
@@ -85,7 +88,8 @@ def _check_capacity(plan: StepPlan, resident: Mapping[RequestId, CachedRequestSt
                     table_lens: Mapping[RequestId, int], block_size: int) -> set[RequestId]:
     """Every scheduled count fits the tokens left and the table; return the ids that sample."""
     samples: set[RequestId] = set()
-    entries = [(rid, len(s.token_ids), s.num_computed_tokens, len(s.block_ids),
+    drafts = plan.draft_token_ids  # computed after the request's own tokens
+    entries = [(rid, len(s.token_ids) + len(drafts.get(rid, ())), s.num_computed_tokens, len(s.block_ids),
                 plan.num_scheduled_tokens.get(rid, 1))
                for rid, s in resident.items() if rid not in dropped]
     entries += [(rid, len(r.token_ids), r.num_computed_tokens, len(r.block_ids), r.num_scheduled_tokens)

@@ -75,12 +75,16 @@ class StepPlan:
     block_copies: list[BlockCopy] = field(default_factory=list)
     forks: list[Fork] = field(default_factory=list)
     traceparent: str = ""  # W3C trace context of the scheduler's step span
+    # Speculative decoding: draft tokens to verify after a resident request's last token. Its count
+    # is 1 + len(drafts); the worker computes them all, keeps the longest accepted prefix plus one
+    # token of its own, and rolls back the rest (its num_computed and its table: see StepResult).
+    draft_token_ids: dict[RequestId, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
         return not (self.new_requests or self.finished_ids or self.preempted_ids
                     or self.table_updates or self.num_scheduled_tokens or self.block_copies
-                    or self.forks)
+                    or self.forks or self.draft_token_ids)
 
 
 @dataclass(slots=True)
@@ -93,7 +97,10 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class StepResult:
-    """One sampled token per request that sampled in this step (forks included)."""
+    """One sampled token per request that sampled in this step (forks included), in entries of
+    request_ids / token_ids. A request with drafts has one entry per token it gained, back to back:
+    the accepted drafts, then its own sampled token. Both sides then cut the request's block table
+    to the blocks covering positions <= its num_computed_tokens (the rejected drafts' blocks)."""
 
     step_id: int
     request_ids: list[RequestId] = field(default_factory=list)

@@ -32,7 +32,8 @@ def plan_to_pb(plan: StepPlan, epoch: int) -> worker_pb2.StepPlan:
         num_scheduled_tokens=plan.num_scheduled_tokens,
         block_copies=[worker_pb2.BlockCopy(src=c.src, dst=c.dst) for c in plan.block_copies],
         forks=[worker_pb2.Fork(parent_id=f.parent_id, child_ids=f.child_ids) for f in plan.forks],
-        traceparent=plan.traceparent)
+        traceparent=plan.traceparent,
+        draft_token_ids={rid: worker_pb2.DraftTokens(token_ids=ids) for rid, ids in plan.draft_token_ids.items()})
 
 
 def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
@@ -47,7 +48,8 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
         num_scheduled_tokens={RequestId(k): v for k, v in pb.num_scheduled_tokens.items()},
         block_copies=[BlockCopy(BlockId(c.src), BlockId(c.dst)) for c in pb.block_copies],
         forks=[Fork(RequestId(f.parent_id), [RequestId(c) for c in f.child_ids]) for f in pb.forks],
-        traceparent=pb.traceparent)
+        traceparent=pb.traceparent,
+        draft_token_ids={RequestId(k): list(v.token_ids) for k, v in pb.draft_token_ids.items()})
     return pb.epoch, plan
 
 

@@ -64,6 +64,9 @@ _COUNTERS = (
     ("pagoda:step_failures", "num_step_failures", "Steps the worker failed (forward or sampler raised)."),
     ("pagoda:requests_isolated", "num_requests_isolated",
      "Requests failed alone because every step computing them failed (poison isolation)."),
+    ("vllm:spec_decode_num_drafts", "spec_num_drafts", "Speculative decoding: sequence-steps with drafts."),
+    ("vllm:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens proposed."),
+    ("vllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted."),
 )
 
 
@@ -96,6 +99,12 @@ class EngineStatsCollector:
         for reason, count in sorted(stats.request_success.items()):
             success.add_metric([*labels, reason], count)
         yield success
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by draft position (0-based).",
+                                      labels=["model_name", "position"])
+        for position, count in enumerate(stats.spec_accepted_per_pos):
+            per_pos.add_metric([*labels, str(position)], count)
+        yield per_pos
         step = SummaryMetricFamily("pagoda:step_duration_seconds", "Scheduler step wall time.",
                                    labels=["model_name"])
         step.add_metric(labels, count_value=stats.num_steps, sum_value=stats.step_seconds_sum)

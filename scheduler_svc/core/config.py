@@ -2,8 +2,38 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """n-gram prompt lookup (vLLM's `--speculative-config '{"method": "ngram", ...}'`)."""
+
+    num_speculative_tokens: int = 4  # K: drafts proposed per step at most
+    prompt_lookup_max: int = 4  # the longest suffix n-gram looked up first
+    prompt_lookup_min: int = 2  # the shortest one tried before giving up
+    method: Literal["ngram"] = "ngram"
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative method {self.method!r} is not supported: only 'ngram'")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
+        """From the flag's JSON (or LLM's dict); None or empty: no speculation. ValueError if bad."""
+        if not value:
+            return None
+        fields = json.loads(value) if isinstance(value, str) else dict(value)
+        unknown = set(fields) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
+        return cls(**fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,3 +55,7 @@ class SchedulerConfig:
     # A request that took part in this many failed steps is failed (poison.py); one that fails a
     # step alone, after failing one batched, is failed at once.
     max_step_failures: int = 3
+    # n-gram speculative decoding (core/spec_decode.py); None: off. With it on, one step is in flight
+    # at a time: proposing needs every sequence's last token, and a step after one whose
+    # acceptance is unknown would not know where its tokens go.
+    speculative: SpeculativeConfig | None = None

@@ -31,12 +31,13 @@ from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.poison import PoisonIsolationMixin
 from scheduler_svc.core.request import Request, SeqStatus, Sequence, WaitingQueue, child_seq_id, priority_key
 from scheduler_svc.core.scheduler_lifecycle import SchedulerLifecycleMixin, SchedulerStats
+from scheduler_svc.core.spec_decode import SpeculationMixin
 from scheduler_svc.core.step_draft import InflightStep, StepDraft
 
 __all__ = ["Scheduler", "SchedulerStats"]
 
 
-class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin):
+class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self._kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -52,12 +53,14 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin):
         self._arrivals = itertools.count()
         self._init_counters()
         self._init_isolation()
+        self._init_speculation()
+        self.max_inflight_steps = 1 if config.speculative else config.max_inflight_steps
 
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The next step plan; None when there is nothing to compute or tell the worker, or when
         `max_inflight_steps` plans are already out (call `update` first)."""
-        if len(self._inflight) >= self.config.max_inflight_steps:
+        if len(self._inflight) >= self.max_inflight_steps:
             return None
         if self._suspects:  # a step failed: run the suspects one by one first (poison.py)
             return self._schedule_probe()
@@ -75,7 +78,7 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin):
         """Fork, record the step as in flight, and hand the plan out."""
         for parent in draft.fork_parents:  # after admission: the children run behind admitted ones
             self._fork(parent, plan)
-        self._inflight.append(InflightStep(plan.step_id, draft.computed))
+        self._inflight.append(InflightStep(plan.step_id, draft.computed, draft.spec))
         self._note_step(draft.num_prefill, draft.num_decode, len(plan.preempted_ids))
         self._next_step_id += 1
         return plan
@@ -90,7 +93,7 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin):
         counts, computed = plan.num_scheduled_tokens, draft.computed
         pool, table_updates = kv.pool, plan.table_updates
         refs, bs, threshold = pool.ref_counts, self.config.block_size, self._threshold
-        budget, num_decode = draft.budget, 0
+        budget, num_decode, spec = draft.budget, 0, self._spec
         i = 0
         while i < len(running):
             seq = running[i]
@@ -98,6 +101,12 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin):
             start = seq.num_computed_tokens
             total = len(seq.token_ids) + seq.num_placeholders
             req = seq.request
+            if spec is not None and total - start == 1 and not seq.num_placeholders \
+                    and total > req.num_prompt_tokens:  # decoding, its last token known: drafts?
+                used = self._schedule_drafts(draft, seq, total, budget)
+                if used:
+                    budget -= used
+                    continue
             # The steady state, inlined: one decode token that may be sampled, written inside a
             # block the sequence holds alone, or opening one fresh block (no copy-on-write, no
             # preemption). The general path below, grow() and _commit_seq would do exactly
@@ -267,6 +276,8 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin):
                         and seq.status is SeqStatus.RUNNING:
                     kv.register_computed(seq, num_computed)
         deltas = self._append_tokens(result)
+        if step.spec:
+            self._settle_drafts(step.spec, result.request_ids)
         if self._probe is not None:
             self._note_probe_reported(step.step_id, result)
         kv.step_reported(step.step_id)
@@ -276,13 +287,15 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin):
         deltas: list[SequenceDelta] = []
         live, eos = self._live, self.config.eos_token_ids
         token_ids, logprobs = result.token_ids, result.logprobs
-        num_accepted = 0
+        num_accepted, previous = 0, None
         for i, seq_id in enumerate(result.request_ids):
             seq = live.get(seq_id)
             if seq is None:  # finished (e.g. EOS seen while its next token was in flight): discard
                 continue
             token = token_ids[i]
-            seq.num_placeholders -= 1
+            if seq_id != previous:  # the next entries of a drafted sequence are its other tokens
+                seq.num_placeholders -= 1
+                previous = seq_id
             tokens = seq.token_ids
             tokens.append(token)
             num_accepted += 1

@@ -38,6 +38,10 @@ class SchedulerStats:
     blocks_freed: int = 0  # total blocks returned to it
     num_step_failures: int = 0  # failed steps (the worker's forward or sampler raised)
     num_requests_isolated: int = 0  # requests failed alone for them (poison.py)
+    spec_num_drafts: int = 0  # sequence-steps that carried draft tokens (spec_decode.py)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at position i (0-based)
 
 
 class SchedulerLifecycleMixin:
@@ -116,7 +120,9 @@ class SchedulerLifecycleMixin:
             self.num_preemptions, self.prompt_tokens, self.generation_tokens, *self._last_step,
             sum(seq.num_computed_tokens for seq in self._running),
             pool.num_allocated_total, pool.num_freed_total, self.num_step_failures,
-            self.num_requests_isolated)
+            self.num_requests_isolated, self.spec_num_drafts, self.spec_num_draft_tokens,
+            self.spec_num_accepted_tokens,
+            tuple(self.spec_accepted_per_pos[i] for i in range(len(self.spec_accepted_per_pos))))
 
     def running_request_ids(self, plan: StepPlan) -> list[RequestId]:
         """The caller-level ids of the requests `plan` (just returned by schedule(), nothing changed

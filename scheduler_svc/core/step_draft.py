@@ -14,6 +14,7 @@ class InflightStep:
     # (seq, its generation, num_computed after the step) of the sequences whose step completes a
     # block they have not registered: the others have nothing to register when the step reports.
     computed: list[tuple[Sequence, int, int]]
+    spec: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, generation, drafts)
 
 
 @dataclass(slots=True)
@@ -25,6 +26,7 @@ class StepDraft:
     budget: int  # tokens left in this step
     computed: list[tuple[Sequence, int, int]] = field(default_factory=list)
     fork_parents: list[Sequence] = field(default_factory=list)  # forked once admission is done
+    spec: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, generation, drafts)
     num_scheduled: int = 0  # sequences
     num_prefill: int = 0  # tokens
     num_decode: int = 0  # sequences (one token each)

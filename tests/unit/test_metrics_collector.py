@@ -20,7 +20,8 @@ def fake_stats() -> engine_pb2.EngineStats:
         num_used_blocks=32, num_total_blocks=128, kv_cache_usage=0.25, prefix_cache_queries=400,
         prefix_cache_hits=96, num_preemptions=1, prompt_tokens=1234, generation_tokens=567,
         num_steps=50, step_seconds_sum=1.5, blocks_allocated=70, blocks_freed=38,
-        num_step_failures=3, num_requests_isolated=1, request_success={"stop": 4, "length": 2}, worker_connected=True)
+        num_step_failures=3, num_requests_isolated=1, spec_num_drafts=5, spec_num_draft_tokens=18,
+        spec_num_accepted_tokens=11, spec_accepted_per_pos=[5, 4, 2], request_success={"stop": 4, "length": 2}, worker_connected=True)
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -57,6 +58,12 @@ def test_engine_stats_become_vllm_series_with_model_name() -> None:
         ("pagoda:blocks_freed_total", model): 38.0,
         ("pagoda:step_failures_total", model): 3.0,
         ("pagoda:requests_isolated_total", model): 1.0,
+        ("vllm:spec_decode_num_drafts_total", model): 5.0,
+        ("vllm:spec_decode_num_draft_tokens_total", model): 18.0,
+        ("vllm:spec_decode_num_accepted_tokens_total", model): 11.0,
+        ("vllm:spec_decode_num_accepted_tokens_per_pos_total", model + (("position", "0"),)): 5.0,
+        ("vllm:spec_decode_num_accepted_tokens_per_pos_total", model + (("position", "1"),)): 4.0,
+        ("vllm:spec_decode_num_accepted_tokens_per_pos_total", model + (("position", "2"),)): 2.0,
         ("vllm:request_success_total", (("finished_reason", "length"),) + model): 2.0,
         ("vllm:request_success_total", (("finished_reason", "stop"),) + model): 4.0,
         ("pagoda:step_duration_seconds_count", model): 50.0,

@@ -97,6 +97,9 @@ class FakeWorker:
         self._apply_tables(plan)
         counts = {rid: plan.num_scheduled_tokens.get(rid, 1) for rid in self.resident}
         counts.update((new.request_id, new.num_scheduled_tokens) for new in plan.new_requests)
+        for rid, drafts in plan.draft_token_ids.items():  # computed after the request's tokens
+            assert counts[rid] == 1 + len(drafts), f"{rid!r}: drafts need a count of 1 + {len(drafts)}"
+            self.resident[rid].token_ids.extend(drafts)
         samplers = self._forward(counts)
         return self._sample(plan, samplers)
 
@@ -164,6 +167,10 @@ class FakeWorker:
         forks = {fork.parent_id: fork.child_ids for fork in plan.forks}
         result = StepResult(plan.step_id)
         for rid in samplers:
+            drafts = plan.draft_token_ids.get(rid)
+            if drafts:
+                self._verify_drafts(rid, drafts, result)
+                continue
             state = self.resident[rid]
             for i, child in enumerate(forks.pop(rid, ()), start=1):  # children copy pre-sample state
                 assert child not in self.resident, f"fork child {child!r} exists"
@@ -175,10 +182,30 @@ class FakeWorker:
         assert not forks, f"forks of requests that did not sample: {list(forks)}"
         return result
 
+    def _verify_drafts(self, rid: RequestId, drafts: list[int], result: StepResult) -> None:
+        """Greedy verification: keep the drafts the sampler would have produced, then sample one.
+        The rejected drafts' tokens and slots are rolled back (the table cut as the scheduler cuts)."""
+        state = self.resident[rid]
+        del state.token_ids[len(state.token_ids) - len(drafts):]
+        state.num_computed -= len(drafts) + 1  # the last token's position: verification starts there
+        for token in drafts:
+            if self.sampler.sample(state.history, state.seq_index, len(state.token_ids) - state.num_prompt_tokens,
+                                   state.sampling) != token:
+                break
+            state.num_computed += 1
+            self._append(rid, token, result)
+        state.num_computed += 1
+        del state.block_table[state.num_computed // self.block_size + 1:]
+        self._sample_one(rid, result)
+
     def _sample_one(self, rid: RequestId, result: StepResult) -> None:
         state = self.resident[rid]
         token = self.sampler.sample(state.history, state.seq_index,
                                     len(state.token_ids) - state.num_prompt_tokens, state.sampling)
+        self._append(rid, token, result)
+
+    def _append(self, rid: RequestId, token: int, result: StepResult) -> None:
+        state = self.resident[rid]
         state.token_ids.append(token)
         state.history = _mix(state.history ^ (token + 1))
         self.sampled.setdefault(rid, []).append(token)

@@ -1,0 +1,108 @@
+"""n-gram speculative decoding, the scheduler's half: propose drafts, settle what the worker accepted.
+
+The proposer (prompt lookup): for a decoding sequence whose last token is known, find the most
+recent earlier occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
+in its own prompt + output, and propose the up to K tokens that followed it. Pure Python, no model.
+
+A sequence with drafts is scheduled 1 + K tokens (its last token, then the drafts) within the
+step's token budget, with blocks for all of them. It is committed like a decode (one placeholder,
+num_computed up to its last token, prefix blocks registered only up to there, so a rejected draft
+never gets a hash). When the step reports 1 + a tokens for it (a drafts accepted, then the
+worker's own token), `_settle_drafts` advances num_computed by a and cuts the block table to the
+blocks covering positions <= num_computed: blocks only rejected drafts touched go back to the pool.
+The worker cuts its copy of the table by the same rule. Stop conditions were already applied token
+by token by `_append_tokens`; a sequence that stopped inside the run is finished and skipped here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pagoda.contract.ids import RequestId
+from scheduler_svc.core.request import SeqStatus, Sequence
+from scheduler_svc.core.step_draft import StepDraft
+
+SEARCH_WINDOW = 4096  # tokens searched back from the end: bounds the proposer's cost per sequence
+
+
+def propose_ngram(tokens: list[int], max_drafts: int, n_min: int, n_max: int) -> list[int]:
+    """Up to `max_drafts` tokens that followed the latest earlier match of the longest suffix n-gram
+    (n_max >= n >= n_min) of `tokens`; [] when none matches."""
+    length = len(tokens)
+    if max_drafts <= 0 or length <= n_min:
+        return []
+    lowest = max(0, length - SEARCH_WINDOW)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        suffix = tokens[length - n:]
+        first = suffix[0]
+        # Scan starts right to left: the most recent occurrence usually predicts best.
+        start = length - n - 1
+        while start >= lowest:
+            try:
+                start = _rindex(tokens, first, lowest, start)
+            except ValueError:
+                break
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + max_drafts]
+            start -= 1
+    return []
+
+
+def _rindex(tokens: list[int], value: int, lo: int, hi: int) -> int:
+    """The largest i in [lo, hi] with tokens[i] == value (ValueError if none)."""
+    for i in range(hi, lo - 1, -1):
+        if tokens[i] == value:
+            return i
+    raise ValueError(value)
+
+
+class SpeculationMixin:
+    def _init_speculation(self) -> None:
+        spec = self.config.speculative
+        self._spec = spec
+        self.spec_num_drafts = 0  # sequences-steps that carried drafts
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos: Counter[int] = Counter()  # position i (0-based) accepted
+
+    def _schedule_drafts(self, draft: StepDraft, seq: Sequence, total: int, budget: int) -> int:
+        """Give a decoding `seq` (last token known, nothing in flight) drafts if the proposer finds
+        any and they fit without preempting. Returns the tokens it took from the budget (0: none)."""
+        spec, req = self._spec, seq.request
+        limit = min(spec.num_speculative_tokens, budget - 1, req.max_num_tokens - total - 1)
+        if limit <= 0 or req.sampling.logprobs is not None:  # drafts carry no logprobs (yet)
+            return 0
+        drafts = propose_ngram(seq.token_ids, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if not drafts:
+            return 0
+        num_new = 1 + len(drafts)
+        kv = self._kv
+        if not kv.pool.can_allocate(kv.blocks_needed(seq, num_new)):
+            return 0  # the plain decode path may preempt for its one token; drafts never do
+        plan = draft.plan
+        kv.grow(seq, num_new, plan)
+        plan.num_scheduled_tokens[seq.seq_id] = num_new
+        plan.draft_token_ids[seq.seq_id] = drafts
+        self._commit_seq(draft, seq, 1)  # a decode: num_computed up to its last token, 1 placeholder
+        draft.spec.append((seq, seq.generation, len(drafts)))
+        return num_new
+
+    def _settle_drafts(self, spec: list[tuple[Sequence, int, int]], request_ids: list[RequestId]) -> None:
+        """Apply the acceptance of the step's drafted sequences (their tokens are appended)."""
+        gained = Counter(request_ids)
+        bs = self.config.block_size
+        for seq, generation, num_drafts in spec:
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += num_drafts
+            accepted = max(gained[seq.seq_id] - 1, 0)
+            self.spec_num_accepted_tokens += accepted
+            for pos in range(accepted):
+                self.spec_accepted_per_pos[pos] += 1
+            if seq.status is not SeqStatus.RUNNING or seq.generation != generation:
+                continue  # finished inside the run (or since): its blocks are already released
+            seq.num_computed_tokens += accepted
+            keep = seq.num_computed_tokens // bs + 1
+            table = seq.block_table
+            if len(table) > keep:
+                self._kv.release(table[keep:], self._last_inflight())
+                del table[keep:]

@@ -1,0 +1,106 @@
+"""n-gram speculative decoding in the scheduler core, against the fake worker's verifier.
+
+The fake worker accepts a draft exactly when its deterministic sampler would have produced that
+token, so every stream must equal the reference stream with speculation on, whatever was proposed,
+accepted or rolled back; the block accounting must hold after every step (rejected drafts never
+leak blocks or prefix hashes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import FinishReason, SamplingParams
+from scheduler_svc.core import EngineRequest, SchedulerConfig
+from scheduler_svc.core.config import SpeculativeConfig
+from scheduler_svc.core.spec_decode import propose_ngram
+from tests.unit.test_fake_worker_property import expected, traces
+from tests.unit.test_poison_isolation import Run
+
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+@pytest.mark.parametrize(("tokens", "k", "want"), [
+    ([1, 2, 3, 9, 1, 2, 3], 2, [9, 1]),  # the 3-gram [1, 2, 3] seen before: what followed it
+    ([5, 1, 2, 7, 7, 1, 2], 4, [7, 7, 1, 2]),
+    ([1, 2, 8, 1, 2, 9, 1, 2], 1, [9]),  # the most recent earlier match wins
+    ([1, 2, 3, 4], 3, []),  # no repeated n-gram
+    ([4, 4], 3, [4]),  # n=1: the token after the earlier 4
+])
+def test_propose_ngram(tokens: list[int], k: int, want: list[int]) -> None:
+    assert propose_ngram(tokens, k, 1, 3) == want
+
+
+def test_propose_respects_the_minimum_ngram() -> None:
+    assert propose_ngram([1, 2, 3, 9, 5, 3], 2, 2, 3) == []  # only the 1-gram [3] repeats
+    assert propose_ngram([1, 2, 3, 9, 5, 3], 2, 1, 3) == [9, 5]
+
+
+def test_speculative_config_is_parsed_as_vllm_spells_it() -> None:
+    parsed = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, '
+                                     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
+    assert parsed == SpeculativeConfig(3, 4, 2)
+    assert SpeculativeConfig.parse(None) is None
+    with pytest.raises(ValueError, match="only 'ngram'"):
+        SpeculativeConfig.parse({"method": "eagle"})
+    with pytest.raises(ValueError, match="unknown speculative_config keys"):
+        SpeculativeConfig.parse({"draft_model": "x"})
+
+
+def repeating(rid: str, max_tokens: int) -> EngineRequest:
+    prompt = [3, 1, 2, 3, 1, 2, 3, 1]
+    return EngineRequest(RequestId(rid), tuple(prompt),
+                         SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_drafts_are_accepted_on_a_small_vocabulary_and_streams_stay_exact() -> None:
+    config = SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8,
+                             max_num_batched_tokens=64, speculative=SPEC)
+    run = Run(config, lambda plan, result: False)
+    run.sampler = dataclasses.replace(run.sampler, vocab_size=3)
+    run.worker.sampler = run.sampler
+    requests = [repeating(f"r{i}", 40) for i in range(3)]
+    run.go([(0, r) for r in requests])
+    for request in requests:
+        assert run.streams[(request.request_id, 0)] == expected(run.sampler, request, 0)
+    core = run.scheduler
+    assert core.spec_num_drafts > 0 and 0 < core.spec_num_accepted_tokens <= core.spec_num_draft_tokens
+    plans_with_drafts = sum(1 for plan, _, _ in run.steps if plan.draft_token_ids)
+    assert plans_with_drafts > 0 and len(run.steps) < 3 * 40  # fewer steps than one token per step
+    assert core.stats().num_used_blocks == 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), st.sampled_from([3, 5, 40]), st.integers(1, 4))
+def test_random_traces_with_speculation_keep_invariants_and_streams(trace, vocab, k) -> None:
+    config, requests, aborts, eos_probability, worker_loss_step = trace
+    spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3, prompt_lookup_min=1)
+    config = dataclasses.replace(config, speculative=spec)
+    lost = []
+
+    def loses_worker(plan, result):  # a worker loss (as a failed step) once, mid-trace
+        if worker_loss_step is not None and plan.step_id == worker_loss_step and not lost:
+            lost.append(plan.step_id)
+            return True
+        return False
+
+    run = Run(config, loses_worker, eos_probability)
+    run.sampler = dataclasses.replace(run.sampler, vocab_size=vocab)
+    run.worker.sampler = run.sampler
+    run.go(requests, [(at, requests[i][1].request_id) for at, i in aborts])
+    for _, request in requests:
+        for index in range(request.sampling.n):
+            key = (request.request_id, index)
+            assert key in run.ended, f"{key} never ended"
+            got, want = run.streams.get(key, []), expected(run.sampler, request, index)
+            if run.ended[key] in (FinishReason.ABORT, FinishReason.ERROR):
+                assert got == want[:len(got)], f"{key}: {got} is not a prefix of {want}"
+            else:
+                assert got == want, f"{key}: got {got}, expected {want}"
+    stats = run.scheduler.stats()
+    assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
