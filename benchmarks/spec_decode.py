@@ -1,0 +1,167 @@
+"""n-gram speculative decoding against plain decoding, same model, same prompts, interleaved runs.
+
+    python -m benchmarks.spec_decode [--model models/smollm2-135m-instruct] [--k 4]
+
+Two workloads, greedy, `ignore_eos`, prefix caching off (every run computes the same thing):
+- copy-heavy: chat prompts asking the model to repeat a passage that is in the prompt (what RAG,
+  summaries and code edits look like to prompt lookup), at batch 1 and batch 8;
+- ShareGPT-like: random-token prompts with lognormal lengths (benchmarks/datasets.py), where
+  lookups mostly miss: speculation must not cost much there.
+Per-request decode tokens/s = (max_tokens - 1) / (time of the full run - time of a 1-token run of
+the same batch), best of `--repeats` interleaved off/on runs; ShareGPT-like reports output
+tokens/s of the whole batch. Also checks that greedy outputs are identical with and without.
+Prints a table and writes benchmarks/results/spec_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from benchmarks.datasets import WorkloadSpec, make_workload
+from pagoda.contract.params import SamplingParams
+from pagoda.default_model import DEFAULT_OUT
+from pagoda.llm import LLM
+
+PASSAGES = [
+    "PagedAttention stores the key and value cache in fixed-size blocks. Each request keeps a page "
+    "table that maps its logical blocks to physical ones, so memory is allocated on demand and "
+    "shared between requests that start with the same prompt.",
+    "The scheduler runs every iteration. It decides which requests compute how many tokens, admits "
+    "waiting requests while the token budget and the block pool allow, and preempts the newest "
+    "request when the pool runs out of free blocks.",
+    "To bake the bread, mix the flour, water, salt and yeast, knead the dough for ten minutes, let it "
+    "rise for two hours, shape it into a loaf, and bake it at two hundred and twenty degrees for "
+    "forty minutes until the crust is brown.",
+    "The meeting is moved to Thursday at three o'clock in the large conference room on the second "
+    "floor. Please bring the quarterly report, the updated budget and your questions about the new "
+    "hiring plan for the engineering team.",
+    "def add_request(self, request):\n    if request.request_id in self.requests:\n        raise "
+    "ValueError('duplicate request id')\n    self.requests[request.request_id] = request\n    "
+    "self.waiting.append(request)\n    return request.request_id\n",
+    "Continuous batching lets new requests join a running batch at any step, and finished requests "
+    "leave it at once. The GPU stays busy, and a short request never waits for a long one that "
+    "happened to arrive just before it.",
+    "Our return policy is simple: items can be returned within thirty days of delivery for a full "
+    "refund, as long as they are unused and in their original packaging. Shipping costs for returns "
+    "are covered by the customer.",
+    "The river flows from the mountains in the north through three valleys and two large lakes "
+    "before it reaches the sea. Its water feeds the farms along its banks and the cities that grew "
+    "up where it meets the coast.",
+]
+
+
+def copy_prompts(tokenizer, batch: int) -> list[dict]:
+    prompts = []
+    for i in range(batch):
+        messages = [{"role": "user", "content": "Repeat the following passage exactly, word for word:\n\n"
+                     + PASSAGES[i % len(PASSAGES)]}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        prompts.append({"prompt_token_ids": list(ids)})
+    return prompts
+
+
+def timed(llm: LLM, prompts: list[dict], max_tokens: int | list[int]) -> tuple[float, list[list[int]]]:
+    lens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - started, [o.outputs[0].token_ids for o in outputs]
+
+
+def measure(engines: dict[str, LLM], prompts: list[dict], max_tokens, repeats: int, *, decode_only: bool):
+    """{engine: (best seconds, outputs)}; decode_only subtracts a 1-token run (the prefill)."""
+    best: dict[str, tuple[float, list]] = {}
+    for _ in range(repeats):
+        for name, llm in engines.items():  # interleaved: drift hits both alike
+            seconds, outputs = timed(llm, prompts, max_tokens)
+            if decode_only:
+                seconds -= timed(llm, prompts, 1)[0]
+            if name not in best or seconds < best[name][0]:
+                best[name] = (seconds, outputs)
+    return best
+
+
+def acceptance(llm: LLM, before: tuple[int, int, int]) -> dict:
+    core = llm.scheduler
+    drafts = core.spec_num_drafts - before[0]
+    proposed = core.spec_num_draft_tokens - before[1]
+    accepted = core.spec_num_accepted_tokens - before[2]
+    return {"draft_steps": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / proposed, 3) if proposed else None,
+            "mean_accepted_per_draft_step": round(accepted / drafts, 2) if drafts else None}
+
+
+def counters(llm: LLM) -> tuple[int, int, int]:
+    core = llm.scheduler
+    return core.spec_num_drafts, core.spec_num_draft_tokens, core.spec_num_accepted_tokens
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    common = dict(dtype=args.dtype, enable_prefix_caching=False, max_num_batched_tokens=2048)
+    engines = {"off": LLM(args.model, **common), f"ngram k={args.k}": LLM(args.model, speculative_config=spec,
+                                                                          **common)}
+    on = engines[f"ngram k={args.k}"]
+    warm = copy_prompts(on.tokenizer, 2)
+    for llm in engines.values():
+        timed(llm, warm, 8)
+    rows, results = [], {"model": args.model, "dtype": args.dtype, "k": args.k, "max_tokens": args.max_tokens}
+    for batch in args.batch_sizes:
+        prompts = copy_prompts(on.tokenizer, batch)
+        before = counters(on)
+        best = measure(engines, prompts, args.max_tokens, args.repeats, decode_only=True)
+        tps = {name: (args.max_tokens - 1) / seconds for name, (seconds, _) in best.items()}
+        off_tps, on_tps = tps["off"], tps[f"ngram k={args.k}"]
+        same = best["off"][1] == best[f"ngram k={args.k}"][1]
+        results[f"copy_batch{batch}"] = {"decode_tok_s_per_request_off": round(off_tps, 1),
+                                         "decode_tok_s_per_request_on": round(on_tps, 1),
+                                         "speedup": round(on_tps / off_tps, 2), "identical_outputs": same,
+                                         **acceptance(on, before)}
+        rows.append((f"copy-heavy, batch {batch}", off_tps, on_tps, same, results[f"copy_batch{batch}"]))
+    work = make_workload(WorkloadSpec("sharegpt-like", num_prompts=args.sharegpt_prompts, vocab_size=49152,
+                                      length_scale=args.length_scale, max_model_len=2048, seed=1))
+    prompts = [{"prompt_token_ids": w.prompt_token_ids} for w in work]
+    lens = [w.max_tokens for w in work]
+    before = counters(on)
+    best = measure(engines, prompts, lens, args.repeats, decode_only=False)
+    tps = {name: sum(lens) / seconds for name, (seconds, _) in best.items()}
+    same = best["off"][1] == best[f"ngram k={args.k}"][1]
+    results["sharegpt_like"] = {"output_tok_s_off": round(tps["off"], 1),
+                                "output_tok_s_on": round(tps[f"ngram k={args.k}"], 1),
+                                "ratio": round(tps[f"ngram k={args.k}"] / tps["off"], 3),
+                                "identical_outputs": same, **acceptance(on, before)}
+    rows.append((f"ShareGPT-like, {len(work)} prompts", tps["off"], tps[f"ngram k={args.k}"], same,
+                 results["sharegpt_like"]))
+    print(f"\nn-gram speculative decoding (k={args.k}), {args.model}, {args.dtype}, greedy")
+    print(f"{'workload':<28}{'off tok/s':>11}{'on tok/s':>11}{'ratio':>8}{'accept':>9}  identical")
+    for name, off_tps, on_tps, same, extra in rows:
+        rate = extra["acceptance_rate"]
+        print(f"{name:<28}{off_tps:>11.1f}{on_tps:>11.1f}{on_tps / off_tps:>7.2f}x"
+              f"{'' if rate is None else f'{rate:.0%}':>9}  {same}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.spec_decode", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_OUT))
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    p.add_argument("--sharegpt-prompts", type=int, default=16)
+    p.add_argument("--length-scale", type=float, default=0.25)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results/spec_decode.json")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()
