@@ -296,5 +296,17 @@ class EngineLoop:
         await self._on_health(serving and not (self.draining or self._stopping))
 
     def stop(self) -> None:
+        """End the loop. Requests still running (past the drain) end with UNAVAILABLE "shutting
+        down", a status a client can retry on, rather than as calls the server cancels."""
         self._stopping = True
         self._wake.set()
+        if not self._streams:
+            return
+        error = ShuttingDownError("the scheduler stopped before this request finished; retry it")
+        self.scheduler.fail_all(str(error))
+        for stream in list(self._streams.values()):
+            self._streams.pop(stream.request_id)
+            stream.done = True
+            stream.queue.put_nowait(error)
+            self._tracing.finished(stream.request_id, "error")
+        log.warning("requests_failed", reason=str(error))
