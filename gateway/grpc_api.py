@@ -11,6 +11,7 @@ from gateway.auth import grpc_bearer_token
 from gateway.convert import finish_reason_to_pb, sampling_from_pb
 from gateway.errors import UnauthorizedError, to_client_error
 from gateway.generation import GenerationInput, GenerationStep, generate, start_request_span
+from gateway.openai_common import check_structured_outputs
 from gateway.rate_limit import retry_after_header
 from gateway.state import GatewayState
 from gateway.stop_strings import check_stop_strings
@@ -39,6 +40,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                 raise UnauthorizedError("a valid API key is required (metadata authorization: Bearer KEY)")
             lease = self._state.tenancy.lease(tenant)
             generation, max_model_len = self._prepare(request)
+            await check_structured_outputs(generation.sampling)
             generation = lease.admit(generation, max_model_len)
             if headers := lease.headers():
                 await context.send_initial_metadata(headers)

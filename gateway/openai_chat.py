@@ -12,6 +12,7 @@ from gateway.generation import GenerationStep, SequenceChunk, generate, start_re
 from gateway.openai_common import (
     build_generation_input,
     build_sampling,
+    check_structured_outputs,
     new_request_id,
     sse_stream,
     until_disconnected,
@@ -67,6 +68,7 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
     model = state.check_model(body.model)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = build_sampling(body, body.effective_max_tokens, logprobs, tokenizer, info.vocab_size)
+    await check_structured_outputs(sampling)
     request = build_generation_input(body, new_request_id("chatcmpl"), chat_prompt_ids(body, tokenizer),
                                      sampling, info.max_model_len)
     request, lease = admit(http, request, info.max_model_len)

@@ -22,6 +22,7 @@ from pagoda.contract.params import (
     check_vocab,
     with_bad_words_tokenized,
 )
+from pagoda.contract.structured import check_grammar
 from pagoda.runtime.logging import get_logger
 
 log = get_logger(__name__)
@@ -46,11 +47,18 @@ def build_sampling(request: _GenerationFields, max_tokens: int | None, logprobs:
         logprobs=logprobs, presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias,
         allowed_token_ids=request.allowed_token_ids, bad_words=tuple(request.bad_words or ()),
-        **optional)
+        structured_outputs=request.structured_outputs_params(), **optional)
     sampling = with_bad_words_tokenized(
         sampling, lambda text: tokenizer.encode(text, add_special_tokens=False))
     check_vocab(sampling, vocab_size)
     return sampling
+
+
+async def check_structured_outputs(sampling: SamplingParams) -> None:
+    """400 for a schema, regex or grammar that does not compile; off the event loop (a new JSON
+    schema can take tens of ms), cached so a repeated one is free."""
+    if sampling.structured_outputs is not None:
+        await asyncio.to_thread(check_grammar, sampling.structured_outputs)
 
 
 def build_generation_input(request: _GenerationFields, request_id: str, prompt_ids: list[int],

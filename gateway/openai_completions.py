@@ -13,6 +13,7 @@ from gateway.generation import GenerationStep, SequenceChunk, generate, start_re
 from gateway.openai_common import (
     build_generation_input,
     build_sampling,
+    check_structured_outputs,
     check_token_ids,
     new_request_id,
     sse_stream,
@@ -93,6 +94,7 @@ async def create_completion(body: CompletionRequest, http: Request, state: Gatew
         raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)")
     prompts = [prompt_token_ids(p, tokenizer, info.vocab_size) for p in split_prompts(body.prompt)]
     sampling = build_sampling(body, body.max_tokens, body.logprobs, tokenizer, info.vocab_size)
+    await check_structured_outputs(sampling)
     request_id = new_request_id("cmpl")
     requests = [build_generation_input(body, request_id if len(prompts) == 1 else f"{request_id}-{k}",
                                        ids, sampling, info.max_model_len)

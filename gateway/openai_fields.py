@@ -48,9 +48,6 @@ CONDITIONAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "web_search_options": _unsupported("Pagoda does no web search"),
     "moderation": _unsupported("Pagoda runs no moderation"),
     "store": (lambda v: not v, "store=true is not supported: Pagoda stores no completions"),
-    # both, until they are served
-    "response_format": (lambda v: _absent(v) or (isinstance(v, dict) and v.get("type") == "text"),
-                        "only {\"type\": \"text\"} is supported: structured outputs are not implemented yet"),
 }
 
 # Accepted and used (both endpoints share most of them; vLLM's extras are listed in the models).

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from gateway.openai_fields import CONDITIONAL, check_conditional
+from gateway.openai_structured import StructuredFields
 from gateway.stop_strings import check_stop_strings
 from pagoda.contract.errors import InvalidRequestError
 
@@ -27,7 +28,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # usage (so far) on every chunk, as vLLM
 
 
-class _GenerationFields(BaseModel):
+class _GenerationFields(StructuredFields):
     """Fields both endpoints share (OpenAI's, then vLLM's extras sent via `extra_body`)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -166,7 +167,6 @@ class ChatCompletionRequest(_GenerationFields):
     web_search_options: Any = None
     moderation: Any = None
     store: Any = None
-    response_format: Any = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

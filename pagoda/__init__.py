@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagoda.contract.params import SamplingParams
+    from pagoda.contract.structured import StructuredOutputsParams
     from pagoda.llm import LLM, CompletionOutput, RequestOutput
 
 _EXPORTS = {
@@ -16,9 +17,10 @@ _EXPORTS = {
     "RequestOutput": "pagoda.llm",
     "CompletionOutput": "pagoda.llm",
     "SamplingParams": "pagoda.contract.params",
+    "StructuredOutputsParams": "pagoda.contract.structured",
 }
 
-__all__ = ["CompletionOutput", "LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:

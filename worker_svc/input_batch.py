@@ -11,6 +11,7 @@ from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
 from worker_svc.models.common import AttentionMetadata
 from worker_svc.sampler import SamplingRow
+from worker_svc.structured_output import GrammarState
 
 
 @dataclass(slots=True)
@@ -25,15 +26,17 @@ class CachedRequestState:
     num_computed_tokens: int
     sampling: SamplingParams
     seq_index: int = 0
+    grammar: GrammarState | None = None  # structured outputs (the sampling rank only)
 
     def sampling_row(self) -> SamplingRow:
-        return SamplingRow(self.sampling, self.token_ids, self.num_prompt_tokens, self.seq_index)
+        return SamplingRow(self.sampling, self.token_ids, self.num_prompt_tokens, self.seq_index,
+                           self.grammar)
 
     def fork(self, child_id: RequestId, seq_index: int) -> CachedRequestState:
         """A child sharing every block (the scheduler ref-counts them); lists are copied."""
         return CachedRequestState(child_id, list(self.token_ids), self.num_prompt_tokens,
                                   list(self.block_ids), self.num_computed_tokens, self.sampling,
-                                  seq_index)
+                                  seq_index, self.grammar.fork() if self.grammar else None)
 
 
 @dataclass(slots=True)

@@ -32,6 +32,7 @@ from worker_svc.models.packed_linear import can_pack, pack_linear_weights
 from worker_svc.plan_validation import validate_plan
 from worker_svc.sampler import Sampler, SamplingRow
 from worker_svc.spec_verify import DraftVerifier
+from worker_svc.structured_output import GrammarCompiler, GrammarState
 
 PROFILE_SAMPLING_ROWS = 256  # logits rows the memory profile samples (a full decode batch)
 
@@ -63,6 +64,9 @@ class ModelRunner:
         self.backend = get_backend(default_backend_name(self.device) if backend == "auto" else backend)
         self.max_model_len = self._resolve_max_model_len()
         self.sampler = Sampler(self.model_config.eos_token_ids, self.device, config.seed)
+        # Structured outputs: only the rank that samples keeps grammars (compiled off the loop).
+        self.grammars = (GrammarCompiler(config.model, self.model_config.vocab_size,
+                                         self.model_config.eos_token_ids) if tp.is_driver else None)
         self.verifier = DraftVerifier(self.sampler, config.seed)
         self.requests: dict[RequestId, CachedRequestState] = {}
         self.kv_cache: KVCache | None = None
@@ -156,7 +160,7 @@ class ModelRunner:
         for state, drafts in drafted:
             history = len(state.token_ids) - len(drafts)
             items.append((SamplingRow(state.sampling, state.token_ids[:history], state.num_prompt_tokens,
-                                      state.seq_index), drafts))
+                                      state.seq_index, state.grammar), drafts))
         bs = self.config.block_size
         for (state, drafts), tokens in zip(drafted, self.verifier(logits, items), strict=True):
             history = len(state.token_ids) - len(drafts)
@@ -183,7 +187,7 @@ class ModelRunner:
         for new in plan.new_requests:
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
-                new.num_computed_tokens, new.sampling, new.seq_index)
+                new.num_computed_tokens, new.sampling, new.seq_index, self._grammar(new.sampling))
             counts[new.request_id] = new.num_scheduled_tokens
         for update in plan.table_updates:
             table = self.requests[update.request_id].block_ids
@@ -246,6 +250,12 @@ class ModelRunner:
         return logits, rows, states, drafted
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _grammar(self, sampling: SamplingParams) -> GrammarState | None:
+        """Starts compiling a new request's grammar now, so it overlaps the forward pass."""
+        if self.grammars is None or sampling.structured_outputs is None:
+            return None
+        return self.grammars.state(sampling.structured_outputs)
 
     def _sync_clock(self) -> float:
         if self.device.type == "cuda":

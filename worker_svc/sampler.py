@@ -3,7 +3,8 @@
 Pipeline over logits [N, V] fp32:
  1. logprobs (when a row asks): log_softmax of the *raw* model logits, before min_tokens masking,
     penalties, temperature, min-p, top-k and top-p (vLLM's default "raw_logprobs" mode).
- 2. token constraints (worker_svc/token_constraints.py): allowed_token_ids, bad_words, logit_bias.
+ 2. structured outputs: the grammar's token bitmask (worker_svc/structured_output.py); then token
+    constraints (worker_svc/token_constraints.py): allowed_token_ids, bad_words, logit_bias.
  2b. min_tokens: while a row has fewer than min_tokens outputs, its stop tokens get -inf
     (stop_token_ids, plus the EOS ids unless ignore_eos, for which EOS does not stop anyway).
  3. penalties: repetition (HF semantics, over prompt + output tokens: a positive logit is divided,
@@ -26,6 +27,7 @@ import torch
 
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.step import TokenLogprobs
+from worker_svc.structured_output import GrammarState, apply_grammar_masks
 from worker_svc.token_constraints import apply_token_constraints
 
 
@@ -37,6 +39,7 @@ class SamplingRow:
     token_ids: Sequence[int]
     num_prompt_tokens: int
     seq_index: int = 0
+    grammar: GrammarState | None = None  # structured outputs: the sequence's matcher
 
     @property
     def num_output_tokens(self) -> int:
@@ -81,6 +84,7 @@ class Sampler:
 
     def adjust_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Token constraints, min_tokens masking, then penalties, in place on logits [N, V]."""
+        apply_grammar_masks(logits, rows, self.eos_token_ids)
         apply_token_constraints(logits, rows)
         self._mask_stop_tokens(logits, rows)
         self._apply_penalties(logits, rows)

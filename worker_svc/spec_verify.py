@@ -42,7 +42,7 @@ class DraftVerifier:
         place). items: (the row of the item's last real token, its drafts). Returns each item's
         tokens: the accepted drafts, then one token of its own."""
         rows = [SamplingRow(base.params, [*base.token_ids, *drafts[:j]], base.num_prompt_tokens,
-                            base.seq_index)
+                            base.seq_index, base.grammar)
                 for base, drafts in items for j in range(len(drafts) + 1)]
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         self.sampler.adjust_logits(logits, rows)

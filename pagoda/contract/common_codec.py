@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pagoda.contract.params import FinishReason, SamplingParams
 from pagoda.contract.step import TokenLogprobs
+from pagoda.contract.structured import StructuredOutputsParams
 from pagoda.v1 import common_pb2
 
 # proto3 `optional` fields: absent on the wire means the dataclass default (not zero), e.g. no seed,
@@ -37,6 +38,9 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         value = getattr(params, name)
         if value is not None:
             setattr(pb, name, value)
+    if params.structured_outputs is not None:
+        pb.structured_outputs.kind = params.structured_outputs.kind
+        pb.structured_outputs.spec = params.structured_outputs.spec
     return pb
 
 
@@ -49,7 +53,10 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
         presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty,
         logit_bias=dict(pb.logit_bias) or None, allowed_token_ids=tuple(pb.allowed_token_ids) or None,
-        bad_words_token_ids=tuple(tuple(word.token_ids) for word in pb.bad_words))
+        bad_words_token_ids=tuple(tuple(word.token_ids) for word in pb.bad_words),
+        structured_outputs=(StructuredOutputsParams.from_kind(pb.structured_outputs.kind,
+                                                              pb.structured_outputs.spec)
+                            if pb.HasField("structured_outputs") else None))
 
 
 def logprobs_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from pagoda.contract.errors import InvalidRequestError
+from pagoda.contract.structured import StructuredOutputsParams
 
 
 class FinishReason(StrEnum):
@@ -53,6 +54,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
     bad_words: tuple[str, ...] = ()  # text; the offline API and the gateway tokenize them into:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # what travels: never completed
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

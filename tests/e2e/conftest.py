@@ -164,3 +164,4 @@ def engine_processes(tiny_model_dir, tmp_path_factory):
 
 # Registered here, once: a fixture imported into several test modules is one instance per module.
 from tests.e2e.gateway_conftest import gateway_stack  # noqa: E402,F401 - needs the names above
+from tests.e2e.smollm2_api import smollm2_api  # noqa: E402,F401 - the issue-23 API tests' stack

@@ -8,28 +8,9 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import start_scheduler, start_worker
-from tests.e2e.gateway_conftest import start_gateway
-
 pytestmark = pytest.mark.slow
-KV_BYTES = 64 << 20
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def smollm2_api(smollm2_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("smollm2-api")
-    processes = [start_worker(smollm2_dir, logs, device="cpu", dtype="float32",
-                              kv_cache_memory_bytes=KV_BYTES)]
-    try:
-        processes.append(start_scheduler(processes[0].target, logs, max_num_seqs=16))
-        gateway, http_url = start_gateway(processes[1].target, logs)
-        processes.append(gateway)
-        yield http_url
-    finally:
-        for process in reversed(processes):
-            process.stop()
 
 
 @pytest.fixture(scope="module")

@@ -70,6 +70,14 @@ async def test_chat_input_and_stop_strings(public, upstream, tokenizer):
     (gateway_pb2.GenerationRequest(prompt="Hi", model="nope"), grpc.StatusCode.NOT_FOUND),
     (gateway_pb2.GenerationRequest(prompt="Hi", sampling=common_pb2.SamplingParams(max_tokens=10_000)),
      grpc.StatusCode.INVALID_ARGUMENT),
+    (gateway_pb2.GenerationRequest(prompt="Hi", sampling=common_pb2.SamplingParams(
+        structured_outputs=common_pb2.StructuredOutputs(kind="regex", spec="(("))),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (gateway_pb2.GenerationRequest(prompt="Hi", sampling=common_pb2.SamplingParams(
+        structured_outputs=common_pb2.StructuredOutputs(kind="yaml", spec="x"))),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (gateway_pb2.GenerationRequest(prompt="Hi", sampling=common_pb2.SamplingParams(logit_bias={10**6: 1.0})),
+     grpc.StatusCode.INVALID_ARGUMENT),
 ])
 async def test_bad_requests_are_rejected(public, request_, code):
     _, channel = await public()

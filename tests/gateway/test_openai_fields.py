@@ -24,7 +24,6 @@ NON_DEFAULT = {
     "tool_choice": "auto", "parallel_tool_calls": True,
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
     "web_search_options": {"search_context_size": "low"}, "moderation": {"model": "m"}, "store": True,
-    "response_format": {"type": "json_object"},
 }
 # The value each INFORMATIONAL field is sent with (must be a 200).
 INFORMATIVE = {
