@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
+from scheduler_svc.core.brownout import BrownoutConfig
+
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
@@ -59,3 +61,5 @@ class SchedulerConfig:
     # at a time: proposing needs every sequence's last token, and a step after one whose
     # acceptance is unknown would not know where its tokens go.
     speculative: SpeculativeConfig | None = None
+    # Brownout under sustained memory pressure (core/brownout.py); None: off.
+    brownout: BrownoutConfig | None = None
