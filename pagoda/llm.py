@@ -54,7 +54,8 @@ class LLM:
                  seed: int = 0, kv_cache_memory_bytes: int | None = None,
                  attention_backend: str = "auto", tensor_parallel_size: int = 1, device: str = "auto",
                  long_prefill_token_threshold: int = 0,
-                 speculative_config: dict | str | None = None) -> None:
+                 speculative_config: dict | str | None = None,
+                 pinned_prompts: Sequence[str | list[int]] | None = None) -> None:
         # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
         # "prompt_lookup_min": 2} (scheduler_svc/core/spec_decode.py). Checked before loading.
         speculative = SpeculativeConfig.parse(speculative_config)
@@ -85,6 +86,11 @@ class LLM:
         self.model_dir = model
         self._tokenizer: Any = None
         self._request_counter = itertools.count()
+        if pinned_prompts:  # prefilled now, kept in the prefix cache for this LLM's lifetime
+            for prompt in pinned_prompts:
+                self.scheduler.pin_prompt(self._tokenize(prompt)[1] if isinstance(prompt, str) else prompt)
+            while self.scheduler.pins_pending:
+                self.scheduler.update(self.runner.execute(self.scheduler.schedule()))
 
     def close(self) -> None:
         """Stop the tensor-parallel follower processes (nothing to do at TP=1). Idempotent."""
@@ -153,6 +159,8 @@ class LLM:
                     raise RuntimeError("the scheduler has unfinished requests but planned no step")
                 result = self.runner.execute(plan)
                 for delta in self.scheduler.update(result):
+                    if delta.request_id not in outputs:  # a pinned prompt re-run after a failure
+                        continue
                     if _apply_delta(outputs, delta):
                         unfinished[delta.request_id] -= 1
                         if unfinished[delta.request_id] == 0:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from pagoda.contract.errors import InvalidRequestError
 from pagoda.runtime.logging import configure_logging
 from scheduler_svc.core.config import SpeculativeConfig
+from scheduler_svc.pinned_prompts import PinnedPromptsError, load_pinned_prompts
 from scheduler_svc.server import EngineServiceConfig, serve
 
 
@@ -27,6 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='n-gram speculative decoding, as vLLM spells it: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
+    p.add_argument("--pinned-prompts", metavar="FILE", default=None,
+                   help="JSON list of prompts (token-id lists, strings, or {\"messages\": [...]}) prefilled "
+                        "at start and kept in the prefix cache for the engine's lifetime")
     p.add_argument("--worker-timeout", type=float, default=30.0,
                    help="seconds a lost worker may take to come back before requests fail")
     p.add_argument("--log-level", default="info")
@@ -57,7 +62,8 @@ def build_config(args: argparse.Namespace) -> EngineServiceConfig:
         max_waiting_requests=args.max_waiting_requests, scheduling_policy=args.scheduling_policy,
         pipelining=not args.no_pipelining, worker_timeout_s=args.worker_timeout,
         shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_ca=args.tls_ca, speculative=args.speculative_config)
+        tls_ca=args.tls_ca, speculative=args.speculative_config,
+        pinned_prompts=tuple(load_pinned_prompts(args.pinned_prompts)) if args.pinned_prompts else ())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     setup_tracing("pagoda-scheduler", args.otlp_traces_endpoint)
     try:
         asyncio.run(serve(build_config(args)))
+    except (PinnedPromptsError, InvalidRequestError) as error:  # a bad --pinned-prompts entry
+        raise SystemExit(f"scheduler: {error}") from None
     finally:
         shutdown_tracing()  # flush the drained requests' spans
 

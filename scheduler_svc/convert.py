@@ -97,7 +97,7 @@ _STATS_FIELDS = {
     "blocks_allocated": "blocks_allocated", "blocks_freed": "blocks_freed",
     "num_step_failures": "num_step_failures", "num_requests_isolated": "num_requests_isolated",
     "spec_num_drafts": "spec_num_drafts", "spec_num_draft_tokens": "spec_num_draft_tokens",
-    "spec_num_accepted_tokens": "spec_num_accepted_tokens",
+    "spec_num_accepted_tokens": "spec_num_accepted_tokens", "num_pinned_blocks": "num_pinned_blocks",
 }
 
 

@@ -15,6 +15,7 @@ from typing import Literal
 import grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagoda.contract.errors import InvalidRequestError
 from pagoda.contract.step import WorkerInfo
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.runtime.logging import get_logger
@@ -24,6 +25,7 @@ from pagoda.v1 import engine_pb2, engine_pb2_grpc
 from scheduler_svc.core.config import SchedulerConfig, SpeculativeConfig
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine_loop import EngineLoop
+from scheduler_svc.pinned_prompts import PinnedPromptsError, resolve_pinned_prompts
 from scheduler_svc.service import EngineServicer
 from scheduler_svc.worker_client import WorkerClient
 
@@ -52,6 +54,7 @@ class EngineServiceConfig:
     tls_key: str | None = None
     tls_ca: str | None = None  # PEM CA that signed the worker's certificate; None: plaintext
     speculative: SpeculativeConfig | None = None  # n-gram speculative decoding; None: off
+    pinned_prompts: tuple = ()  # entries of --pinned-prompts (pinned_prompts.py), pinned at start
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -112,7 +115,15 @@ async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
         await server.stop(0)
         raise
     sched_config = scheduler_config(info, config)
-    engine = EngineLoop(Scheduler(sched_config), client, worker_timeout_s=config.worker_timeout_s,
+    scheduler = Scheduler(sched_config)
+    try:
+        for token_ids in resolve_pinned_prompts(list(config.pinned_prompts), info.model_name):
+            scheduler.pin_prompt(token_ids)  # prefilled by the first steps
+    except (PinnedPromptsError, InvalidRequestError):
+        await client.close()
+        await server.stop(0)
+        raise
+    engine = EngineLoop(scheduler, client, worker_timeout_s=config.worker_timeout_s,
                         on_health=health.set_serving)
     servicer.attach(engine, info)
     loop_task = asyncio.create_task(engine.run(), name="engine-loop")

@@ -52,6 +52,7 @@ _GAUGES = (
     ("pagoda:num_evictable_blocks", "num_evictable_blocks", "Cached blocks no request uses."),
     ("pagoda:num_total_blocks", "num_total_blocks", "KV blocks in the pool."),
     ("pagoda:worker_connected", "worker_connected", "1 when the scheduler has a worker stream."),
+    ("pagoda:num_pinned_blocks", "num_pinned_blocks", "KV blocks held for --pinned-prompts."),
 )
 _COUNTERS = (
     ("vllm:prefix_cache_queries", "prefix_cache_queries", "Prefix-cache queries, in tokens."),

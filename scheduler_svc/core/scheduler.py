@@ -28,6 +28,7 @@ from pagoda.contract.step import Fork, NewRequestData, StepPlan, StepResult, Tab
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.outputs import SequenceDelta
+from scheduler_svc.core.pinning import PinningMixin
 from scheduler_svc.core.poison import PoisonIsolationMixin
 from scheduler_svc.core.request import Request, SeqStatus, Sequence, WaitingQueue, child_seq_id, priority_key
 from scheduler_svc.core.scheduler_lifecycle import SchedulerLifecycleMixin, SchedulerStats
@@ -37,7 +38,7 @@ from scheduler_svc.core.step_draft import InflightStep, StepDraft
 __all__ = ["Scheduler", "SchedulerStats"]
 
 
-class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin):
+class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin, PinningMixin):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self._kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -54,6 +55,7 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin)
         self._init_counters()
         self._init_isolation()
         self._init_speculation()
+        self._init_pinning()
         self.max_inflight_steps = 1 if config.speculative else config.max_inflight_steps
 
     # -- scheduling ---------------------------------------------------------------------------

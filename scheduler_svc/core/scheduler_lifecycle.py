@@ -42,6 +42,7 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at position i (0-based)
+    num_pinned_blocks: int = 0  # prefix blocks held for pinned prompts (pinning.py)
 
 
 class SchedulerLifecycleMixin:
@@ -122,7 +123,8 @@ class SchedulerLifecycleMixin:
             pool.num_allocated_total, pool.num_freed_total, self.num_step_failures,
             self.num_requests_isolated, self.spec_num_drafts, self.spec_num_draft_tokens,
             self.spec_num_accepted_tokens,
-            tuple(self.spec_accepted_per_pos[i] for i in range(len(self.spec_accepted_per_pos))))
+            tuple(self.spec_accepted_per_pos[i] for i in range(len(self.spec_accepted_per_pos))),
+            len(self._pinned_blocks))
 
     def running_request_ids(self, plan: StepPlan) -> list[RequestId]:
         """The caller-level ids of the requests `plan` (just returned by schedule(), nothing changed
@@ -150,6 +152,7 @@ class SchedulerLifecycleMixin:
         self._kv.reset()
         self._next_step_id = 1
         self._reset_isolation()
+        self._requeue_pins()  # they run again when a worker is back
         return deltas
 
     def _end_request(self, req: Request, reason: FinishReason) -> list[SequenceDelta]:
@@ -171,6 +174,8 @@ class SchedulerLifecycleMixin:
         """End a sequence once: release its blocks (deferred while in flight), tell the worker."""
         del self._live[seq.seq_id]
         self._suspects.discard(seq.seq_id)
+        if self._pin_ids and seq.request.request_id in self._pin_ids and seq.status is SeqStatus.RUNNING:
+            self._pin_finished(seq)  # before its blocks drop: the pin keeps one reference
         if seq.status is SeqStatus.RUNNING:
             self._remove_running(seq)
             self._drop_blocks(seq)
@@ -211,6 +216,7 @@ class SchedulerLifecycleMixin:
         self._finished_resident = []
         self._kv.reset()
         self._next_step_id = 1
+        self._requeue_pins()
 
     # -- invariants ---------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -235,6 +241,7 @@ class SchedulerLifecycleMixin:
                 if seq.status is SeqStatus.FINISHED and seq.block_table:
                     raise AssertionError(f"finished {seq.seq_id} still references {seq.block_table}")
         refs.update(self._kv.deferred_blocks())
+        refs.update(self._pinned_blocks)
         for block in range(pool.num_blocks):
             if refs[block] != pool.ref_count(block):
                 raise AssertionError(f"block {block}: ref count {pool.ref_count(block)} but held by "

@@ -31,11 +31,14 @@ class Run:
         self.streams: dict[tuple[str, int], list[int]] = {}
         self.ended: dict[tuple[str, int], FinishReason] = {}
         self.errors: dict[str, str] = {}
+        self.cached_tokens: dict[str, int] = {}  # prompt tokens served from the prefix cache
         self.failures = 0
         self.steps = []  # (plan, result, failed) in the order sent
 
     def record(self, deltas) -> None:
         for delta in deltas:
+            if delta.request_id.startswith("__pin__/"):  # internal (pinning.py): re-run after a loss
+                continue
             key = (delta.request_id, delta.seq_index)
             assert key not in self.ended, f"{key} got a delta after it ended"
             self.streams.setdefault(key, []).extend(delta.new_token_ids)
@@ -43,6 +46,7 @@ class Run:
                 self.ended[key] = delta.finish_reason
             if delta.error is not None:
                 self.errors[delta.request_id] = delta.error
+            self.cached_tokens[delta.request_id] = delta.num_cached_tokens
 
     def go(self, arrivals: list[tuple[int, EngineRequest]], aborts=(), max_steps: int = 3000) -> None:
         scheduler, pending = self.scheduler, deque()
