@@ -104,3 +104,13 @@ def test_random_traces_with_speculation_keep_invariants_and_streams(trace, vocab
                 assert got == want, f"{key}: got {got}, expected {want}"
     stats = run.scheduler.stats()
     assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
+
+
+def test_the_scheduler_flag_parses_vllms_json_and_refuses_bad_json(capsys) -> None:
+    from scheduler_svc.__main__ import build_config, parse_args
+
+    args = parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert build_config(args).speculative == SpeculativeConfig(num_speculative_tokens=3)
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative-config", "{not json"])
+    assert "bad --speculative-config" in capsys.readouterr().err
