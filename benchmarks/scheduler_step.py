@@ -1,6 +1,7 @@
 """Scheduler time per step (schedule + update) in steady-state decode, prefix caching on.
 
     python -m benchmarks.scheduler_step [--steps 1000] [--sizes 256 1024] [--no-freeze] [--profile]
+                                        [--brownout]
 
 The fake worker produces the results; its time is not counted. Target: <= 1 ms per step at 256.
 Both process-CPU time (time.process_time_ns: barely moved by other processes sharing the cores)
@@ -23,6 +24,7 @@ import time
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
+from scheduler_svc.core.brownout import BrownoutConfig
 from worker_svc.fake.fake_worker import FakeWorker
 
 BLOCK_SIZE = 16
@@ -30,11 +32,11 @@ PROMPT_LEN = 48  # a 32-token shared system prompt + 16 own tokens
 WARMUP_STEPS = 20  # admit everything, prefill, settle into decode
 
 
-def build(num_seqs: int, steps: int) -> tuple[Scheduler, FakeWorker]:
+def build(num_seqs: int, steps: int, brownout: BrownoutConfig | None = None) -> tuple[Scheduler, FakeWorker]:
     blocks = num_seqs * (-(-(PROMPT_LEN + WARMUP_STEPS + steps + 64) // BLOCK_SIZE)) + 16
     config = SchedulerConfig(num_blocks=blocks, block_size=BLOCK_SIZE, max_model_len=8192,
                              max_num_seqs=num_seqs, max_num_batched_tokens=8192,
-                             enable_prefix_caching=True, max_inflight_steps=1)
+                             enable_prefix_caching=True, max_inflight_steps=1, brownout=brownout)
     scheduler = Scheduler(config)
     system = list(range(1, 33))
     for i in range(num_seqs):
@@ -88,11 +90,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--no-freeze", action="store_true", help="leave the setup to the collector")
     parser.add_argument("--profile", action="store_true", help="print a cProfile instead")
+    parser.add_argument("--brownout", action="store_true",
+                        help="brownout on (its defaults): its per-step observation is counted")
     args = parser.parse_args(argv)
     print(f"{'running':>8} {'clock':>5} {'mean ms':>8} {'p50 ms':>8} {'p99 ms':>8}"
           f"  (cpu mean: schedule + update)")
     for size in args.sizes:
-        scheduler, worker = build(size, args.steps)
+        scheduler, worker = build(size, args.steps, BrownoutConfig() if args.brownout else None)
         if not args.no_freeze:
             gc.collect()
             gc.freeze()

@@ -7,6 +7,7 @@ import asyncio
 
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.runtime.logging import configure_logging
+from scheduler_svc.core.brownout import BrownoutConfig
 from scheduler_svc.core.config import SpeculativeConfig
 from scheduler_svc.pinned_prompts import PinnedPromptsError, load_pinned_prompts
 from scheduler_svc.server import EngineServiceConfig, serve
@@ -32,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pinned-prompts", metavar="FILE", default=None,
                    help="JSON list of prompts (token-id lists, strings, or {\"messages\": [...]}) prefilled "
                         "at start and kept in the prefix cache for the engine's lifetime")
+    _add_brownout_flags(p)
     p.add_argument("--worker-timeout", type=float, default=30.0,
                    help="seconds a lost worker may take to come back before requests fail")
     p.add_argument("--log-level", default="info")
@@ -43,6 +45,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="OTLP gRPC endpoint for traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
     return p.parse_args(argv)
+
+
+def _add_brownout_flags(p: argparse.ArgumentParser) -> None:
+    d = BrownoutConfig()
+    g = p.add_argument_group("brownout", "under sustained memory pressure, smaller steps and capped "
+                             "max_tokens for newly admitted requests (off unless --enable-brownout)")
+    g.add_argument("--enable-brownout", action="store_true")
+    g.add_argument("--brownout-max-tokens", type=int, default=d.max_tokens, metavar="N",
+                   help="max_tokens cap for requests admitted for the first time during brownout "
+                        "(default: %(default)s)")
+    g.add_argument("--brownout-max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="step token budget during brownout (default: half of --max-num-batched-tokens, "
+                        "at least --max-num-seqs)")
+    g.add_argument("--brownout-kv-watermark", type=float, default=d.kv_watermark, metavar="F",
+                   help="enter when KV usage (0..1) stays at or above this for --brownout-window-steps "
+                        "steps (default: %(default)s; above 1: off)")
+    g.add_argument("--brownout-kv-recover-watermark", type=float, default=d.kv_recover_watermark,
+                   metavar="F", help="leave after --brownout-window-steps steps below this with no "
+                                     "preemption (default: %(default)s)")
+    g.add_argument("--brownout-preemptions", type=int, default=d.preemption_threshold, metavar="N",
+                   help="enter when this many preemptions happen within the window (default: "
+                        "%(default)s; 0: off)")
+    g.add_argument("--brownout-window-steps", type=int, default=d.window_steps, metavar="N",
+                   help="the window, in scheduler steps (default: %(default)s)")
+
+
+def brownout_config(args: argparse.Namespace) -> BrownoutConfig | None:
+    if not args.enable_brownout:
+        return None
+    try:
+        return BrownoutConfig(
+            max_tokens=args.brownout_max_tokens, max_num_batched_tokens=args.brownout_max_num_batched_tokens,
+            kv_watermark=args.brownout_kv_watermark, kv_recover_watermark=args.brownout_kv_recover_watermark,
+            preemption_threshold=args.brownout_preemptions, window_steps=args.brownout_window_steps)
+    except ValueError as error:
+        raise SystemExit(f"scheduler: bad brownout flags: {error}") from None
 
 
 def _speculative_config(value: str) -> SpeculativeConfig | None:
@@ -62,7 +100,7 @@ def build_config(args: argparse.Namespace) -> EngineServiceConfig:
         max_waiting_requests=args.max_waiting_requests, scheduling_policy=args.scheduling_policy,
         pipelining=not args.no_pipelining, worker_timeout_s=args.worker_timeout,
         shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_ca=args.tls_ca, speculative=args.speculative_config,
+        tls_ca=args.tls_ca, speculative=args.speculative_config, brownout=brownout_config(args),
         pinned_prompts=tuple(load_pinned_prompts(args.pinned_prompts)) if args.pinned_prompts else ())
 
 

@@ -98,6 +98,8 @@ _STATS_FIELDS = {
     "num_step_failures": "num_step_failures", "num_requests_isolated": "num_requests_isolated",
     "spec_num_drafts": "spec_num_drafts", "spec_num_draft_tokens": "spec_num_draft_tokens",
     "spec_num_accepted_tokens": "spec_num_accepted_tokens", "num_pinned_blocks": "num_pinned_blocks",
+    "brownout_active": "brownout_active", "brownout_entries": "brownout_entries",
+    "brownout_capped_requests": "brownout_capped_requests",
 }
 
 

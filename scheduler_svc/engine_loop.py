@@ -180,6 +180,10 @@ class EngineLoop:
             self._last_result_at = now
             self.num_steps += 1
             self._dispatch(self.scheduler.update(result))
+            if self.scheduler.brownout_active and self.idle:
+                self.scheduler.brownout_idle()  # no more steps will come to recover with
+            if self.scheduler.brownout_changes:
+                self._brownout_changed(result.step_id)
             self._tracing.step_reported(result.step_id, self.scheduler)
             if self.idle:
                 self.check_invariants()
@@ -194,6 +198,22 @@ class EngineLoop:
             if stream is not None and stream.first_scheduled is None:
                 stream.first_scheduled = now
         self._tracing.plan_sent(plan, self.scheduler)  # sets plan.traceparent
+        if self.scheduler.brownout_changes:  # decided by the schedule() that made this plan
+            self._brownout_changed(plan.step_id)
+
+    def _brownout_changed(self, step_id: int) -> None:
+        """Log each brownout transition and put it on the step span (rare: not per step)."""
+        changes, config = self.scheduler.brownout_changes, self.scheduler.config
+        while changes:
+            change = changes.popleft()
+            fields = dict(step_id=step_id, reason=change.reason, kv_usage=round(change.kv_usage, 4),
+                          preemptions_in_window=change.preemptions_in_window)
+            if change.active:
+                log.warning("brownout_entered", **fields, max_tokens=config.brownout.max_tokens,
+                            max_num_batched_tokens=self.scheduler.step_budget)
+            else:
+                log.info("brownout_exited", **fields)
+            self._tracing.brownout_changed(step_id, change)
 
     async def _reconnect(self) -> None:
         """Init again with backoff; fail every request once the worker is away too long."""

@@ -7,7 +7,8 @@ installed a provider. Shape (docs/observability.md):
   preempted, first_token, finished, each with the step_id it happened in where there is one.
 - `scheduler.step`: a root span per plan, linked to the request span of every request the plan
   computes tokens for; its traceparent rides in the plan, so `worker.execute` is its child.
-  It ends when the step's result has been applied (or the worker was lost).
+  It ends when the step's result has been applied (or the worker was lost). Events
+  `brownout_entered` / `brownout_exited` mark the step a brownout transition happened at.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pagoda.runtime.telemetry import (
     start_step_span,
     tracing_enabled,
 )
+from scheduler_svc.core.brownout import BrownoutChange
 from scheduler_svc.core.request import EngineRequest
 from scheduler_svc.core.scheduler import Scheduler
 
@@ -42,6 +44,9 @@ class NoTracing:
         pass
 
     def first_token(self, request_id: RequestId) -> None:
+        pass
+
+    def brownout_changed(self, step_id: int, change: BrownoutChange) -> None:
         pass
 
     def finished(self, request_id: RequestId, reason: str) -> None:
@@ -99,6 +104,14 @@ class EngineTracing(NoTracing):
 
     def first_token(self, request_id: RequestId) -> None:
         self._requests.event(request_id, "first_token")
+
+    def brownout_changed(self, step_id: int, change: BrownoutChange) -> None:
+        """Event `brownout_entered` / `brownout_exited` on the step span it happened at."""
+        if (span := self._steps.get(step_id)) is not None:
+            span.add_event("brownout_entered" if change.active else "brownout_exited", {
+                "pagoda.brownout.reason": change.reason,
+                "pagoda.brownout.kv_usage": change.kv_usage,
+                "pagoda.brownout.preemptions_in_window": change.preemptions_in_window})
 
     def finished(self, request_id: RequestId, reason: str) -> None:
         self._requests.finish(request_id, reason)

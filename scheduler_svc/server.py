@@ -22,6 +22,7 @@ from pagoda.runtime.logging import get_logger
 from pagoda.runtime.shutdown import EXIT_MARGIN_S, install_stop_handlers
 from pagoda.runtime.tls import add_port, new_server
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
+from scheduler_svc.core.brownout import BrownoutConfig
 from scheduler_svc.core.config import SchedulerConfig, SpeculativeConfig
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine_loop import EngineLoop
@@ -54,6 +55,7 @@ class EngineServiceConfig:
     tls_key: str | None = None
     tls_ca: str | None = None  # PEM CA that signed the worker's certificate; None: plaintext
     speculative: SpeculativeConfig | None = None  # n-gram speculative decoding; None: off
+    brownout: BrownoutConfig | None = None  # core/brownout.py; None: off
     pinned_prompts: tuple = ()  # entries of --pinned-prompts (pinned_prompts.py), pinned at start
 
     def __post_init__(self) -> None:
@@ -72,7 +74,7 @@ def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> Scheduler
         enable_prefix_caching=config.enable_prefix_caching,
         max_waiting_requests=config.max_waiting_requests, eos_token_ids=info.eos_token_ids,
         policy=config.scheduling_policy, max_inflight_steps=2 if config.pipelining else 1,
-        speculative=config.speculative)
+        speculative=config.speculative, brownout=config.brownout)
 
 
 @dataclass(slots=True)

@@ -53,6 +53,8 @@ _GAUGES = (
     ("pagoda:num_total_blocks", "num_total_blocks", "KV blocks in the pool."),
     ("pagoda:worker_connected", "worker_connected", "1 when the scheduler has a worker stream."),
     ("pagoda:num_pinned_blocks", "num_pinned_blocks", "KV blocks held for --pinned-prompts."),
+    ("pagoda:brownout_active", "brownout_active",
+     "1 while the scheduler is in brownout (memory pressure: smaller steps, new requests' max_tokens capped)."),
 )
 _COUNTERS = (
     ("vllm:prefix_cache_queries", "prefix_cache_queries", "Prefix-cache queries, in tokens."),
@@ -68,6 +70,9 @@ _COUNTERS = (
     ("vllm:spec_decode_num_drafts", "spec_num_drafts", "Speculative decoding: sequence-steps with drafts."),
     ("vllm:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens proposed."),
     ("vllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted."),
+    ("pagoda:brownout_entries", "brownout_entries", "Times the scheduler entered brownout."),
+    ("pagoda:brownout_capped_requests", "brownout_capped_requests",
+     "Requests whose max_tokens brownout lowered at admission."),
 )
 
 

@@ -25,6 +25,7 @@ from collections import deque
 
 from pagoda.contract.ids import BlockId, RequestId
 from pagoda.contract.step import Fork, NewRequestData, StepPlan, StepResult, TableUpdate
+from scheduler_svc.core.brownout import BrownoutMixin
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.outputs import SequenceDelta
@@ -38,7 +39,8 @@ from scheduler_svc.core.step_draft import InflightStep, StepDraft
 __all__ = ["Scheduler", "SchedulerStats"]
 
 
-class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin, PinningMixin):
+class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin, PinningMixin,
+                BrownoutMixin):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self._kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -56,6 +58,7 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
         self._init_isolation()
         self._init_speculation()
         self._init_pinning()
+        self._init_brownout()
         self.max_inflight_steps = 1 if config.speculative else config.max_inflight_steps
 
     # -- scheduling ---------------------------------------------------------------------------
@@ -64,11 +67,13 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
         `max_inflight_steps` plans are already out (call `update` first)."""
         if len(self._inflight) >= self.max_inflight_steps:
             return None
+        if self._brownout is not None:  # sustained memory pressure: smaller steps, capped max_tokens
+            self._brownout_tick()
         if self._suspects:  # a step failed: run the suspects one by one first (poison.py)
             return self._schedule_probe()
         plan = StepPlan(step_id=self._next_step_id, finished_ids=self._finished_resident)
         self._finished_resident = []
-        draft = StepDraft(plan, self.config.max_num_batched_tokens)
+        draft = StepDraft(plan, self._step_budget)
         self._schedule_running(draft)
         if not plan.preempted_ids:
             self._admit_waiting(draft)

@@ -43,6 +43,9 @@ class SchedulerStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at position i (0-based)
     num_pinned_blocks: int = 0  # prefix blocks held for pinned prompts (pinning.py)
+    brownout_active: bool = False  # under memory pressure: smaller steps, capped max_tokens (brownout.py)
+    brownout_entries: int = 0  # times brownout was entered
+    brownout_capped_requests: int = 0  # requests whose max_tokens brownout lowered
 
 
 class SchedulerLifecycleMixin:
@@ -62,6 +65,8 @@ class SchedulerLifecycleMixin:
             req.admitted = True
             req.num_cached_tokens = num_hit
             self.prompt_tokens += req.num_prompt_tokens
+            if self._brownout_cap:  # in brownout: a newly admitted request gets the short limit
+                self._cap_max_tokens(req)
 
     def _note_step(self, num_prefill: int, num_decode: int, num_preempted: int) -> None:
         self._last_step = (num_prefill, num_decode, num_preempted)
@@ -124,7 +129,8 @@ class SchedulerLifecycleMixin:
             self.num_requests_isolated, self.spec_num_drafts, self.spec_num_draft_tokens,
             self.spec_num_accepted_tokens,
             tuple(self.spec_accepted_per_pos[i] for i in range(len(self.spec_accepted_per_pos))),
-            len(self._pinned_blocks))
+            len(self._pinned_blocks), brownout_active=self.brownout_active,
+            brownout_entries=self.brownout_entries, brownout_capped_requests=self.brownout_capped_requests)
 
     def running_request_ids(self, plan: StepPlan) -> list[RequestId]:
         """The caller-level ids of the requests `plan` (just returned by schedule(), nothing changed
@@ -207,6 +213,7 @@ class SchedulerLifecycleMixin:
             seq.status = SeqStatus.WAITING
             self._waiting.push_front(seq)
         self.num_preemptions += len(self._running)
+        self._brownout_rebase()  # a worker loss is not memory pressure
         self._running = []
         self._running_slots = 0
         for seq in self._live.values():

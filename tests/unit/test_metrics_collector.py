@@ -21,7 +21,8 @@ def fake_stats() -> engine_pb2.EngineStats:
         prefix_cache_hits=96, num_preemptions=1, prompt_tokens=1234, generation_tokens=567,
         num_steps=50, step_seconds_sum=1.5, blocks_allocated=70, blocks_freed=38,
         num_step_failures=3, num_requests_isolated=1, spec_num_drafts=5, spec_num_draft_tokens=18,
-        spec_num_accepted_tokens=11, spec_accepted_per_pos=[5, 4, 2], num_pinned_blocks=3, request_success={"stop": 4, "length": 2}, worker_connected=True)
+        spec_num_accepted_tokens=11, spec_accepted_per_pos=[5, 4, 2], num_pinned_blocks=3, request_success={"stop": 4, "length": 2}, worker_connected=True,
+        brownout_active=True, brownout_entries=2, brownout_capped_requests=7)
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -50,6 +51,9 @@ def test_engine_stats_become_vllm_series_with_model_name() -> None:
         ("pagoda:num_total_blocks", model): 128.0,
         ("pagoda:worker_connected", model): 1.0,
         ("pagoda:num_pinned_blocks", model): 3.0,
+        ("pagoda:brownout_active", model): 1.0,
+        ("pagoda:brownout_entries_total", model): 2.0,
+        ("pagoda:brownout_capped_requests_total", model): 7.0,
         ("vllm:prefix_cache_queries_total", model): 400.0,
         ("vllm:prefix_cache_hits_total", model): 96.0,
         ("vllm:num_preemptions_total", model): 1.0,
