@@ -77,7 +77,7 @@ def host_ports(service: dict) -> list[str]:
 
 
 def test_every_service_has_an_image_and_pagoda_ones_share_one_build(services: dict) -> None:
-    assert set(services) == {*PAGODA_SERVICES, "otel-collector", "jaeger", "prometheus"}
+    assert set(services) == {*PAGODA_SERVICES, "otel-collector", "jaeger", "prometheus", "grafana"}
     for name, service in services.items():
         assert "image" in service or "build" in service, name
     assert {services[s]["build"] for s in PAGODA_SERVICES} == {"."}
@@ -140,7 +140,7 @@ def test_worker_gets_one_nvidia_gpu_shm_and_restarts(services: dict) -> None:
 def test_published_ports_are_the_documented_ones(services: dict) -> None:
     published = {name: host_ports(s) for name, s in services.items() if host_ports(s)}
     assert published == {"gateway": ["8000", "50051"], "otel-collector": ["4317", "4318"],
-                         "jaeger": ["16686"], "prometheus": ["9090"]}
+                         "jaeger": ["16686"], "prometheus": ["9090"], "grafana": ["3000"]}
 
 
 def test_cpu_overlay_drops_the_gpu_and_keeps_the_rest(base: dict) -> None:
@@ -178,7 +178,7 @@ def test_mounted_configs_exist_and_wire_traces_and_scrapes(services: dict) -> No
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
             if source.startswith("./deploy/"):
-                assert (ROOT / source).is_file(), f"{name} mounts missing {source}"
+                assert (ROOT / source).exists(), f"{name} mounts missing {source}"
     collector = yaml.safe_load((ROOT / "deploy/otel-collector.yaml").read_text())
     assert collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"] == "0.0.0.0:4317"
     [exporter] = collector["service"]["pipelines"]["traces"]["exporters"]
@@ -187,6 +187,8 @@ def test_mounted_configs_exist_and_wire_traces_and_scrapes(services: dict) -> No
     [job] = prometheus["scrape_configs"]
     assert job["metrics_path"] == "/metrics"
     assert job["static_configs"] == [{"targets": ["gateway:8000"]}]
+    mounts = dict(v.split(":")[1::-1] for v in services["prometheus"]["volumes"])  # container -> host
+    assert [mounts[path] for path in prometheus["rule_files"]] == ["./deploy/prometheus/alerts.yml"]
 
 
 def test_dockerfile_installs_with_the_makefile_steps() -> None:
