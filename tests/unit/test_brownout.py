@@ -166,3 +166,13 @@ def test_a_worker_loss_is_not_memory_pressure() -> None:
     run.worker = type(run.worker)(64, 4, run.sampler)
     run.go([(0, greedy("after", [5, 6], 4))])
     assert not run.scheduler.brownout_changes and run.scheduler.stats().brownout_entries == 0
+
+
+def test_scheduler_flags_build_the_config_and_refuse_bad_values() -> None:
+    from scheduler_svc.__main__ import build_config, parse_args
+    assert build_config(parse_args([])).brownout is None  # off by default
+    on = build_config(parse_args(["--enable-brownout", "--brownout-max-tokens", "64",
+                                  "--brownout-preemptions", "0", "--brownout-window-steps", "16"])).brownout
+    assert on == BrownoutConfig(max_tokens=64, preemption_threshold=0, window_steps=16)
+    with pytest.raises(SystemExit, match="kv_recover_watermark"):
+        build_config(parse_args(["--enable-brownout", "--brownout-kv-recover-watermark", "0.99"]))
