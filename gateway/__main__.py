@@ -35,6 +35,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     parser.add_argument("--tls-cert", default=None, help="PEM cert of the public gRPC port")
     parser.add_argument("--tls-key", default=None, help="PEM key of the public gRPC port")
     parser.add_argument("--tls-ca", default=None, help="PEM CA to verify the scheduler (TLS channel)")
+    parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default="hermes",
+                        help="the model's tool-call format (vLLM's names)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide to call tools (tool_choice "auto")')
     args = parser.parse_args(argv)
     try:
         api_keys = load_tenant_file(args.api_keys) if args.api_keys else None
@@ -49,7 +53,8 @@ def _config(args: argparse.Namespace, api_keys) -> GatewayConfig:
                          api_key=args.api_key, api_keys=api_keys, max_request_bytes=args.max_request_bytes,
                          log_json=args.log_json, otlp_traces_endpoint=args.otlp_traces_endpoint,
                          shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert,
-                         tls_key=args.tls_key, tls_ca=args.tls_ca)
+                         tls_key=args.tls_key, tls_ca=args.tls_ca, tool_call_parser=args.tool_call_parser,
+                         enable_auto_tool_choice=args.enable_auto_tool_choice)
 
 
 def main(argv: list[str] | None = None) -> None:

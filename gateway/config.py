@@ -43,6 +43,10 @@ class GatewayConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     """PEM CA bundle to verify the scheduler's certificate; None: plaintext channel."""
+    tool_call_parser: str = "hermes"
+    """The model's tool-call format: hermes (`<tool_call>` JSON) or llama3_json (vLLM's names)."""
+    enable_auto_tool_choice: bool = False
+    """Let the model decide whether to call tools (tool_choice "auto"); required/named work without."""
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):
@@ -56,6 +60,8 @@ class GatewayConfig:
             raise ValueError("engine_timeout_s must be positive")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must not be negative")
+        if self.tool_call_parser not in ("hermes", "llama3_json"):
+            raise ValueError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
         self.tenant_table()  # raises when api_key is also in the file

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.chat_tools import ToolDeltas, finish_choice, template_messages, tool_plan, with_forced_call
 from gateway.generation import GenerationStep, SequenceChunk, generate, start_request_span
 from gateway.openai_common import (
     build_generation_input,
@@ -33,15 +34,17 @@ from gateway.openai_protocol import (
 from gateway.state import GatewayState
 from gateway.tenancy import admit
 from gateway.tokenizer import Tokenizer
+from gateway.tool_calls import NO_TOOLS, ToolPlan
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.runtime.telemetry import context_from_headers
 
 
-def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    messages = [m.as_template_dict() for m in body.messages]
+def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer,
+                    plan: ToolPlan = NO_TOOLS) -> list[int]:
+    messages, tool_kwargs = template_messages(body, getattr(tokenizer.hf, "chat_template", None), plan)
     try:
         return tokenizer.encode_chat(messages, body.add_generation_prompt,
-                                     **(body.chat_template_kwargs or {}))
+                                     **tool_kwargs, **(body.chat_template_kwargs or {}))
     except ValueError as error:  # no template, or the template rejected the conversation
         raise InvalidRequestError(str(error)) from None
     except Exception as error:  # noqa: BLE001 - jinja's TemplateError and friends
@@ -67,9 +70,12 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
     tokenizer, info = state.require_ready()
     model = state.check_model(body.model)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    config = state.config
+    plan = tool_plan(body, config.tool_call_parser, config.enable_auto_tool_choice)
     sampling = build_sampling(body, body.effective_max_tokens, logprobs, tokenizer, info.vocab_size)
+    sampling = with_forced_call(sampling, plan)
     await check_structured_outputs(sampling)
-    request = build_generation_input(body, new_request_id("chatcmpl"), chat_prompt_ids(body, tokenizer),
+    request = build_generation_input(body, new_request_id("chatcmpl"), chat_prompt_ids(body, tokenizer, plan),
                                      sampling, info.max_model_len)
     request, lease = admit(http, request, info.max_model_len)
     span = start_request_span("chat", model, context_from_headers(http.headers), request,
@@ -80,10 +86,13 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
                               logprobs=ChatLogprobs(content=[]) if body.logprobs else None)
                    for i in range(body.n)]
         usage = await until_disconnected(http, _collect(steps, choices, tokenizer))
+        for choice in choices:
+            finish_choice(choice, plan, body.parallel_tool_calls)
         return JSONResponse(ChatCompletionResponse(id=request.request_id, model=model, choices=choices,
                                                    usage=usage_info(usage)).model_dump())
     first = await until_disconnected(http, anext(steps))  # upstream errors keep their HTTP status
-    events = _stream(first, steps, body, tokenizer, request.request_id, model)
+    events = _stream(first, steps, body, tokenizer, request.request_id, model,
+                     ToolDeltas(body.n, plan, body.parallel_tool_calls))
     return StreamingResponse(sse_stream(events), media_type="text/event-stream")
 
 
@@ -102,7 +111,8 @@ async def _collect(steps: AsyncIterator[GenerationStep], choices: list[ChatChoic
 
 
 async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], body: ChatCompletionRequest,
-                  tokenizer: Tokenizer, request_id: str, model: str) -> AsyncIterator[ChatCompletionChunk]:
+                  tokenizer: Tokenizer, request_id: str, model: str,
+                  tools: ToolDeltas) -> AsyncIterator[ChatCompletionChunk]:
     created = int(time.time())
 
     def chunk_of(choices: list[ChatStreamChoice], usage=None) -> ChatCompletionChunk:
@@ -114,10 +124,14 @@ async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], b
                     for i in range(body.n)])
     step: GenerationStep | None = first
     while step is not None:
-        deltas = [ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                   logprobs=chat_logprobs(tokenizer, c) if body.logprobs else None,
-                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                  for c in step.chunks if c.text or c.finish_reason or (body.logprobs and c.token_ids)]
+        deltas = []
+        for c in step.chunks:
+            text, calls, finish_reason = tools.feed(c.index, c.text, c.finish_reason)
+            if text or calls or finish_reason or (body.logprobs and c.token_ids):
+                deltas.append(ChatStreamChoice(
+                    index=c.index, delta=DeltaMessage(content=text or (None if calls else ""), tool_calls=calls),
+                    logprobs=chat_logprobs(tokenizer, c) if body.logprobs else None,
+                    finish_reason=finish_reason, stop_reason=c.stop_reason))
         if deltas:
             continuous = body.continuous_usage and step.progress is not None
             yield chunk_of(deltas, usage_info(step.progress) if continuous else None)

@@ -37,11 +37,8 @@ CONDITIONAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     # chat
     "audio": _unsupported("text output only"),
     "modalities": (lambda v: _absent(v) or list(v) == ["text"], "only [\"text\"] is supported"),
-    "functions": _unsupported("function calling is not implemented; send no functions"),
-    "function_call": (lambda v: _absent(v) or v == "none", "function calling is not implemented"),
-    "tools": _unsupported("tool calling is not implemented yet; send no tools"),
-    "tool_choice": (lambda v: _absent(v) or v == "none", "tool calling is not implemented yet"),
-    "parallel_tool_calls": _unsupported("tool calling is not implemented yet"),
+    "functions": _unsupported("the deprecated functions are not served; use tools"),
+    "function_call": (lambda v: _absent(v) or v == "none", "the deprecated function_call is not served; use tool_choice"),
     "prediction": _unsupported("predicted outputs are not implemented"),
     "reasoning_effort": _unsupported("the served models do not reason"),
     "verbosity": _unsupported("the served models have no verbosity setting"),
@@ -58,7 +55,7 @@ HONOURED_COMPLETION = frozenset({
 HONOURED_CHAT = frozenset({
     "model", "messages", "frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
     "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "temperature",
-    "top_logprobs", "top_p", "response_format",
+    "top_logprobs", "top_p", "response_format", "tools", "tool_choice", "parallel_tool_calls",
 }) - CONDITIONAL.keys()
 # Accepted; they change no output by definition (identifiers, billing tiers, cache hints: the
 # prefix cache is automatic and keeps what fits).

@@ -11,11 +11,20 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from gateway.openai_fields import CONDITIONAL, check_conditional
+from gateway.openai_messages import ChatMessage
 from gateway.openai_structured import StructuredFields
+from gateway.openai_tools import DeltaToolCall, ToolCall, ToolChoice, ToolDef
 from gateway.stop_strings import check_stop_strings
 from pagoda.contract.errors import InvalidRequestError
 
@@ -111,40 +120,6 @@ class CompletionRequest(_GenerationFields):
     best_of: Any = None
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"] = "text"  # images, audio, files: a 400 (the served models read text)
-    text: str = ""
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # what a client echoes back (refusal, annotations...)
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    # an assistant turn that called tools, or audio: not served yet, so a 400 rather than dropped
-    tool_calls: Any = None
-    function_call: Any = None
-    audio: Any = None
-
-    @field_validator("tool_calls", "function_call", "audio", mode="before")
-    @classmethod
-    def _no_tool_turns(cls, value: Any, info: ValidationInfo) -> Any:
-        if value:
-            raise PydanticCustomError("unsupported_field", f"not supported: messages with "
-                                      f"{info.field_name} (tool calling is not implemented yet)")
-        return value
-
-    def as_template_dict(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):  # content parts: only text is served
-            content = "".join(part.text for part in content if part.type == "text")
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
-        return message
-
-
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to the context length
@@ -153,14 +128,14 @@ class ChatCompletionRequest(_GenerationFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None  # None: "auto" when tools are given, as OpenAI
+    parallel_tool_calls: bool | None = None  # False: at most the first call is returned
     # accepted only with their defaults (openai_fields.CONDITIONAL)
     audio: Any = None
     modalities: Any = None
     functions: Any = None
     function_call: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     prediction: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
@@ -228,9 +203,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(BaseModel):
+class _OmitNoToolCalls(BaseModel):
+    """`tool_calls` appears only when there are some (OpenAI's messages and deltas omit it)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
+
+
+class ChatResponseMessage(_OmitNoToolCalls):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -250,9 +237,10 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_OmitNoToolCalls):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

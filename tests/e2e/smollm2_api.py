@@ -19,7 +19,7 @@ def smollm2_api(smollm2_dir, tmp_path_factory):
                               kv_cache_memory_bytes=KV_BYTES)]
     try:
         processes.append(start_scheduler(processes[0].target, logs, max_num_seqs=32))
-        gateway, http_url = start_gateway(processes[1].target, logs)
+        gateway, http_url = start_gateway(processes[1].target, logs, "--enable-auto-tool-choice")
         processes.append(gateway)
         yield http_url
     finally:

@@ -20,8 +20,7 @@ CHAT_FIELDS = set(typing.get_type_hints(chat_create_params.CompletionCreateParam
 NON_DEFAULT = {
     "suffix": " and then", "best_of": 2, "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "functions": [{"name": "f", "parameters": {}}],
-    "function_call": "auto", "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "auto", "parallel_tool_calls": True,
+    "function_call": "auto",
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
     "web_search_options": {"search_context_size": "low"}, "moderation": {"model": "m"}, "store": True,
 }
@@ -58,7 +57,7 @@ async def test_defaults_and_informational_fields_are_accepted(gateway, endpoint)
     path, base = BASES[endpoint]
     fields = COMPLETION_FIELDS if endpoint == "completion" else CHAT_FIELDS
     defaults = {"suffix": None, "best_of": 1, "modalities": ["text"], "tool_choice": "none",
-                "store": False, "tools": [], "response_format": {"type": "text"}}
+                "store": False, "tools": [], "response_format": {"type": "text"}, "parallel_tool_calls": True}
     body = {**base, **{k: v for k, v in INFORMATIVE.items() if k in fields},
             **{k: v for k, v in defaults.items() if k in fields}}
     reply = await gateway.http.post(path, json=body)
@@ -76,16 +75,15 @@ async def test_unknown_field_is_400_naming_it(gateway, endpoint):
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream_options.x"
 
 
-async def test_non_text_content_and_tool_turns_are_400(gateway):
+async def test_non_text_content_and_function_call_turns_are_400(gateway):
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
     reply = await gateway.http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}]})
     assert reply.status_code == 400 and "messages.0.content" in reply.json()["error"]["param"]
-    turn = {"role": "assistant", "content": None,
-            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    turn = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}
     reply = await gateway.http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "Hi"}, turn]})
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages.1.tool_calls"
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages.1.function_call"
     echoed = {"role": "assistant", "content": "Hello", "refusal": None, "tool_calls": None}
     reply = await gateway.http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "Hi"}, echoed, {"role": "user", "content": "Go"}]})
