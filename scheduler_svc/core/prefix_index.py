@@ -12,39 +12,15 @@ Only the scheduler registers blocks, and only once the step that wrote them has 
 
 from __future__ import annotations
 
-import hashlib
-import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from pagoda.contract.ids import BlockId
 
-ROOT_HASH = hashlib.sha256(b"pagoda/prefix-root/v1").digest()
+# The hash itself lives in the contract: the gateway's prefix-aware router computes the same one.
+# kv_cache_manager calls it as `prefix_index.hash_block`, so tests can monkeypatch it here.
+from pagoda.contract.prefix_hash import ROOT_HASH, block_extra_keys, hash_block  # noqa: F401
+
 ROOT_SERIAL = 0  # the parent serial of a first block
-
-
-_packers: dict[int, Callable[..., bytes]] = {}  # block length -> struct packer of that many int64s
-
-
-def _pack_tokens(token_ids: Sequence[int]) -> bytes:
-    """The token ids as native int64s: the bytes array("q", ...).tobytes() gives, at half the cost
-    (a precompiled struct per block length; a block fills on every block_size-th decode step)."""
-    pack = _packers.get(len(token_ids))
-    if pack is None:
-        pack = _packers[len(token_ids)] = struct.Struct(f"{len(token_ids)}q").pack
-    return pack(*token_ids)
-
-
-def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> bytes:
-    """SHA-256 over (parent hash, tokens as fixed-width ints, extra keys). Tests monkeypatch this."""
-    digest = hashlib.sha256(parent or ROOT_HASH)
-    digest.update(_pack_tokens(token_ids))
-    if extra_keys:
-        digest.update(repr(extra_keys).encode())
-    return digest.digest()
-
-
-def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple:
-    return (cache_salt,) if block_index == 0 and cache_salt is not None else ()
 
 
 # An entry, per cached block: (block_hash, parent_serial, token_ids, extra_keys, serial). A plain
