@@ -7,6 +7,7 @@ import asyncio
 import os
 
 from gateway.config import GatewayConfig
+from gateway.routing import POLICIES, RoutingConfig
 from gateway.server import serve
 from gateway.tenants import TenantFileError, load_tenant_file
 from pagoda.runtime.logging import configure_logging
@@ -14,7 +15,10 @@ from pagoda.runtime.logging import configure_logging
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     parser = argparse.ArgumentParser(prog="python -m gateway", description="Pagoda gateway")
-    parser.add_argument("--scheduler", default="127.0.0.1:50052", help="scheduler host:port")
+    parser.add_argument("--scheduler", action="append", default=None,
+                        help="scheduler host:port (default 127.0.0.1:50052); repeat it, or separate them "
+                             "with commas, for data-parallel replicas behind this gateway")
+    _add_routing_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
     parser.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port")
@@ -47,8 +51,34 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         parser.error(str(error))
 
 
+def _add_routing_args(parser: argparse.ArgumentParser) -> None:
+    defaults = RoutingConfig()
+    group = parser.add_argument_group("data-parallel replicas (several --scheduler)")
+    group.add_argument("--routing-policy", choices=POLICIES, default=None,
+                       help="how a request picks its replica (default: prefix with several replicas)")
+    group.add_argument("--routing-prefix-blocks", type=int, default=defaults.prefix_blocks,
+                       help="full KV blocks of the prompt hashed into the prefix routing key")
+    group.add_argument("--routing-overload-threshold", type=int, default=defaults.overload_threshold,
+                       help="leave the prefix owner when its queue exceeds the least-loaded replica's by more")
+    group.add_argument("--replica-stats-interval", type=float, default=defaults.stats_interval_s,
+                       help="seconds between each replica's health + GetStats refresh")
+    group.add_argument("--breaker-failures", type=int, default=defaults.breaker_failures,
+                       help="consecutive failures that take a replica out of rotation")
+    group.add_argument("--breaker-cooldown", type=float, default=defaults.breaker_cooldown_s,
+                       help="seconds before a replica out of rotation is probed again")
+
+
+def _routing(args: argparse.Namespace) -> RoutingConfig:
+    return RoutingConfig(policy=args.routing_policy, prefix_blocks=args.routing_prefix_blocks,
+                         overload_threshold=args.routing_overload_threshold,
+                         stats_interval_s=args.replica_stats_interval, breaker_failures=args.breaker_failures,
+                         breaker_cooldown_s=args.breaker_cooldown)
+
+
 def _config(args: argparse.Namespace, api_keys) -> GatewayConfig:
-    return GatewayConfig(scheduler=args.scheduler, host=args.host, port=args.port, grpc_port=args.grpc_port,
+    scheduler = ",".join(args.scheduler or ["127.0.0.1:50052"])
+    return GatewayConfig(scheduler=scheduler, routing=_routing(args), host=args.host, port=args.port,
+                         grpc_port=args.grpc_port,
                          tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                          api_key=args.api_key, api_keys=api_keys, max_request_bytes=args.max_request_bytes,
                          log_json=args.log_json, otlp_traces_endpoint=args.otlp_traces_endpoint,

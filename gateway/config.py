@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from gateway.routing import RoutingConfig
 from gateway.tenants import TenantTable, tenant_table
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     scheduler: str = "127.0.0.1:50052"
-    """host:port of the scheduler's pagoda.v1.Engine service."""
+    """host:port of the scheduler's pagoda.v1.Engine service; several, comma-separated: data-parallel
+    replicas, each request routed to one (gateway/routing.py)."""
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    """With several schedulers: the routing policy, its thresholds and the replicas' breakers."""
     host: str = "127.0.0.1"
     """Interface both servers bind to."""
     port: int = 8000
@@ -52,6 +56,8 @@ class GatewayConfig:
         for name in ("port", "grpc_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be a TCP port, got {getattr(self, name)}")
+        if not self.schedulers:
+            raise ValueError("at least one scheduler host:port is needed")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if self.api_key is not None and not self.api_key:
@@ -65,6 +71,10 @@ class GatewayConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
         self.tenant_table()  # raises when api_key is also in the file
+
+    @property
+    def schedulers(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.scheduler.split(",") if t.strip())
 
     def tenant_table(self) -> TenantTable:
         """Every tenant: the file's plus the single api_key's; empty (auth off) without either."""

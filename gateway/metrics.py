@@ -11,7 +11,8 @@ from prometheus_client import Counter, Gauge
 
 from pagoda.runtime.metrics import CONTENT_TYPE_LATEST, GatewayMetrics, RequestTimer
 
-__all__ = ["CONTENT_TYPE_LATEST", "HTTP_REQUESTS", "METRICS", "TENANT_IN_FLIGHT", "TENANT_RATE_LIMITED",
+__all__ = ["CONTENT_TYPE_LATEST", "HTTP_REQUESTS", "METRICS", "REPLICA_BREAKER_OPENED", "REPLICA_UP",
+           "ROUTER_REQUESTS", "ROUTER_RESUBMITTED", "ROUTER_STREAMS_FAILED", "TENANT_IN_FLIGHT", "TENANT_RATE_LIMITED",
            "TENANT_REQUESTS", "TENANT_TOKENS", "RequestTimer"]
 
 METRICS = GatewayMetrics()  # its own registry; one per process
@@ -30,3 +31,19 @@ TENANT_TOKENS = Counter("pagoda:tenant_tokens", "Tokens charged to a tenant's to
                         registry=METRICS.registry)
 TENANT_IN_FLIGHT = Gauge("pagoda:tenant_requests_in_flight", "Admitted generation requests not yet ended.",
                          ["tenant"], registry=METRICS.registry)
+
+# Data-parallel replicas (gateway/replica_set.py), labelled by replica index (the position of its
+# scheduler in --scheduler: bounded) and by routing decision (gateway/routing.py DECISIONS).
+ROUTER_REQUESTS = Counter("pagoda:router_requests", "Generation requests sent to a replica, by replica and "
+                          "routing decision (prefix, overloaded, no_prefix, least_loaded, round_robin, "
+                          "failover).", ["replica", "decision"], registry=METRICS.registry)
+ROUTER_RESUBMITTED = Counter("pagoda:router_resubmitted", "Requests re-submitted to another replica after "
+                             "this one failed them before their first token.", ["replica"],
+                             registry=METRICS.registry)
+ROUTER_STREAMS_FAILED = Counter("pagoda:router_streams_failed", "Streams already under way that ended with "
+                                "an error because their replica failed (not re-submitted).", ["replica"],
+                                registry=METRICS.registry)
+REPLICA_UP = Gauge("pagoda:replica_up", "1 while a replica's circuit breaker is closed (in rotation).",
+                   ["replica"], registry=METRICS.registry)
+REPLICA_BREAKER_OPENED = Counter("pagoda:replica_breaker_opened", "Times a replica's circuit breaker opened "
+                                 "(taken out of rotation).", ["replica"], registry=METRICS.registry)

@@ -14,6 +14,7 @@ from gateway.config import GatewayConfig
 from gateway.drain import CountingGenerationServicer, InFlight, InFlightMiddleware
 from gateway.engine_client import EngineClient
 from gateway.openai_api import create_app
+from gateway.replica_set import ReplicaSet
 from gateway.state import GatewayState
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.runtime.logging import get_logger
@@ -56,8 +57,15 @@ async def _connect(state: GatewayState, health: HealthState) -> None:
     await health.set_serving(True)
 
 
+def engine_client_for(config: GatewayConfig) -> EngineClient | ReplicaSet:
+    """One scheduler: its client; several: a ReplicaSet routing each request (same interface)."""
+    if len(config.schedulers) == 1:
+        return EngineClient(config.schedulers[0], config.engine_timeout_s, tls_ca=config.tls_ca)
+    return ReplicaSet(config.schedulers, config.routing, config.engine_timeout_s, tls_ca=config.tls_ca)
+
+
 async def serve(config: GatewayConfig) -> None:
-    client = EngineClient(config.scheduler, config.engine_timeout_s, tls_ca=config.tls_ca)
+    client = engine_client_for(config)
     state = GatewayState(config, client)
     in_flight = InFlight()
     grpc_server, grpc_port, health = await start_grpc_server(state, config.host, config.grpc_port,

@@ -32,3 +32,16 @@ def test_parse_args_builds_the_config(monkeypatch):
     assert (config.served_model_name, config.api_key) == ("tiny", "k")
     with pytest.raises(ValueError):
         parse_args(["--port", "70000"])
+
+
+def test_several_schedulers_and_the_routing_flags(monkeypatch):
+    monkeypatch.delenv("PAGODA_API_KEY", raising=False)
+    config = parse_args(["--scheduler", "10.0.0.1:1", "--scheduler", "10.0.0.2:1,10.0.0.3:1",
+                         "--routing-policy", "round-robin", "--routing-overload-threshold", "7",
+                         "--breaker-failures", "2", "--breaker-cooldown", "0.5"])
+    assert config.schedulers == ("10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1")
+    assert (config.routing.policy, config.routing.overload_threshold) == ("round-robin", 7)
+    assert (config.routing.breaker_failures, config.routing.breaker_cooldown_s) == (2, 0.5)
+    assert parse_args([]).schedulers == ("127.0.0.1:50052",)
+    with pytest.raises(ValueError, match="breaker_failures"):
+        parse_args(["--breaker-failures", "0"])

@@ -1,0 +1,225 @@
+"""Several scheduler replicas behind the one EngineClient interface the handlers already use.
+
+`ReplicaSet` owns one EngineClient per scheduler, a background refresher per replica (grpc.health
++ GetStats every `stats_interval_s`: the router's load, and the circuit breaker's probe), and
+routes each `generate` with gateway/routing.py. Failover: a replica that fails a request with
+UNAVAILABLE (or RESOURCE_EXHAUSTED, queue full) before any token was streamed has it re-submitted
+to another replica, transparently; a stream already under way ends with its error (the handlers
+render it as today). Every replica is tried at most once per request. Aborts go to the replica
+that holds the request. Ready when at least one replica serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+
+from gateway import metrics
+from gateway.engine_client import EngineClient
+from gateway.errors import UpstreamError
+from gateway.routing import BreakerState, CircuitBreaker, Router, RoutingConfig, routing_key
+from pagoda.runtime.logging import get_logger
+from pagoda.v1 import engine_pb2
+
+log = get_logger(__name__)
+# Failures before the first token that another replica may take over. UNAVAILABLE also opens the
+# breaker; RESOURCE_EXHAUSTED (that replica's queue is full) is load, not a fault.
+_RESUBMIT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+class Replica:
+    __slots__ = ("index", "client", "breaker", "label", "serving")
+
+    def __init__(self, index: int, client: EngineClient, breaker: CircuitBreaker) -> None:
+        self.index, self.client, self.breaker, self.label = index, client, breaker, str(index)
+        self.serving = False  # its last health check said SERVING
+
+
+class ReplicaSet:
+    """Create inside the event loop; `start()` begins the background refresh (wait_for_info does)."""
+
+    def __init__(self, targets: Sequence[str], routing: RoutingConfig, timeout_s: float = 5.0,
+                 tls_ca: str | None = None, clock: Callable[[], float] = time.monotonic,
+                 clients: Sequence[EngineClient] | None = None) -> None:
+        if len(targets) < 1:
+            raise ValueError("a replica set needs at least one scheduler")
+        clients = clients or [EngineClient(t, timeout_s, tls_ca=tls_ca) for t in targets]
+        self.replicas = [Replica(i, c, CircuitBreaker(routing.breaker_failures, routing.breaker_cooldown_s,
+                                                      clock)) for i, c in enumerate(clients)]
+        self.router = Router(targets, routing)
+        self.target = ",".join(targets)
+        self.block_size = 0  # from GetInfo; 0 (no key) until a replica answered
+        self._config = routing
+        self._holders: dict[str, Replica] = {}  # request id -> the replica streaming it
+        self._refreshers: list[asyncio.Task] = []
+        for replica in self.replicas:
+            metrics.REPLICA_UP.labels(replica.label).set(1)
+
+    def start(self) -> None:
+        if not self._refreshers:
+            self._refreshers = [asyncio.create_task(self._refresh_forever(r)) for r in self.replicas]
+
+    async def close(self) -> None:
+        for task in self._refreshers:
+            task.cancel()
+        for task in self._refreshers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for replica in self.replicas:
+            await replica.client.close()
+
+    # -- health, load and the breakers -------------------------------------------------------
+
+    async def _refresh_forever(self, replica: Replica) -> None:
+        while True:
+            await self.refresh(replica)
+            await asyncio.sleep(self._config.stats_interval_s)
+
+    async def refresh(self, replica: Replica) -> None:
+        """One probe: health, then stats. While its breaker is open (cooling down) it is skipped;
+        half-open, this probe decides."""
+        if replica.breaker.state is BreakerState.OPEN:
+            return
+        replica.serving = await replica.client.is_serving()
+        stats = None
+        if replica.serving:
+            with contextlib.suppress(UpstreamError):
+                stats = await replica.client.get_stats()
+        if stats is None:
+            self._failed(replica, "not serving" if not replica.serving else "no stats")
+            return
+        self.router.on_stats(replica.index, stats.num_waiting, stats.num_running)
+        self._succeeded(replica)
+
+    def _failed(self, replica: Replica, why: str) -> None:
+        if replica.breaker.record_failure():
+            metrics.REPLICA_UP.labels(replica.label).set(0)
+            metrics.REPLICA_BREAKER_OPENED.labels(replica.label).inc()
+            log.warning("replica_breaker_opened", replica=replica.index, target=replica.client.target,
+                        reason=why, cooldown_s=self._config.breaker_cooldown_s)
+
+    def _succeeded(self, replica: Replica) -> None:
+        if replica.breaker.record_success():
+            metrics.REPLICA_UP.labels(replica.label).set(1)
+            log.info("replica_breaker_closed", replica=replica.index, target=replica.client.target)
+
+    def available(self, exclude: set[int] = frozenset()) -> list[int]:
+        """Replicas in rotation (closed breakers); when none is, every one not excluded (a request
+        then fails fast with the replica's own error rather than a made-up one)."""
+        candidates = [r.index for r in self.replicas if r.index not in exclude]
+        closed = [i for i in candidates if self.replicas[i].breaker.closed]
+        return closed or candidates
+
+    # -- the EngineClient interface ------------------------------------------------------------
+
+    async def generate(self, request: engine_pb2.GenerateRequest, metadata=()
+                       ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        key = (routing_key(request.prompt_token_ids, request.cache_salt, self.block_size,
+                           self._config.prefix_blocks) if self.block_size else None)
+        tried: set[int] = set()
+        while True:
+            candidates = self.available(tried)
+            if tried:  # failover: the least-loaded of the rest, whatever the policy
+                chosen, reason = self.router.least_loaded(candidates), "failover"
+            else:
+                chosen, reason = self.router.choose(key, candidates)
+            replica = self.replicas[chosen]
+            tried.add(replica.index)
+            metrics.ROUTER_REQUESTS.labels(replica.label, reason).inc()
+            self._holders[request.request_id] = replica
+            started = False
+            try:
+                async with contextlib.aclosing(replica.client.generate(request, metadata)) as stream:
+                    async for response in stream:
+                        started = started or any(d.token_ids or d.finish_reason for d in response.sequences)
+                        yield response
+                self._succeeded(replica)
+                return
+            except UpstreamError as error:
+                if error.grpc_code == grpc.StatusCode.UNAVAILABLE:
+                    self._failed(replica, "request failed: UNAVAILABLE")
+                if error.grpc_code not in _RESUBMIT:
+                    raise
+                if started:
+                    metrics.ROUTER_STREAMS_FAILED.labels(replica.label).inc()
+                    raise
+                if len(tried) == len(self.replicas):
+                    raise
+                metrics.ROUTER_RESUBMITTED.labels(replica.label).inc()
+                log.info("request_resubmitted", request_id=request.request_id, failed_replica=replica.index,
+                         code=error.grpc_code.name)
+            finally:
+                if self._holders.get(request.request_id) is replica:
+                    del self._holders[request.request_id]
+
+    async def abort(self, request_id: str) -> bool:
+        holder = self._holders.get(request_id)
+        if holder is not None:
+            return await holder.client.abort(request_id)
+        found = await asyncio.gather(*(r.client.abort(request_id) for r in self.replicas),
+                                     return_exceptions=True)
+        return any(f is True for f in found)
+
+    async def get_info(self) -> engine_pb2.EngineInfo:
+        return await self._first(lambda r: r.client.get_info())
+
+    async def wait_for_info(self, timeout_s: float) -> engine_pb2.EngineInfo:
+        """The first replica's GetInfo to answer (startup order); starts the background refresh."""
+        self.start()
+        info = await self._first(lambda r: r.client.wait_for_info(timeout_s))
+        self.block_size = info.block_size
+        return info
+
+    async def get_stats(self) -> engine_pb2.EngineStats:
+        """Every answering replica's stats, summed (kv_cache_usage: used / total blocks)."""
+        results = await asyncio.gather(*(r.client.get_stats() for r in self.replicas), return_exceptions=True)
+        answered = [s for s in results if isinstance(s, engine_pb2.EngineStats)]
+        if not answered:
+            raise next(e for e in results if isinstance(e, BaseException))
+        return merge_stats(answered)
+
+    async def is_serving(self) -> bool:
+        """At least one replica says SERVING."""
+        return any(await asyncio.gather(*(r.client.is_serving() for r in self.replicas)))
+
+    async def _first(self, call):
+        tasks = [asyncio.create_task(call(r)) for r in self.replicas]
+        error: BaseException | None = None
+        try:
+            for done in asyncio.as_completed(tasks):
+                try:
+                    return await done
+                except UpstreamError as failure:
+                    error = failure
+            raise error
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+def merge_stats(stats: Sequence[engine_pb2.EngineStats]) -> engine_pb2.EngineStats:
+    """Counters and gauges summed, flags and-ed, kv_cache_usage recomputed from the block counts."""
+    merged = engine_pb2.EngineStats()
+    for field in engine_pb2.EngineStats.DESCRIPTOR.fields:
+        name = field.name
+        values = [getattr(s, name) for s in stats]
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            for value in values:
+                for key, count in value.items():
+                    getattr(merged, name)[key] += count
+        elif field.is_repeated:
+            width = max(len(v) for v in values)
+            getattr(merged, name).extend(sum(v[i] for v in values if i < len(v)) for i in range(width))
+        elif field.type == field.TYPE_BOOL:
+            setattr(merged, name, all(values))
+        else:
+            setattr(merged, name, sum(values))
+    if merged.num_total_blocks:
+        merged.kv_cache_usage = merged.num_used_blocks / merged.num_total_blocks
+    else:
+        merged.kv_cache_usage = max(s.kv_cache_usage for s in stats)
+    return merged
