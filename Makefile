@@ -8,6 +8,7 @@ DEFAULT_MODEL := models/smollm2-135m-instruct
 TINY_MODEL    := models/pagoda-tiny
 MODEL  ?= $(DEFAULT_MODEL)
 TP     ?= 1
+DP     ?= 1
 ARGS   ?=# more launcher flags: make run ARGS="--api-keys keys.jsonl --speculative-config ..."
 PROTO_SRC := $(wildcard protos/pagoda/v1/*.proto)
 PROTO_OUT := pagoda/v1/.generated
@@ -60,7 +61,7 @@ run: $(RUN_PREREQ)
 	@model=$(MODEL); \
 	if [ "$$model" = $(DEFAULT_MODEL) ] && [ ! -f $(DEFAULT_MODEL)/config.json ]; then \
 		echo "$(DEFAULT_MODEL) is absent: serving the fallback $(TINY_MODEL)"; model=$(TINY_MODEL); fi; \
-	$(BIN)/python -m pagoda.launcher --model $$model --tensor-parallel-size $(TP) $(ARGS)
+	$(BIN)/python -m pagoda.launcher --model $$model --tensor-parallel-size $(TP) --data-parallel-size $(DP) $(ARGS)
 
 test: model tiny-model
 	$(BIN)/python -m pytest -q -ra

@@ -1,7 +1,8 @@
 """`python -m pagoda.launcher --model DIR` (what `make run` calls): the whole stack on 127.0.0.1.
 
 Starts the worker, the scheduler and (when gateway/__main__.py exists) the gateway as separate
-processes, waits until each answers grpc.health.v1, prints the addresses, restarts a child that
+processes (with `--data-parallel-size N`: N worker + scheduler pairs, replica i on the port flags
++ 10·i, and one gateway routing over all N schedulers), waits until each answers grpc.health.v1, prints the addresses, restarts a child that
 dies (the scheduler reconnects to a restarted worker and recomputes), and stops everything in
 reverse order on Ctrl-C / SIGTERM / SIGHUP / SIGQUIT: the gateway drains first, then the
 scheduler, then the worker.
@@ -109,6 +110,7 @@ class Child:
     needs_serving: bool  # False: "answers health" is enough (a worker is NOT_SERVING until Init)
     proc: subprocess.Popen | None = None
     restarts: list[float] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
 
     def start(self) -> None:
         # A session of its own: a terminal's Ctrl-C reaches only the launcher, which then stops
@@ -116,7 +118,7 @@ class Child:
         # Its process group then holds what it starts itself, for `reap_group`. No preexec_fn:
         # subprocess would fork() rather than vfork(), and gRPC's fork handlers can hang that.
         self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], cwd=REPO, start_new_session=True,
-                                     env={**os.environ, LAUNCHER_PID_ENV: str(os.getpid())})
+                                     env={**os.environ, **self.env, LAUNCHER_PID_ENV: str(os.getpid())})
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -141,9 +143,54 @@ class Child:
             _say(f"{self.name}: killed {len(stragglers)} process(es) it left behind: {stragglers}")
 
 
+REPLICA_PORT_STRIDE = 10  # replica i: --worker-port + 10·i, --scheduler-port + 10·i
+
+
+def replica_ports(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(worker port, scheduler port) of each data-parallel replica."""
+    return [(args.worker_port + REPLICA_PORT_STRIDE * i, args.scheduler_port + REPLICA_PORT_STRIDE * i)
+            for i in range(args.data_parallel_size)]
+
+
+def replica_devices(args: argparse.Namespace, replica: int) -> dict[str, str]:
+    """With several replicas on GPUs: replica i sees GPUs [i·tp, (i+1)·tp) of the visible ones."""
+    if args.data_parallel_size == 1 or args.device == "cpu":
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(args.data_parallel_size
+                                                                     * args.tensor_parallel_size)]
+    mine = gpus[replica * args.tensor_parallel_size:(replica + 1) * args.tensor_parallel_size]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(mine)} if mine else {}
+
+
 def build_children(args: argparse.Namespace) -> list[Child]:
-    worker = f"127.0.0.1:{args.worker_port}"
-    scheduler = f"127.0.0.1:{args.scheduler_port}"
+    """Worker, scheduler per replica, then the gateway over every scheduler."""
+    children: list[Child] = []
+    schedulers = []
+    for i, (worker_port, scheduler_port) in enumerate(replica_ports(args)):
+        suffix = f"[{i}]" if args.data_parallel_size > 1 else ""
+        pair = _replica_children(args, worker_port, scheduler_port, suffix)
+        pair[0].env = replica_devices(args, i)
+        children += pair
+        schedulers.append(f"127.0.0.1:{scheduler_port}")
+    if (REPO / "gateway" / "__main__.py").exists() and not args.no_gateway:
+        has_model = Path(args.model).is_dir() or is_gguf_file(args.model)
+        tokenizer = ["--tokenizer", args.model] if has_model or not args.fake else []
+        drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
+        api_keys = ["--api-keys", args.api_keys] if args.api_keys else []
+        routing = ["--routing-policy", args.routing_policy] if args.routing_policy else []
+        children.append(Child("gateway", ["gateway", "--scheduler", ",".join(schedulers),
+                                          "--port", str(args.gateway_port),
+                                          "--grpc-port", str(args.grpc_port), *tokenizer, *drain,
+                                          *api_keys, *routing],
+                              f"127.0.0.1:{args.grpc_port}", needs_serving=True))
+    return children
+
+
+def _replica_children(args: argparse.Namespace, worker_port: int, scheduler_port: int,
+                      suffix: str) -> list[Child]:
+    worker = f"127.0.0.1:{worker_port}"
+    scheduler = f"127.0.0.1:{scheduler_port}"
     # A fake worker still reads the model directory when there is one: its vocabulary size for the
     # worker, its tokenizer for the gateway (fake token ids must decode).
     has_model = Path(args.model).is_dir() or is_gguf_file(args.model)
@@ -151,21 +198,13 @@ def build_children(args: argparse.Namespace) -> list[Child]:
     model = ["--fake", *model_dir] if args.fake else model_dir
     drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
-    api_keys = ["--api-keys", args.api_keys] if args.api_keys else []
-    children = [
-        Child("worker", ["worker_svc", *model, "--port", str(args.worker_port),
-                         "--tensor-parallel-size", str(args.tensor_parallel_size),
-                         "--device", args.device, "--dtype", args.dtype], worker, needs_serving=False),
-        Child("scheduler", ["scheduler_svc", "--workers", worker, "--port", str(args.scheduler_port),
-                            *drain, *spec], scheduler, needs_serving=True),
+    return [
+        Child(f"worker{suffix}", ["worker_svc", *model, "--port", str(worker_port),
+                                  "--tensor-parallel-size", str(args.tensor_parallel_size),
+                                  "--device", args.device, "--dtype", args.dtype], worker, needs_serving=False),
+        Child(f"scheduler{suffix}", ["scheduler_svc", "--workers", worker, "--port", str(scheduler_port),
+                                     *drain, *spec], scheduler, needs_serving=True),
     ]
-    if (REPO / "gateway" / "__main__.py").exists() and not args.no_gateway:
-        tokenizer = ["--tokenizer", args.model] if model_dir else []
-        children.append(Child("gateway", ["gateway", "--scheduler", scheduler, "--port", str(args.gateway_port),
-                                          "--grpc-port", str(args.grpc_port), *tokenizer, *drain,
-                                          *api_keys],
-                              f"127.0.0.1:{args.grpc_port}", needs_serving=True))
-    return children
 
 
 def wait_ready(child: Child, stop: threading.Event, deadline_s: float) -> bool:
@@ -207,6 +246,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="an HF-format model directory or a .gguf file (`make model` writes the default)")
     p.add_argument("--fake", action="store_true", help="a model-less worker (deterministic fake tokens)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="worker + scheduler replicas behind the one gateway (replica i: port flags + 10·i)")
+    p.add_argument("--routing-policy", choices=("prefix", "round-robin", "least-loaded"), default=None,
+                   help="the gateway's replica routing (default: prefix with several replicas)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the worker's compute dtype (auto: the checkpoint's, fp32 for a quantised GGUF)")
@@ -221,14 +264,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds the gateway and the scheduler may each drain requests in flight")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.data_parallel_size < 1:
+        p.error("--data-parallel-size must be at least 1")
+    return args
 
 
 def taken_ports(args: argparse.Namespace) -> list[str]:
     """The launcher's ports that something already listens on, as 'flag PORT' lines. Checked before
     any child starts: otherwise the readiness probes would find the *other* stack's servers and
     report this one as serving while its children die on 'address in use'."""
-    ports = {"--worker-port": args.worker_port, "--scheduler-port": args.scheduler_port}
+    ports = {}
+    for i, (worker_port, scheduler_port) in enumerate(replica_ports(args)):
+        offset = f" + {REPLICA_PORT_STRIDE * i}" if i else ""
+        ports |= {f"--worker-port{offset}": worker_port, f"--scheduler-port{offset}": scheduler_port}
     if not args.no_gateway:
         ports |= {"--gateway-port": args.gateway_port, "--grpc-port": args.grpc_port}
     taken = []
@@ -277,8 +326,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_addresses(args: argparse.Namespace, children: list[Child]) -> None:
-    lines = [f"  worker     grpc  127.0.0.1:{args.worker_port}",
-             f"  scheduler  grpc  127.0.0.1:{args.scheduler_port}  (pagoda.v1.Engine)"]
+    lines = []
+    for i, (worker_port, scheduler_port) in enumerate(replica_ports(args)):
+        replica = f"  (replica {i})" if args.data_parallel_size > 1 else ""
+        lines += [f"  worker     grpc  127.0.0.1:{worker_port}{replica}",
+                  f"  scheduler  grpc  127.0.0.1:{scheduler_port}  (pagoda.v1.Engine){replica}"]
     if any(c.name == "gateway" for c in children):
         lines += [f"  gateway    http  http://127.0.0.1:{args.gateway_port}/v1  (OpenAI API)",
                   f"  gateway    grpc  127.0.0.1:{args.grpc_port}"]
