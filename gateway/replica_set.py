@@ -135,9 +135,10 @@ class ReplicaSet:
             try:
                 async with contextlib.aclosing(replica.client.generate(request, metadata)) as stream:
                     async for response in stream:
-                        started = started or any(d.token_ids or d.finish_reason for d in response.sequences)
+                        if not started and any(d.token_ids or d.finish_reason for d in response.sequences):
+                            started = True
+                            self._succeeded(replica)  # it serves (the caller may stop reading early)
                         yield response
-                self._succeeded(replica)
                 return
             except UpstreamError as error:
                 if error.grpc_code == grpc.StatusCode.UNAVAILABLE:
@@ -183,8 +184,17 @@ class ReplicaSet:
         return merge_stats(answered)
 
     async def is_serving(self) -> bool:
-        """At least one replica says SERVING."""
-        return any(await asyncio.gather(*(r.client.is_serving() for r in self.replicas)))
+        """At least one replica says SERVING (answers as soon as one does: a hung replica does
+        not hold /ready for its whole timeout)."""
+        tasks = [asyncio.create_task(r.client.is_serving()) for r in self.replicas]
+        try:
+            for done in asyncio.as_completed(tasks):
+                if await done:
+                    return True
+            return False
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def _first(self, call):
         tasks = [asyncio.create_task(call(r)) for r in self.replicas]

@@ -1,0 +1,46 @@
+"""The launcher's --data-parallel-size: N worker + scheduler pairs on offset ports, one gateway."""
+
+from __future__ import annotations
+
+from pagoda.launcher import build_children, parse_args, replica_devices, taken_ports
+
+
+def test_two_replicas_get_offset_ports_and_one_gateway_over_both():
+    args = parse_args(["--fake", "--data-parallel-size", "2", "--worker-port", "30061",
+                       "--scheduler-port", "30052", "--routing-policy", "round-robin"])
+    children = build_children(args)
+    names = [c.name for c in children]
+    assert names[:4] == ["worker[0]", "scheduler[0]", "worker[1]", "scheduler[1]"]
+    assert [c.health_target for c in children[:4]] == ["127.0.0.1:30061", "127.0.0.1:30052",
+                                                       "127.0.0.1:30071", "127.0.0.1:30062"]
+    assert children[3].argv[children[3].argv.index("--workers") + 1] == "127.0.0.1:30071"
+    if names[-1] == "gateway":
+        argv = children[-1].argv
+        assert argv[argv.index("--scheduler") + 1] == "127.0.0.1:30052,127.0.0.1:30062"
+        assert argv[argv.index("--routing-policy") + 1] == "round-robin"
+
+
+def test_one_replica_keeps_the_plain_names_and_flags():
+    children = build_children(parse_args(["--fake"]))
+    assert [c.name for c in children][:2] == ["worker", "scheduler"]
+    assert all(c.env == {} for c in children)
+
+
+def test_each_replica_sees_its_own_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    args = parse_args(["--data-parallel-size", "2", "--tensor-parallel-size", "2"])
+    assert [replica_devices(args, i) for i in range(2)] == [{"CUDA_VISIBLE_DEVICES": "4,5"},
+                                                            {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    assert replica_devices(parse_args(["--data-parallel-size", "2", "--device", "cpu"]), 1) == {}
+
+
+def test_every_replica_port_is_checked_before_starting():
+    import socket
+
+    with socket.socket() as occupant:
+        occupant.bind(("127.0.0.1", 0))
+        occupant.listen()
+        port = occupant.getsockname()[1]
+        args = parse_args(["--fake", "--no-gateway", "--data-parallel-size", "2",
+                           "--worker-port", str(port - 10)])
+        assert taken_ports(args) == [f"--worker-port + 10 {port}"]
