@@ -17,6 +17,7 @@ from typing import Any
 
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams, check_vocab, with_bad_words_tokenized
+from pagoda.contract.structured import check_grammar
 from pagoda.contract.step import TokenLogprobs
 from scheduler_svc.core.config import SchedulerConfig, SpeculativeConfig
 from scheduler_svc.core.outputs import SequenceDelta
@@ -174,6 +175,8 @@ class LLM:
                 return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             sampling = with_bad_words_tokenized(sampling, encode)
         check_vocab(sampling, self.worker_info.vocab_size)
+        if sampling.structured_outputs is not None:
+            check_grammar(sampling.structured_outputs)  # a bad schema raises here, not in the worker
         return sampling
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -9,7 +9,8 @@ Pipeline over logits [N, V] fp32:
     (stop_token_ids, plus the EOS ids unless ignore_eos, for which EOS does not stop anyway).
  3. penalties: repetition (HF semantics, over prompt + output tokens: a positive logit is divided,
     a negative one multiplied), then frequency and presence (OpenAI semantics, output tokens only).
- 4. greedy rows take the argmax.
+ 4. greedy rows take the argmax (a grammar row whose argmax its grammar refuses is masked, then
+    takes the masked argmax: the same token as masking first, at the cost of a bit test).
  5. random rows: temperature, min-p, top-k, top-p (on the renormalised top-k mass), then an
     exponential race: token = argmax(p / q) with q ~ Exp(1), which draws a token from p.
     A seeded row draws q from a generator seeded with hash(seed, seq_index, output position), so
@@ -27,7 +28,7 @@ import torch
 
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.step import TokenLogprobs
-from worker_svc.structured_output import GrammarState, apply_grammar_masks
+from worker_svc.structured_output import GrammarMasks, GrammarState, apply_grammar_masks
 from worker_svc.token_constraints import apply_token_constraints
 
 
@@ -75,16 +76,34 @@ class Sampler:
             return SamplerOutput(token_ids=[])
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # [N, V]
-        self.adjust_logits(logits, rows)
+        masks = None
+        if any(r.grammar is not None for r in rows):  # random rows now, greedy ones only if refused
+            masks = GrammarMasks(rows, self.eos_token_ids, logits.shape[1])
+            masks.apply(logits, [i for i in masks.index if not rows[i].params.greedy])
+        self.adjust_logits(logits, rows, grammar=False)
         tokens = self._pick(logits, rows)  # [N] int64
+        if masks is not None:
+            self._repick_refused_greedy(logits, rows, masks, tokens)
         logprobs = self._gather_logprobs(raw_logprobs, tokens, rows) if wants_logprobs else []
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
 
     # -- masking and penalties ------------------------------------------------------------------
 
-    def adjust_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Token constraints, min_tokens masking, then penalties, in place on logits [N, V]."""
-        apply_grammar_masks(logits, rows, self.eos_token_ids)
+    def _repick_refused_greedy(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                               masks: GrammarMasks, tokens: torch.Tensor) -> None:
+        picked = tokens.tolist()
+        refused = [i for i in masks.index if rows[i].params.greedy and masks.refused(i, picked[i])]
+        if refused:
+            masks.apply(logits, refused)
+            index = self._long(refused)
+            tokens[index] = logits[index].argmax(dim=-1)
+
+    def adjust_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                      grammar: bool = True) -> torch.Tensor:
+        """Grammar masks (unless the caller applies them), token constraints, min_tokens masking,
+        then penalties, in place on logits [N, V]."""
+        if grammar:
+            apply_grammar_masks(logits, rows, self.eos_token_ids)
         apply_token_constraints(logits, rows)
         self._mask_stop_tokens(logits, rows)
         self._apply_penalties(logits, rows)

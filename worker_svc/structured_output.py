@@ -42,7 +42,8 @@ class GrammarCompiler:
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._cache_size = cache_size
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache (taken on the step loop: never held for long)
+        self._tokenizer_lock = threading.Lock()  # the one slow tokenizer build (compile threads)
         self._tokenizer: Any = None
 
     def start(self, params: StructuredOutputsParams) -> Future:
@@ -76,7 +77,7 @@ class GrammarCompiler:
         return matcher
 
     def _llg_tokenizer(self) -> Any:
-        with self._lock:
+        with self._tokenizer_lock:
             if self._tokenizer is None:
                 import llguidance.hf
 
@@ -128,31 +129,72 @@ class GrammarState:
         return self._matcher
 
 
+class GrammarMasks:
+    """The next-token bitmasks [R, ceil(V/32)] int32 (CPU) of the rows that have a grammar.
+
+    `apply` masks rows of the logits (one unpack on the device, O(R*V)). A greedy row need not be
+    masked at all when its argmax is a token the grammar allows (one bit test): masking commutes
+    with every other logits adjustment (they never raise a -inf), so the masked argmax is the same
+    token. The sampler masks random rows before drawing and greedy rows only when refused.
+    """
+
+    def __init__(self, rows: Sequence[Any], eos_token_ids: Sequence[int], vocab: int) -> None:
+        import llguidance.torch as llg_torch
+
+        self.index = [i for i, r in enumerate(rows) if getattr(r, "grammar", None) is not None]
+        self.position = {i: j for j, i in enumerate(self.index)}  # row -> its bitmask row
+        self.vocab = vocab
+        self.bitmask = torch.empty(len(self.index), (vocab + 31) // 32, dtype=torch.int32)  # [R, W]
+        for j, i in enumerate(self.index):
+            row = rows[i]
+            matcher = row.grammar.matcher(row.token_ids, row.num_prompt_tokens)
+            if matcher is None or matcher.is_error():  # only EOS, so the sequence ends
+                self.bitmask[j] = 0
+                for eos in eos_token_ids:
+                    if eos < vocab:
+                        self.bitmask[j, eos // 32] |= _bit(eos % 32)
+            else:
+                llg_torch.fill_next_token_bitmask(matcher, self.bitmask, j)
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+        """Mask `rows` (default: every constrained row) of logits [N, V] in place."""
+        rows = self.index if rows is None else rows
+        if not rows:
+            return
+        device = logits.device
+        bits = self.bitmask if len(rows) == len(self.index) else self.bitmask[[self.position[i] for i in rows]]
+        blocked = _blocked_bits(device)[bits.to(device).view(torch.uint8).int()]  # [R, 4W, 8]
+        blocked = blocked.reshape(len(rows), -1)[:, :self.vocab]  # [R, V] bool: True = refused
+        if len(rows) == logits.shape[0]:  # every row: in place, no gather/scatter
+            logits.masked_fill_(blocked, float("-inf"))
+            return
+        rows_idx = torch.tensor(rows, dtype=torch.long, device=device)
+        logits[rows_idx] = logits[rows_idx].masked_fill_(blocked, float("-inf"))
+
+    def refused(self, row: int, token: int) -> bool:
+        """Whether constrained `row`'s grammar refuses `token` (a bit test on the CPU mask)."""
+        word = int(self.bitmask[self.position[row], token >> 5])
+        return not (word >> (token & 31)) & 1
+
+
 def apply_grammar_masks(logits: torch.Tensor, rows: Sequence[Any], eos_token_ids: Sequence[int]) -> None:
     """Mask every row that has a grammar (row.grammar) to the tokens it allows next; in place on
     logits [N, V]. A matcher in an error state allows only EOS, so the sequence ends."""
-    index = [i for i, r in enumerate(rows) if getattr(r, "grammar", None) is not None]
-    if not index:
-        return
-    import llguidance.torch as llg_torch
+    if any(getattr(r, "grammar", None) is not None for r in rows):
+        GrammarMasks(rows, eos_token_ids, logits.shape[1]).apply(logits)
 
-    vocab = logits.shape[1]
-    words = (vocab + 31) // 32
-    bitmask = torch.zeros(len(index), words, dtype=torch.int32)  # [R, W] on the CPU
-    for j, i in enumerate(index):
-        row = rows[i]
-        matcher = row.grammar.matcher(row.token_ids, row.num_prompt_tokens)
-        if matcher is None or matcher.is_error():
-            for eos in eos_token_ids:
-                if eos < vocab:
-                    bitmask[j, eos // 32] |= _bit(eos % 32)
-        else:
-            llg_torch.fill_next_token_bitmask(matcher, bitmask, j)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
-    allowed = (bitmask.to(logits.device)[:, :, None] >> shifts) & 1  # [R, W, 32]
-    allowed = allowed.reshape(len(index), words * 32)[:, :vocab].bool()  # [R, V]
-    rows_idx = torch.tensor(index, dtype=torch.long, device=logits.device)
-    logits[rows_idx] = logits[rows_idx].masked_fill(~allowed, float("-inf"))
+
+_BLOCKED_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _blocked_bits(device: torch.device) -> torch.Tensor:
+    """[256, 8] bool: for each byte value, which of its 8 bits (little-endian) are 0. Indexing it
+    with the bitmask's bytes unpacks 32 tokens per int32 word in one gather."""
+    table = _BLOCKED_BITS.get(device)
+    if table is None:
+        table = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1 == 0).to(device)
+        _BLOCKED_BITS[device] = table
+    return table
 
 
 def _bit(position: int) -> int:

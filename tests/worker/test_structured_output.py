@@ -14,7 +14,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.contract.structured import StructuredOutputsParams
 from worker_svc.sampler import Sampler, SamplingRow
-from worker_svc.structured_output import GrammarCompiler
+from worker_svc.structured_output import GrammarCompiler, apply_grammar_masks
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "level": {"enum": ["low", "mid", "high"]}},
@@ -97,3 +97,30 @@ def test_speculative_drafts_the_grammar_refuses_are_rejected(tiny_model_dir: str
                                 structured_outputs=StructuredOutputsParams(json=SCHEMA))
         out = engine.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
         jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_lazy_greedy_masking_picks_what_full_masking_picks(llm: LLM, compiler) -> None:
+    """Greedy rows are masked only when their argmax is refused: the token must be the same."""
+    info = llm.worker_info
+    sampler = Sampler(info.eos_token_ids, torch.device("cpu"))
+    schema = compiler.state(StructuredOutputsParams(json=SCHEMA))
+    text = llm.tokenizer('{"ok": true, "level": "', add_special_tokens=False)["input_ids"]
+    greedy = SamplingParams(temperature=0.0)
+    for seed in range(8):
+        logits = torch.randn(3, info.vocab_size, generator=torch.Generator().manual_seed(seed))
+        favoured = llm.tokenizer("low", add_special_tokens=False)["input_ids"][0]
+        if seed % 2:
+            logits[:, favoured] = 50.0  # an allowed argmax: no mask needed
+        rows = [SamplingRow(greedy, [5] + text, 1, grammar=schema), SamplingRow(greedy, [5], 1, grammar=schema),
+                SamplingRow(greedy, [5], 1)]
+        expected = logits.clone()
+        apply_grammar_masks(expected, rows, info.eos_token_ids)
+        assert sampler(logits.clone(), rows).token_ids == expected.argmax(dim=-1).tolist()
+
+
+def test_llm_refuses_a_bad_spec_before_generating(llm: LLM) -> None:
+    from pagoda.contract.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="invalid regex"):
+        _generate(llm, StructuredOutputsParams(regex="(("))
+    assert not llm.scheduler.has_unfinished_requests()
