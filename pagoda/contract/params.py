@@ -133,6 +133,9 @@ class SamplingParams:
         for word in self.bad_words_token_ids:
             if not word or any(not 0 <= t <= _UINT32_MAX for t in word):
                 bad("bad_words must tokenize to non-empty lists of token ids")
+        if self.structured_outputs is not None and self.min_tokens:
+            bad("min_tokens cannot be combined with structured outputs: the grammar decides where "
+                "the output ends (EOS would be both required and forbidden)")
 
 
 def check_vocab(params: SamplingParams, vocab_size: int) -> None:

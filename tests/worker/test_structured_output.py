@@ -124,3 +124,10 @@ def test_llm_refuses_a_bad_spec_before_generating(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="invalid regex"):
         _generate(llm, StructuredOutputsParams(regex="(("))
     assert not llm.scheduler.has_unfinished_requests()
+
+
+def test_min_tokens_with_a_grammar_is_refused() -> None:
+    from pagoda.contract.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(min_tokens=3, structured_outputs=StructuredOutputsParams(choice=["a"]))
