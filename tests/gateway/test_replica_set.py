@@ -11,7 +11,7 @@ import pytest
 from gateway import metrics
 from gateway.errors import UpstreamError
 from gateway.replica_set import ReplicaSet, merge_stats
-from gateway.routing import BreakerState, RoutingConfig
+from gateway.routing import BreakerState, RoutingConfig, routing_key
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.gateway.fake_engine import FakeEngine
@@ -162,3 +162,27 @@ def test_stats_are_summed_across_replicas():
     assert dict(merged.request_success) == {"stop": 4, "length": 2}
     assert list(merged.spec_accepted_per_pos) == [5, 2]
     assert merged.idle is False and merged.invariant_ok is True
+
+
+async def test_a_full_queue_on_one_replica_sends_the_request_to_another_without_opening_its_breaker():
+    full, other = _engine(fail_code=grpc.StatusCode.RESOURCE_EXHAUSTED), _engine()
+    async with replica_set(full, other, breaker_failures=1) as replicas:
+        assert await _tokens(replicas, "r") == [5, 6, 7, 8]
+        assert replicas.replicas[0].breaker.closed  # load, not a fault
+
+
+async def test_prefix_routing_sends_a_shared_prefix_to_one_replica_and_salts_apart():
+    engines = [_engine(), _engine()]
+    async with replica_set(*engines, policy="prefix", overload_threshold=100) as replicas:
+        system = list(range(100, 164))  # 4 full blocks
+        for user in range(6):
+            request = _request(f"u{user}", prompt=system + [200 + user] * 5)
+            [r async for r in replicas.generate(request)]
+        assert sorted(len(e.requests) for e in engines) == [0, 6]
+        owners = set()
+        for tenant in range(16):  # the same prompt under other salts spreads over both
+            request = _request(f"t{tenant}", prompt=system)
+            request.cache_salt = f"tenant-{tenant}"
+            key = routing_key(request.prompt_token_ids, request.cache_salt, replicas.block_size, 4)
+            owners.add(replicas.router.owner(key, [0, 1]))
+        assert owners == {0, 1}

@@ -30,33 +30,48 @@ pytestmark = pytest.mark.slow
 @dataclass
 class Replicas:
     stacks: list[Stack]
-    gateway: object
-    http_url: str
+    gateways: list  # ServiceProcess
+    prefix_url: str  # the default policy
+    round_robin_url: str
 
     def stop(self) -> None:
-        self.gateway.stop()
-        for stack in self.stacks:
-            stack.stop()
+        for process in (*self.gateways, *self.stacks):
+            process.stop()
 
 
-def start_replicas(log_dir, *gateway_args: str, scheduler_flags: dict | None = None) -> Replicas:
-    stacks = []
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    """Two replicas, one running request each (the rest wait in their queues, not yet started),
+    and two gateways over both: prefix routing (the default) and round-robin."""
+    log_dir = tmp_path_factory.mktemp("replicas")
+    flags = {"max_num_seqs": 1}
+    stacks, gateways = [], []
     try:
         for _ in range(2):
             worker = worker_process(log_dir, free_port(), num_gpu_blocks_override=512)
-            scheduler = scheduler_process(worker.target, log_dir, free_port(), **(scheduler_flags or {}))
+            scheduler = scheduler_process(worker.target, log_dir, free_port(), **flags)
             stacks.append(Stack(log_dir, worker, scheduler, worker_flags={"num_gpu_blocks_override": 512},
-                                scheduler_flags=dict(scheduler_flags or {})))
-            scheduler.wait_serving()
-        targets = ",".join(s.scheduler.target for s in stacks)
-        gateway, http_url = start_gateway(targets, log_dir, "--tokenizer", str(TOKENIZER_DIR),
-                                          "--replica-stats-interval", "0.1", "--breaker-cooldown", "1",
-                                          *gateway_args)
-    except BaseException:
+                                scheduler_flags=flags))
         for stack in stacks:
-            stack.stop()
+            stack.scheduler.wait_serving()
+        targets = ",".join(s.scheduler.target for s in stacks)
+        urls = []
+        for policy in (), ("--routing-policy", "round-robin"):
+            gateway, url = start_gateway(targets, log_dir, "--tokenizer", str(TOKENIZER_DIR),
+                                         "--replica-stats-interval", "0.1", "--breaker-cooldown", "1", *policy)
+            gateways.append(gateway)
+            urls.append(url)
+        replicas = Replicas(stacks, gateways, *urls)
+    except BaseException:
+        for process in (*gateways, *stacks):
+            process.stop()
         raise
-    return Replicas(stacks, gateway, http_url)
+    yield replicas
+    replicas.stop()
+
+
+def _finished(stack: Stack) -> int:
+    return sum(stack.stats().request_success.values())
 
 
 def _metric(http_url: str, name: str, **labels) -> float:
@@ -69,27 +84,27 @@ def _metric(http_url: str, name: str, **labels) -> float:
     return 0.0
 
 
-def test_requests_sharing_a_system_prompt_hit_one_replicas_prefix_cache(tmp_path):
-    replicas = start_replicas(tmp_path)
-    try:
-        system = list(range(100, 196))  # 96 tokens: 6 full blocks of 16
-        cached = []
-        for user in range(6):
-            body = {"prompt": system + [300 + user] * 10, "max_tokens": 2, "temperature": 0}
-            reply = httpx.post(f"{replicas.http_url}/v1/completions", json=body, timeout=30).json()
-            cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
-        assert cached[0] == 0 and all(c >= 96 for c in cached[1:]), cached
-        finished = [sum(s.stats().request_success.values()) for s in replicas.stacks]
-        assert sorted(finished) == [0, 6], finished  # all six on one replica
-        assert _metric(replicas.http_url, "pagoda:router_requests_total", decision="prefix",
-                       replica=str(finished.index(6))) == 6
-    finally:
-        replicas.stop()
+def test_requests_sharing_a_system_prompt_hit_one_replicas_prefix_cache(replicas):
+    system = list(range(100, 196))  # 96 tokens: 6 full blocks of 16
+    before = [_finished(s) for s in replicas.stacks]
+    routed = [_metric(replicas.prefix_url, "pagoda:router_requests_total", decision="prefix", replica=str(i))
+              for i in range(2)]
+    cached = []
+    for user in range(6):
+        body = {"prompt": system + [300 + user] * 10, "max_tokens": 2, "temperature": 0}
+        reply = httpx.post(f"{replicas.prefix_url}/v1/completions", json=body, timeout=30).json()
+        cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == 0 and all(c >= 96 for c in cached[1:]), cached
+    finished = [_finished(s) - b for s, b in zip(replicas.stacks, before, strict=True)]
+    assert sorted(finished) == [0, 6], finished  # all six on one replica
+    owner = finished.index(6)
+    assert _metric(replicas.prefix_url, "pagoda:router_requests_total", decision="prefix",
+                   replica=str(owner)) == routed[owner] + 6
 
 
 async def _stream(client: httpx.AsyncClient, http_url: str, index: int) -> dict:
     """One streamed completion: how many tokens arrived, and how it ended (each counted)."""
-    body = {"prompt": [400 + index] * 20, "max_tokens": 150, "temperature": 0, "ignore_eos": True,
+    body = {"prompt": [400 + index] * 20, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
             "stream": True}
     tokens, endings, done = 0, [], 0
     async with client.stream("POST", f"{http_url}/v1/completions", json=body, timeout=60) as response:
@@ -112,41 +127,35 @@ async def _stream(client: httpx.AsyncClient, http_url: str, index: int) -> dict:
     return {"tokens": tokens, "endings": endings, "done": done}
 
 
-async def test_killing_a_replica_loses_no_request_that_had_not_started(tmp_path):
-    # One running request per replica: the rest wait in the schedulers' queues, not yet started.
-    replicas = start_replicas(tmp_path, "--routing-policy", "round-robin",
-                              scheduler_flags={"max_num_seqs": 1})
-    victim = replicas.stacks[1]
-    try:
-        async with httpx.AsyncClient() as client:
-            tasks = [asyncio.create_task(_stream(client, replicas.http_url, i)) for i in range(12)]
-            end = time.monotonic() + 20
-            while victim.stats().num_waiting < 3:  # its queue holds requests not yet started
-                assert time.monotonic() < end, "replica 1 never queued requests"
-                await asyncio.sleep(0.02)  # poll; bounded by the deadline
-            os.kill(victim.scheduler.proc.pid, signal.SIGKILL)
-            os.kill(victim.worker.proc.pid, signal.SIGKILL)
-            results = await asyncio.gather(*tasks)
-        for result in results:
-            assert result["done"] == 1 and len(result["endings"]) == 1, result  # ended exactly once
-            if result["endings"] != ["length"]:  # only a stream already under way may fail
-                assert result["endings"] == ["error"] and result["tokens"] > 0, result
-        completed = sum(r["endings"] == ["length"] for r in results)
-        assert completed >= 12 - 1, results  # at most the one running on the victim
-        assert _metric(replicas.http_url, "pagoda:router_resubmitted_total", replica="1") >= 3
-        assert _metric(replicas.http_url, "pagoda:replica_up", replica="1") == 0
-        assert _metric(replicas.http_url, "pagoda:replica_breaker_opened_total", replica="1") >= 1
-        # The replica comes back on the same ports: the half-open probe closes its breaker.
-        victim.worker.proc.wait(10), victim.scheduler.proc.wait(10)
-        victim.restart_worker()
-        victim.restart_scheduler()
-        end = time.monotonic() + 15
-        while _metric(replicas.http_url, "pagoda:replica_up", replica="1") != 1:
-            assert time.monotonic() < end, "the breaker never closed"
-            await asyncio.sleep(0.1)  # poll; bounded by the deadline
-        async with httpx.AsyncClient() as client:
-            again = await asyncio.gather(*(_stream(client, replicas.http_url, i) for i in range(4)))
-        assert all(r["endings"] == ["length"] for r in again)
-        assert sum(victim.stats().request_success.values()) >= 1  # back in rotation
-    finally:
-        replicas.stop()
+async def test_killing_a_replica_loses_no_request_that_had_not_started(replicas):
+    victim, url = replicas.stacks[1], replicas.round_robin_url
+    async with httpx.AsyncClient() as client:
+        tasks = [asyncio.create_task(_stream(client, url, i)) for i in range(12)]
+        end = time.monotonic() + 20
+        while victim.stats().num_waiting < 3:  # its queue holds requests not yet started
+            assert time.monotonic() < end, "replica 1 never queued requests"
+            await asyncio.sleep(0.02)  # poll; bounded by the deadline
+        os.kill(victim.scheduler.proc.pid, signal.SIGKILL)
+        os.kill(victim.worker.proc.pid, signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+    for result in results:
+        assert result["done"] == 1 and len(result["endings"]) == 1, result  # ended exactly once
+        if result["endings"] != ["length"]:  # only a stream already under way may fail
+            assert result["endings"] == ["error"] and result["tokens"] > 0, result
+    completed = sum(r["endings"] == ["length"] for r in results)
+    assert completed >= 12 - 1, results  # at most the one running on the victim
+    assert _metric(url, "pagoda:router_resubmitted_total", replica="1") >= 3
+    assert _metric(url, "pagoda:replica_up", replica="1") == 0
+    assert _metric(url, "pagoda:replica_breaker_opened_total", replica="1") >= 1
+    # The replica comes back on the same ports: the half-open probe closes its breaker.
+    victim.worker.proc.wait(10), victim.scheduler.proc.wait(10)
+    victim.restart_worker()
+    victim.restart_scheduler()
+    end = time.monotonic() + 15
+    while _metric(url, "pagoda:replica_up", replica="1") != 1:
+        assert time.monotonic() < end, "the breaker never closed"
+        await asyncio.sleep(0.1)  # poll; bounded by the deadline
+    async with httpx.AsyncClient() as client:
+        again = await asyncio.gather(*(_stream(client, url, i) for i in range(4)))
+    assert all(r["endings"] == ["length"] for r in again)
+    assert _finished(victim) >= 1  # back in rotation
