@@ -4,7 +4,9 @@
   second one on they hit its prefix cache (usage.prompt_tokens_details.cached_tokens > 0);
 - failover: SIGKILL one replica's scheduler and worker under load: every request that had not
   streamed a token completes on the other replica (0 lost), every stream ends exactly once, the
-  breaker opens, and closes again once the replica is back.
+  breaker opens, and closes again once the replica is back;
+- the same when only a worker dies: its scheduler turns NOT_SERVING (the breaker opens) and fails
+  the requests it held with UNAVAILABLE after --worker-timeout; those not started move over.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def replicas(tmp_path_factory):
     """Two replicas, one running request each (the rest wait in their queues, not yet started),
     and two gateways over both: prefix routing (the default) and round-robin."""
     log_dir = tmp_path_factory.mktemp("replicas")
-    flags = {"max_num_seqs": 1}
+    flags = {"max_num_seqs": 1, "worker_timeout": 2}  # a lost worker fails its requests after 2 s
     stacks, gateways = [], []
     try:
         for _ in range(2):
@@ -159,3 +161,27 @@ async def test_killing_a_replica_loses_no_request_that_had_not_started(replicas)
         again = await asyncio.gather(*(_stream(client, url, i) for i in range(4)))
     assert all(r["endings"] == ["length"] for r in again)
     assert _finished(victim) >= 1  # back in rotation
+
+
+async def test_a_lost_worker_takes_its_replica_out_and_its_queued_requests_move_over(replicas):
+    victim, url = replicas.stacks[0], replicas.round_robin_url
+    async with httpx.AsyncClient() as client:
+        tasks = [asyncio.create_task(_stream(client, url, i)) for i in range(8)]
+        end = time.monotonic() + 20
+        while victim.stats().num_waiting < 2:
+            assert time.monotonic() < end, "replica 0 never queued requests"
+            await asyncio.sleep(0.02)  # poll; bounded by the deadline
+        victim.kill_worker()
+        results = await asyncio.gather(*tasks)
+    for result in results:
+        assert result["done"] == 1 and len(result["endings"]) == 1, result
+        if result["endings"] != ["length"]:
+            assert result["endings"] == ["error"] and result["tokens"] > 0, result
+    assert sum(r["endings"] == ["length"] for r in results) >= 8 - 1, results
+    assert _metric(url, "pagoda:router_resubmitted_total", replica="0") >= 2
+    assert _metric(url, "pagoda:replica_up", replica="0") == 0
+    victim.restart_worker()  # the scheduler reconnects on its own
+    end = time.monotonic() + 15
+    while _metric(url, "pagoda:replica_up", replica="0") != 1:
+        assert time.monotonic() < end, "the breaker never closed"
+        await asyncio.sleep(0.1)  # poll; bounded by the deadline
