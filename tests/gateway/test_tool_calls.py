@@ -46,10 +46,14 @@ def test_hermes_and_llama3_json_parsers():
 
 def test_streamed_deltas_hold_back_only_what_may_be_a_call():
     tools = ToolDeltas(1, ToolPlan("hermes"), None)
-    sent = [tools.feed(0, piece, None)[0] for piece in ("Sure. <to", "ol_call>\n{\"name\": ")]
-    assert "".join(sent) == "Sure. "
-    content, calls, finish = tools.feed(0, CALL_TEXT[len("Sure. <tool_call>\n{\"name\": "):], "stop")
-    assert finish == "tool_calls" and calls[0].function.name == "get_weather" and calls[0].index == 0
+    fed = [tools.feed(0, piece, None) for piece in ("Sure. <to", "ol_call>\n{\"name\": ", '"get_weather", "a')]
+    assert "".join(f[0] for f in fed) == "Sure. " and fed[0][1] is None and fed[1][1] is None
+    head = fed[2][1][0]  # the header as soon as the name is known
+    assert (head.index, head.function.name, head.function.arguments, head.type) == (0, "get_weather", "", "function")
+    rest = CALL_TEXT[len('Sure. <tool_call>\n{"name": "get_weather", "a'):]
+    content, calls, finish = tools.feed(0, rest, "stop")
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0].index == 0 and calls[0].id is None
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"} and calls[0].function.name is None
     plain = ToolDeltas(1, ToolPlan("hermes"), None)
     assert plain.feed(0, "No call <", None)[0] == "No call " and plain.feed(0, "3", "stop") == ("<3", None, "stop")
 
@@ -108,7 +112,9 @@ async def test_a_call_in_the_reply_becomes_tool_calls(tools_gateway, upstream, t
     chunks = [json.loads(e) for e in sse_events(reply.text)[:-1]]
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
-    assert content == "Sure. " and len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
+    assert content == "Sure. " and {c["index"] for c in calls} == {0} and calls[0]["id"].startswith("call_")
+    assert "".join(c["function"].get("name") or "" for c in calls) == "get_weather"
+    assert json.loads("".join(c["function"].get("arguments") or "" for c in calls)) == {"city": "Paris"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     plain = (await gateway.http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 100})).json()
     assert plain["choices"][0]["message"]["content"] == CALL_TEXT  # no tools: text stays text
