@@ -17,8 +17,8 @@ from typing import Any
 
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams, check_vocab, with_bad_words_tokenized
-from pagoda.contract.structured import check_grammar
 from pagoda.contract.step import TokenLogprobs
+from pagoda.contract.structured import check_grammar
 from scheduler_svc.core.config import SchedulerConfig, SpeculativeConfig
 from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.request import EngineRequest
