@@ -104,7 +104,7 @@ async def one_request(client: httpx.AsyncClient, args, rng: random.Random) -> Ou
                                                  quota=quota), timeout)
     except TimeoutError:
         return Outcome("cancelled") if early else Outcome("lost", "timed out")
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, ValueError) as exc:  # ValueError: a body or SSE line that is not JSON
         return Outcome("lost", f"{type(exc).__name__}: {exc}")
 
 
