@@ -58,11 +58,13 @@ def test_metrics_after_a_few_requests(gateway_stack):
         usages.append(reply.json()["usage"])
     after = scrape(gateway_stack.http_url)
 
-    # Every engine and latency series carries the served model name (the HTTP counter is by route).
+    # Every engine and latency series carries the served model name. The gateway's own counters are
+    # labelled otherwise: HTTP by route, tenancy by tenant, routing by replica.
+    gateway_own = ("pagoda:http_requests", "pagoda:tenant_", "pagoda:router_", "pagoda:replica_")
     for (name, labels), _ in after.items():
-        if not name.startswith("pagoda:http_requests"):
+        if not name.startswith(gateway_own):
             assert dict(labels).get("model_name") == model, (name, labels)
-            assert {k for k, _ in labels} <= {"model_name", "finished_reason", "le"}, name
+            assert {k for k, _ in labels} <= {"model_name", "finished_reason", "le", "position"}, name
     for name in (*ENGINE_COUNTERS, *GAUGES, "vllm:request_success_total",
                  "pagoda:step_duration_seconds_count", "pagoda:step_duration_seconds_sum",
                  *(f"{h}_count" for h in HISTOGRAMS)):
