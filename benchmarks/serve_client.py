@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+from httpx_sse import EventSource
 
 from benchmarks.serve_metrics import RequestRecord
 
@@ -76,14 +77,11 @@ async def _stream_into(client: httpx.AsyncClient, endpoint: Endpoint, spec: Requ
         if reply.status_code != 200:
             record.error = f"HTTP {reply.status_code}: {(await reply.aread()).decode(errors='replace')[:300]}"
             return
-        async for line in reply.aiter_lines():
+        async for event in EventSource(reply).aiter_sse():
             now = time.perf_counter()
-            if not line.startswith("data:"):
-                continue  # blank separators, comments
-            data = line[len("data:"):].strip()
-            if data == "[DONE]":
+            if event.data == "[DONE]":
                 return
-            if not _fold_chunk(json.loads(data), now, record):
+            if not _fold_chunk(json.loads(event.data), now, record):
                 return
 
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+from httpx_sse import EventSource
 
 # (description, body or raw bytes): each must be refused with a 4xx and the OpenAI error shape.
 BAD_BODIES: list[tuple[str, dict | bytes]] = [
@@ -83,16 +84,14 @@ async def completion(client: httpx.AsyncClient, url: str, body: dict, headers: d
                 return Outcome("lost", f"non-streamed: {tokens} tokens")
             return Outcome("completed", e2e_seconds=time.monotonic() - started)
         tokens, finished, done, chunks = 0, False, False, 0
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
+        async for sse in EventSource(response).aiter_sse():
+            if sse.data == "[DONE]":
                 done = True
                 break
             chunks += 1
             if hang_up_after is not None and chunks > hang_up_after:
                 return Outcome("cancelled")  # leaving the block closes the connection
-            event = json.loads(line[6:])
+            event = json.loads(sse.data)
             if "error" in event:
                 return Outcome("lost", f"error chunk: {event['error']}")
             for choice in event.get("choices", []):

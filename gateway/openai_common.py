@@ -85,9 +85,15 @@ def usage_info(usage: Usage) -> UsageInfo:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens))
 
 
+# Legal unescaped in JSON and in SSE, but line breaks to `str.splitlines` — which is how httpx's
+# `iter_lines` and many other clients split a stream: a raw U+2028 in a token's text would cut that
+# `data:` line in two on their side. Inside JSON they can only occur in strings, so escaping is exact.
+_UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse_event(payload: BaseModel | dict[str, Any]) -> str:
     body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {body}\n\n"
+    return f"data: {body.translate(_UNICODE_LINE_BREAKS)}\n\n"
 
 
 async def sse_stream(events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:

@@ -41,6 +41,18 @@ async def test_streamed_completion_ends_with_usage_then_done(gateway):
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_stream_survives_clients_that_split_on_unicode_line_breaks(gateway, upstream, tokenizer):
+    # httpx's iter_lines (like str.splitlines) also breaks lines at U+2028/U+2029/U+0085, which JSON
+    # may carry raw: the gateway escapes them so every data line stays whole for such clients.
+    text = "one\u2028two\u2029three\x85four"
+    upstream.engine.scripts = [tokenizer.encode(text, add_special_tokens=False)]
+    reply = await gateway.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 64, "stream": True})
+    lines = [line for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+
+
 async def test_stop_string_trims_text_and_cancels_upstream(gateway, upstream):
     upstream.engine.hold_final_response = True  # the stop string must end it, not the script
     reply = await gateway.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 64,
