@@ -17,14 +17,19 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     parser = argparse.ArgumentParser(prog="python -m gateway", description="Pagoda gateway")
     parser.add_argument("--scheduler", action="append", default=None,
                         help="scheduler host:port (default 127.0.0.1:50052); repeat it, or separate them "
-                             "with commas, for data-parallel replicas behind this gateway")
+                             "with commas, for data-parallel replicas behind this gateway; MODEL=HOST:PORT "
+                             "puts that scheduler in the pool serving MODEL (docs/gateway.md#model-pools)")
+    parser.add_argument("--fallback-model", action="append", default=[], metavar="A=B",
+                        help="serve model B when model A's pool is unavailable or shedding (repeatable)")
     _add_routing_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
     parser.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port")
     parser.add_argument("--tokenizer", "--model-dir", dest="tokenizer", default=None,
-                        help="tokenizer directory (default: the model path the scheduler reports)")
-    parser.add_argument("--served-model-name", default=None)
+                        help="the default pool's tokenizer directory (default: the model path its scheduler "
+                             "reports; named pools always use theirs)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the default pool's model id (default: the model path its scheduler reports)")
     parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $PAGODA_API_KEY)")
     parser.add_argument("--api-keys", metavar="FILE", default=None,
@@ -77,7 +82,9 @@ def _routing(args: argparse.Namespace) -> RoutingConfig:
 
 def _config(args: argparse.Namespace, api_keys) -> GatewayConfig:
     scheduler = ",".join(args.scheduler or ["127.0.0.1:50052"])
-    return GatewayConfig(scheduler=scheduler, routing=_routing(args), host=args.host, port=args.port,
+    fallbacks = tuple(_pair(text) for text in args.fallback_model)
+    return GatewayConfig(scheduler=scheduler, fallback_models=fallbacks, routing=_routing(args),
+                         host=args.host, port=args.port,
                          grpc_port=args.grpc_port,
                          tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                          api_key=args.api_key, api_keys=api_keys, max_request_bytes=args.max_request_bytes,
@@ -85,6 +92,13 @@ def _config(args: argparse.Namespace, api_keys) -> GatewayConfig:
                          shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert,
                          tls_key=args.tls_key, tls_ca=args.tls_ca, tool_call_parser=args.tool_call_parser,
                          enable_auto_tool_choice=args.enable_auto_tool_choice)
+
+
+def _pair(text: str) -> tuple[str, str]:
+    requested, _, fallback = text.partition("=")
+    if not fallback:
+        raise ValueError(f"--fallback-model takes A=B (serve B when A cannot), got {text!r}")
+    return requested.strip(), fallback.strip()
 
 
 def main(argv: list[str] | None = None) -> None:

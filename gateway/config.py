@@ -12,7 +12,10 @@ from gateway.tenants import TenantTable, tenant_table
 class GatewayConfig:
     scheduler: str = "127.0.0.1:50052"
     """host:port of the scheduler's pagoda.v1.Engine service; several, comma-separated: data-parallel
-    replicas, each request routed to one (gateway/routing.py)."""
+    replicas, each request routed to one (gateway/routing.py). `MODEL=host:port`: a replica of the
+    pool serving MODEL (gateway/model_pools.py); entries without a name form the default pool."""
+    fallback_models: tuple[tuple[str, str], ...] = ()
+    """(A, B) pairs: a request for model A is served by B when A's pool is unavailable or shedding."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     """With several schedulers: the routing policy, its thresholds and the replicas' breakers."""
     host: str = "127.0.0.1"
@@ -58,6 +61,7 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be a TCP port, got {getattr(self, name)}")
         if not self.schedulers:
             raise ValueError("at least one scheduler host:port is needed")
+        self._check_fallbacks()
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if self.api_key is not None and not self.api_key:
@@ -74,7 +78,29 @@ class GatewayConfig:
 
     @property
     def schedulers(self) -> tuple[str, ...]:
-        return tuple(t.strip() for t in self.scheduler.split(",") if t.strip())
+        """Every scheduler's host:port, in --scheduler order (pool names dropped)."""
+        return tuple(target for _, target in self.scheduler_entries)
+
+    @property
+    def scheduler_entries(self) -> tuple[tuple[str | None, str], ...]:
+        """(pool name or None for the default pool, host:port) per --scheduler entry."""
+        entries = []
+        for entry in (e.strip() for e in self.scheduler.split(",")):
+            if not entry:
+                continue
+            name, equals, target = entry.rpartition("=")
+            if (equals and not name.strip()) or not target.strip():
+                raise ValueError(f"a scheduler entry is [MODEL=]HOST:PORT, got {entry!r}")
+            entries.append((name.strip() or None, target.strip()))
+        return tuple(entries)
+
+    def _check_fallbacks(self) -> None:
+        requested = [a for a, _ in self.fallback_models]
+        if len(set(requested)) != len(requested):
+            raise ValueError("each model takes one --fallback-model")
+        for a, b in self.fallback_models:
+            if not a or not b or a == b:
+                raise ValueError(f"--fallback-model is A=B with two different models, got {a!r}={b!r}")
 
     def tenant_table(self) -> TenantTable:
         """Every tenant: the file's plus the single api_key's; empty (auth off) without either."""

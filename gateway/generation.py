@@ -131,9 +131,11 @@ def to_engine_request(request: GenerationInput) -> engine_pb2.GenerateRequest:
 
 
 def start_request_span(operation: str, model: str, parent: Context | None,
-                       request: GenerationInput, tenant: str | None = None) -> Span | None:
+                       request: GenerationInput, tenant: str | None = None,
+                       fallback_from: str | None = None) -> Span | None:
     """The request's `{operation} {model}` span (operation "chat" or "text_completion"), a child
-    of the caller's span when `parent` came from its traceparent, with the tenant as `pagoda.tenant`.
+    of the caller's span when `parent` came from its traceparent, with the tenant as `pagoda.tenant`
+    and, when `model` answers for another (--fallback-model), that one as `pagoda.fallback_from`.
     Hand it to generate(), which ends it. None when tracing is off (no span, no traceparent sent
     upstream)."""
     if not tracing_enabled():
@@ -146,19 +148,23 @@ def start_request_span(operation: str, model: str, parent: Context | None,
         stop_sequences=list(request.stop) or None, choice_count=s.n)
     if tenant is not None:
         span.set_attribute("pagoda.tenant", tenant)
+    if fallback_from is not None:
+        span.set_attribute("pagoda.fallback_from", fallback_from)
     return span
 
 
 async def generate(client: EngineClient, tokenizer: Tokenizer, request: GenerationInput,
-                   span: Span | None = None, lease: Lease | None = None) -> AsyncIterator[GenerationStep]:
+                   span: Span | None = None, lease: Lease | None = None,
+                   model: str | None = None) -> AsyncIterator[GenerationStep]:
     """Yield one GenerationStep per upstream response; the last one carries usage.
 
-    Observes the request's latency histograms, ends `span` (usage, finish reasons, TTFT and
-    queue time; `error.type` when the request fails or its client goes away), and keeps the
-    tenant's `lease` told of the tokens used so far (its owner closes it)."""
+    Observes the request's latency histograms (labelled `model`, default the served model), ends
+    `span` (usage, finish reasons, TTFT and queue time; `error.type` when the request fails or its
+    client goes away), and keeps the tenant's `lease` told of the tokens used so far (its owner
+    closes it)."""
     sequences = [_Sequence(tokenizer, request) for _ in range(request.sampling.n)]
     num_prompt_tokens, num_cached_tokens = len(request.prompt_token_ids), 0
-    timer = metrics.METRICS.request_timer()
+    timer = metrics.METRICS.request_timer(model_name=model)
     metadata = metadata_with_trace_context((), span) if span is not None else ()
     stream = client.generate(to_engine_request(request), metadata=metadata)
     queue_s: float | None = None  # the scheduler's, on its first response

@@ -10,7 +10,9 @@ import grpc
 from gateway.auth import grpc_bearer_token
 from gateway.convert import finish_reason_to_pb, sampling_from_pb
 from gateway.errors import UnauthorizedError, to_client_error
+from gateway.fallback import AdmitOnce, first_answer, prepend
 from gateway.generation import GenerationInput, GenerationStep, generate, start_request_span
+from gateway.model_pools import ModelPool
 from gateway.openai_common import check_structured_outputs
 from gateway.rate_limit import retry_after_header
 from gateway.state import GatewayState
@@ -39,18 +41,24 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             if tenant is None:
                 raise UnauthorizedError("a valid API key is required (metadata authorization: Bearer KEY)")
             lease = self._state.tenancy.lease(tenant)
-            generation, max_model_len = self._prepare(request)
-            await check_structured_outputs(generation.sampling)
-            generation = lease.admit(generation, max_model_len)
-            if headers := lease.headers():
-                await context.send_initial_metadata(headers)
+            route = self._state.route(request.model)
+            admit_once = AdmitOnce(lambda g, max_model_len: (lease.admit(g, max_model_len), lease))
             operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
-            span = start_request_span(operation, self._state.served_model_name,
-                                      context_from_grpc_metadata(context.invocation_metadata()),
-                                      generation, tenant.name)
-            steps = generate(self._state.client, self._state.tokenizer, generation, span, lease)
-            async for step in steps:
-                for chunk in to_chunks(generation.request_id, step):
+            parent = context_from_grpc_metadata(context.invocation_metadata())
+
+            async def start(pool: ModelPool, attempt: int):  # the request prepared for `pool`'s model
+                generation, max_model_len = self._prepare(pool, request)
+                await check_structured_outputs(generation.sampling)
+                generation, _ = admit_once(generation, max_model_len)
+                if (headers := lease.headers()) and attempt == 0:
+                    await context.send_initial_metadata(headers)
+                span = start_request_span(operation, pool.name, parent, generation, tenant.name,
+                                          route.fallback_from(pool))
+                return generate(pool.client, pool.tokenizer, generation, span, lease, model=pool.name), generation
+
+            answer = await first_answer(route, start)
+            async for step in prepend(answer.first, answer.steps):
+                for chunk in to_chunks(answer.context.request_id, step, answer.pool.name):
                     yield chunk
         except Exception as error:  # noqa: BLE001 - every failure leaves with a status code
             client_error = to_client_error(error)
@@ -64,10 +72,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             if lease is not None:
                 lease.close()
 
-    def _prepare(self, request: gateway_pb2.GenerationRequest) -> tuple[GenerationInput, int]:
-        """The tokenized, validated request and the engine's max_model_len."""
-        tokenizer, info = self._state.require_ready()
-        self._state.check_model(request.model)
+    @staticmethod
+    def _prepare(pool: ModelPool, request: gateway_pb2.GenerationRequest) -> tuple[GenerationInput, int]:
+        """The request tokenized and validated for `pool`'s model, and that engine's max_model_len."""
+        tokenizer, info = pool.require_ready()
         if request.WhichOneof("input") == "prompt":
             if not request.prompt:
                 raise InvalidRequestError("the prompt must not be empty")
@@ -92,15 +100,16 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             cache_salt=request.cache_salt), info.max_model_len
 
 
-def to_chunks(request_id: str, step: GenerationStep) -> list[gateway_pb2.GenerationChunk]:
-    """One chunk per sequence with news; the request's usage rides on the step's last chunk."""
+def to_chunks(request_id: str, step: GenerationStep, model: str = "") -> list[gateway_pb2.GenerationChunk]:
+    """One chunk per sequence with news, each naming the `model` that answered; the request's usage
+    rides on the step's last chunk."""
     chunks = [gateway_pb2.GenerationChunk(
         request_id=request_id, index=c.index, text=c.text, token_ids=c.token_ids, logprobs=c.logprobs,
-        finish_reason=finish_reason_to_pb(c.finish_reason))
+        finish_reason=finish_reason_to_pb(c.finish_reason), model=model)
         for c in step.chunks if c.text or c.token_ids or c.finish_reason]
     if step.usage is not None:
         if not chunks:
-            chunks.append(gateway_pb2.GenerationChunk(request_id=request_id))
+            chunks.append(gateway_pb2.GenerationChunk(request_id=request_id, model=model))
         chunks[-1].usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=step.usage.prompt_tokens, completion_tokens=step.usage.completion_tokens,
             cached_tokens=step.usage.cached_tokens))

@@ -11,7 +11,7 @@ from prometheus_client import Counter, Gauge
 
 from pagoda.runtime.metrics import CONTENT_TYPE_LATEST, GatewayMetrics, RequestTimer
 
-__all__ = ["CONTENT_TYPE_LATEST", "HTTP_REQUESTS", "METRICS", "REPLICA_BREAKER_OPENED", "REPLICA_UP",
+__all__ = ["CONTENT_TYPE_LATEST", "FALLBACK_REQUESTS", "HTTP_REQUESTS", "METRICS", "REPLICA_BREAKER_OPENED", "REPLICA_UP",
            "ROUTER_REQUESTS", "ROUTER_RESUBMITTED", "ROUTER_STREAMS_FAILED", "TENANT_IN_FLIGHT", "TENANT_RATE_LIMITED",
            "TENANT_REQUESTS", "TENANT_TOKENS", "RequestTimer"]
 
@@ -47,3 +47,11 @@ REPLICA_UP = Gauge("pagoda:replica_up", "1 while a replica's circuit breaker is 
                    ["replica"], registry=METRICS.registry)
 REPLICA_BREAKER_OPENED = Counter("pagoda:replica_breaker_opened", "Times a replica's circuit breaker opened "
                                  "(taken out of rotation).", ["replica"], registry=METRICS.registry)
+
+# Model pools (gateway/model_pools.py, gateway/fallback.py): labelled by configured model names
+# (bounded: the pools' names) and the reason (unavailable, shedding).
+FALLBACK_REQUESTS = Counter("pagoda:fallback_requests", "Requests answered by a fallback model "
+                            "(--fallback-model), by the model asked for, the model that answered and why "
+                            "(unavailable: its pool was down or refused with UNAVAILABLE; shedding: "
+                            "RESOURCE_EXHAUSTED).", ["requested_model", "served_model", "reason"],
+                            registry=METRICS.registry)

@@ -108,17 +108,13 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        _, info = state.require_ready()
-        name = state.served_model_name
-        card = {"id": name, "object": "model", "created": 0, "owned_by": "pagoda", "root": info.model_name,
-                "parent": None, "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
-                "permission": []}
-        return {"object": "list", "data": [card]}
+        if not state.ready:
+            state.require_ready()  # 503, as before any scheduler answered
+        return {"object": "list", "data": state.pools.cards()}  # every model pool's
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        tokenizer, info = state.require_ready()
-        state.check_model(body.model)
+        tokenizer, info = state.pool(body.model).require_ready()
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
             tokens = chat_prompt_ids(chat, tokenizer)
@@ -133,8 +129,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        tokenizer, info = state.require_ready()
-        state.check_model(body.model)
+        tokenizer, info = state.pool(body.model).require_ready()
         if info.vocab_size and any(not 0 <= t < info.vocab_size for t in body.tokens):
             raise InvalidRequestError(f"token ids must be in [0, {info.vocab_size})")
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
@@ -145,7 +140,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.get("/ready")
     async def ready() -> Response:
-        serving = state.ready and await state.client.is_serving()
+        serving = state.ready and await state.pools.is_serving()
         return JSONResponse({"ready": serving}, status_code=200 if serving else 503)
 
     @app.get("/version")
@@ -155,6 +150,8 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         async def fetch_stats():  # None: the scheduler did not answer (then pagoda:engine_up 0)
+            if len(state.pools.pools) > 1:
+                return await state.pools.stats()  # {model: stats or None}: series per model pool
             try:
                 return await state.client.get_stats()
             except UpstreamError:

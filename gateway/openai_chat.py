@@ -9,7 +9,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.chat_tools import ToolDeltas, finish_choice, template_messages, tool_plan, with_forced_call
+from gateway.fallback import AdmitOnce, first_answer, prepend
 from gateway.generation import GenerationStep, SequenceChunk, generate, start_request_span
+from gateway.model_pools import ModelPool
 from gateway.openai_common import (
     build_generation_input,
     build_sampling,
@@ -67,31 +69,39 @@ def chat_logprobs(tokenizer: Tokenizer, chunk: SequenceChunk) -> ChatLogprobs:
 
 async def create_chat_completion(body: ChatCompletionRequest, http: Request,
                                  state: GatewayState) -> Response:
-    tokenizer, info = state.require_ready()
-    model = state.check_model(body.model)
+    route = state.route(body.model)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     config = state.config
     plan = tool_plan(body, config.tool_call_parser, config.enable_auto_tool_choice)
-    sampling = build_sampling(body, body.effective_max_tokens, logprobs, tokenizer, info.vocab_size)
-    sampling = with_forced_call(sampling, plan)
-    await check_structured_outputs(sampling)
-    request = build_generation_input(body, new_request_id("chatcmpl"), chat_prompt_ids(body, tokenizer, plan),
-                                     sampling, info.max_model_len)
-    request, lease = admit(http, request, info.max_model_len)
-    span = start_request_span("chat", model, context_from_headers(http.headers), request,
-                              lease.tenant.name)
-    steps = generate(state.client, tokenizer, request, span, lease)
+    request_id = new_request_id("chatcmpl")
+    admit_once = AdmitOnce(lambda r, max_model_len: admit(http, r, max_model_len))
+
+    async def start(pool: ModelPool, _attempt: int):  # the request prepared for `pool`'s model
+        tokenizer, info = pool.require_ready()
+        sampling = build_sampling(body, body.effective_max_tokens, logprobs, tokenizer, info.vocab_size)
+        sampling = with_forced_call(sampling, plan)
+        await check_structured_outputs(sampling)
+        request = build_generation_input(body, request_id, chat_prompt_ids(body, tokenizer, plan), sampling,
+                                         info.max_model_len)
+        request, lease = admit_once(request, info.max_model_len)
+        span = start_request_span("chat", pool.name, context_from_headers(http.headers), request,
+                                  lease.tenant.name, route.fallback_from(pool))
+        return generate(pool.client, tokenizer, request, span, lease, model=pool.name), tokenizer
+
+    # Upstream errors before the first step keep their HTTP status (and may move to the fallback).
+    answer = await first_answer(route, start, lambda first: until_disconnected(http, first))
+    model, tokenizer = answer.pool.name, answer.context
     if not body.stream:
         choices = [ChatChoice(index=i, message=ChatResponseMessage(content=""),
                               logprobs=ChatLogprobs(content=[]) if body.logprobs else None)
                    for i in range(body.n)]
+        steps = prepend(answer.first, answer.steps)
         usage = await until_disconnected(http, _collect(steps, choices, tokenizer))
         for choice in choices:
             finish_choice(choice, plan, body.parallel_tool_calls)
-        return JSONResponse(ChatCompletionResponse(id=request.request_id, model=model, choices=choices,
+        return JSONResponse(ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                                    usage=usage_info(usage)).model_dump())
-    first = await until_disconnected(http, anext(steps))  # upstream errors keep their HTTP status
-    events = _stream(first, steps, body, tokenizer, request.request_id, model,
+    events = _stream(answer.first, answer.steps, body, tokenizer, request_id, model,
                      ToolDeltas(body.n, plan, body.parallel_tool_calls))
     return StreamingResponse(sse_stream(events), media_type="text/event-stream")
 

@@ -9,7 +9,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.batch_prompts import admit_batch, merge_steps, split_prompts
+from gateway.fallback import AdmitOnce, first_answer, prepend
 from gateway.generation import GenerationStep, SequenceChunk, generate, start_request_span
+from gateway.model_pools import ModelPool
 from gateway.openai_common import (
     build_generation_input,
     build_sampling,
@@ -88,31 +90,39 @@ class CompletionChoices:
 
 
 async def create_completion(body: CompletionRequest, http: Request, state: GatewayState) -> Response:
-    tokenizer, info = state.require_ready()
-    model = state.check_model(body.model)
+    route = state.route(body.model)
     if body.echo and body.logprobs is not None:
         raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)")
-    prompts = [prompt_token_ids(p, tokenizer, info.vocab_size) for p in split_prompts(body.prompt)]
-    sampling = build_sampling(body, body.max_tokens, body.logprobs, tokenizer, info.vocab_size)
-    await check_structured_outputs(sampling)
     request_id = new_request_id("cmpl")
-    requests = [build_generation_input(body, request_id if len(prompts) == 1 else f"{request_id}-{k}",
-                                       ids, sampling, info.max_model_len)
-                for k, (ids, _) in enumerate(prompts)]
-    choices = CompletionChoices([text if body.echo else "" for _, text in prompts for _ in range(body.n)],
-                                tokenizer, body.logprobs is not None)
-    requests, leases = admit_batch(lambda r, m: admit(http, r, m), requests, info.max_model_len)
+    admit_once = AdmitOnce(lambda r, max_model_len: admit(http, r, max_model_len))
     parent = context_from_headers(http.headers)
-    steps = merge_steps([
-        generate(state.client, tokenizer, r,
-                 start_request_span("text_completion", model, parent, r, lease.tenant.name), lease)
-        for r, lease in zip(requests, leases, strict=True)], body.n)
+
+    async def start(pool: ModelPool, _attempt: int):  # the request prepared for `pool`'s model
+        tokenizer, info = pool.require_ready()
+        prompts = [prompt_token_ids(p, tokenizer, info.vocab_size) for p in split_prompts(body.prompt)]
+        sampling = build_sampling(body, body.max_tokens, body.logprobs, tokenizer, info.vocab_size)
+        await check_structured_outputs(sampling)
+        requests = [build_generation_input(body, request_id if len(prompts) == 1 else f"{request_id}-{k}",
+                                           ids, sampling, info.max_model_len)
+                    for k, (ids, _) in enumerate(prompts)]
+        choices = CompletionChoices([text if body.echo else "" for _, text in prompts for _ in range(body.n)],
+                                    tokenizer, body.logprobs is not None)
+        requests, leases = admit_batch(admit_once, requests, info.max_model_len)
+        steps = merge_steps([
+            generate(pool.client, tokenizer, r, start_request_span(
+                "text_completion", pool.name, parent, r, lease.tenant.name, route.fallback_from(pool)),
+                lease, model=pool.name)
+            for r, lease in zip(requests, leases, strict=True)], body.n)
+        return steps, choices
+
+    # Upstream errors before the first step keep their HTTP status (and may move to the fallback).
+    answer = await first_answer(route, start, lambda first: until_disconnected(http, first))
+    model, choices = answer.pool.name, answer.context
     if not body.stream:
-        usage = await until_disconnected(http, _collect(steps, choices))
+        usage = await until_disconnected(http, _collect(prepend(answer.first, answer.steps), choices))
         return JSONResponse(CompletionResponse(id=request_id, model=model, choices=choices.choices,
                                                usage=usage_info(usage)).model_dump())
-    first = await until_disconnected(http, anext(steps))  # upstream errors keep their HTTP status
-    events = _stream(first, steps, choices, request_id, model, body.include_usage,
+    events = _stream(answer.first, answer.steps, choices, request_id, model, body.include_usage,
                      body.continuous_usage)
     return StreamingResponse(sse_stream(events), media_type="text/event-stream")
 

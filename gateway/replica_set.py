@@ -44,12 +44,16 @@ class ReplicaSet:
 
     def __init__(self, targets: Sequence[str], routing: RoutingConfig, timeout_s: float = 5.0,
                  tls_ca: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 clients: Sequence[EngineClient] | None = None) -> None:
+                 clients: Sequence[EngineClient] | None = None, labels: Sequence[str] | None = None) -> None:
+        """`labels`: each replica's metric label (default its index; model pools pass the position
+        of its scheduler in --scheduler, unique across pools)."""
         if len(targets) < 1:
             raise ValueError("a replica set needs at least one scheduler")
         clients = clients or [EngineClient(t, timeout_s, tls_ca=tls_ca) for t in targets]
         self.replicas = [Replica(i, c, CircuitBreaker(routing.breaker_failures, routing.breaker_cooldown_s,
                                                       clock)) for i, c in enumerate(clients)]
+        for replica, label in zip(self.replicas, labels or (), strict=False):
+            replica.label = label
         self.router = Router(targets, routing)
         self.target = ",".join(targets)
         self.block_size = 0  # from GetInfo; 0 (no key) until a replica answered

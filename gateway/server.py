@@ -12,9 +12,8 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.config import GatewayConfig
 from gateway.drain import CountingGenerationServicer, InFlight, InFlightMiddleware
-from gateway.engine_client import EngineClient
+from gateway.model_pools import pools_from_config
 from gateway.openai_api import create_app
-from gateway.replica_set import ReplicaSet
 from gateway.state import GatewayState
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.runtime.logging import get_logger
@@ -53,20 +52,12 @@ async def start_grpc_server(state: GatewayState, host: str, port: int, in_flight
 
 
 async def _connect(state: GatewayState, health: HealthState) -> None:
-    await state.connect()
-    await health.set_serving(True)
-
-
-def engine_client_for(config: GatewayConfig) -> EngineClient | ReplicaSet:
-    """One scheduler: its client; several: a ReplicaSet routing each request (same interface)."""
-    if len(config.schedulers) == 1:
-        return EngineClient(config.schedulers[0], config.engine_timeout_s, tls_ca=config.tls_ca)
-    return ReplicaSet(config.schedulers, config.routing, config.engine_timeout_s, tls_ca=config.tls_ca)
+    await state.connect(on_first_ready=lambda: health.set_serving(True))  # SERVING once one pool is
 
 
 async def serve(config: GatewayConfig) -> None:
-    client = engine_client_for(config)
-    state = GatewayState(config, client)
+    pools = pools_from_config(config)  # one engine client (or ReplicaSet) per model pool
+    state = GatewayState(config, pools=pools)
     in_flight = InFlight()
     grpc_server, grpc_port, health = await start_grpc_server(state, config.host, config.grpc_port,
                                                              in_flight)
@@ -102,7 +93,7 @@ async def serve(config: GatewayConfig) -> None:
         connecting.cancel()
         await health.set_serving(False)
         await grpc_server.stop(_GRACE_S)
-        await client.close()
+        await pools.close()
         log.info("gateway_stopped")
 
 

@@ -1,68 +1,82 @@
-"""What the gateway knows about its upstream: the engine client, the scheduler's info, the tokenizer.
+"""What the gateway knows about its upstream: the model pools (each one's engine client, scheduler
+info and tokenizer) and the tenants.
 
-The servers start before the scheduler answers; `connect()` fills the rest in, and every request
-before that gets 503 (EngineNotReadyError).
+The servers start before the schedulers answer; `connect()` fills the rest in, and every request
+for a pool before that gets 503 (EngineNotReadyError).
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
+from collections.abc import Awaitable, Callable
 
-from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
-from gateway.errors import EngineNotReadyError, ModelNotFoundError
+from gateway.errors import EngineNotReadyError
+from gateway.model_pools import ModelPool, ModelPools, Route
+from gateway.replica_set import ReplicaSet
 from gateway.tenancy import Tenancy
 from gateway.tokenizer import Tokenizer
-from pagoda.runtime.logging import get_logger
 from pagoda.v1 import engine_pb2
-
-log = get_logger(__name__)
 
 
 class GatewayState:
-    def __init__(self, config: GatewayConfig, client: EngineClient,
-                 tokenizer: Tokenizer | None = None, tenancy: Tenancy | None = None) -> None:
+    def __init__(self, config: GatewayConfig, client: EngineClient | ReplicaSet | None = None,
+                 tokenizer: Tokenizer | None = None, tenancy: Tenancy | None = None,
+                 pools: ModelPools | None = None) -> None:
+        """`pools`, or one pool of `client` (named by config.served_model_name, tokenizer
+        config.tokenizer unless `tokenizer` is given loaded)."""
         self.config = config
-        self.client = client
+        self.pools = pools or ModelPools([ModelPool(config.served_model_name, client, config.tokenizer, tokenizer)],
+                                         dict(config.fallback_models))
         self.tenancy = tenancy or Tenancy(config.tenant_table())  # keys, tenants and their limits
-        self.tokenizer = tokenizer
-        self.info: engine_pb2.EngineInfo | None = None
-        self.served_model_name = config.served_model_name or ""
         self.draining = False  # SIGTERM: refuse new work while in-flight requests finish
+
+    # The default pool's, for callers that know one model only.
+    @property
+    def client(self) -> EngineClient | ReplicaSet:
+        return self.pools.default.client
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.pools.default.tokenizer
+
+    @property
+    def info(self) -> engine_pb2.EngineInfo | None:
+        return self.pools.default.info
+
+    @property
+    def served_model_name(self) -> str:
+        return self.pools.default.name
 
     @property
     def ready(self) -> bool:
-        return not self.draining and self.info is not None and self.tokenizer is not None
+        return not self.draining and self.pools.ready
 
-    async def connect(self, attempt_timeout_s: float = 5.0) -> None:
-        """Wait for the scheduler's GetInfo (retrying forever), then load the tokenizer."""
-        while self.info is None:
-            try:
-                info = await self.client.wait_for_info(attempt_timeout_s)
-            except Exception as error:  # noqa: BLE001 - keep trying until the scheduler is up
-                log.info("scheduler_not_ready", target=self.client.target, error=str(error))
-                continue
-            if self.tokenizer is None:
-                path = self.config.tokenizer or info.model_name
-                self.tokenizer = await asyncio.to_thread(Tokenizer.load, path)
-                log.info("tokenizer_loaded", path=path)
-            self.served_model_name = self.config.served_model_name or info.model_name
-            metrics.METRICS.model_name = self.served_model_name  # the model_name label
-            self.info = info  # last: `ready` flips only once everything above is in place
-            log.info("scheduler_connected", target=self.client.target, model=self.served_model_name,
-                     max_model_len=info.max_model_len)
+    async def connect(self, on_first_ready: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Wait for every pool's scheduler (GetInfo, retrying forever) and tokenizer;
+        `on_first_ready` runs as soon as one pool can serve."""
+        await self.pools.connect(on_first_ready)
+
+    def route(self, model: str | None) -> Route:
+        """The pools a generation request for `model` may be served by (404 for an unknown model)."""
+        self._refuse_while_draining()
+        return self.pools.route(model)
+
+    def pool(self, model: str | None) -> ModelPool:
+        """The pool `model` names, ready (404 unknown, 503 not connected yet or draining)."""
+        self._refuse_while_draining()
+        pool = self.pools.resolve(model)
+        pool.require_ready()
+        return pool
 
     def require_ready(self) -> tuple[Tokenizer, engine_pb2.EngineInfo]:
-        if self.draining:
-            raise EngineNotReadyError("the gateway is shutting down; retry on another replica")
-        if self.tokenizer is None or self.info is None:
-            raise EngineNotReadyError("the scheduler is not available yet; retry shortly")
-        return self.tokenizer, self.info
+        self._refuse_while_draining()
+        return self.pools.default.require_ready()
 
     def check_model(self, model: str | None) -> str:
-        """The served name; 404 for any other non-empty model (vLLM's message)."""
-        if model and model not in (self.served_model_name, os.path.basename(self.served_model_name)):
-            raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model")
-        return self.served_model_name
+        """The name of the pool `model` names; 404 for a model no pool serves."""
+        return self.pools.resolve(model).name
+
+    def _refuse_while_draining(self) -> None:
+        if self.draining:
+            raise EngineNotReadyError("the gateway is shutting down; retry on another replica")

@@ -80,7 +80,8 @@ class EngineStatsCollector:
     """Turns the scheduler's EngineStats into metric families at each scrape.
 
     `get_stats` returns the stats, or None when the scheduler did not answer: then only
-    `pagoda:engine_up 0` is exposed (no stale values pretending to be current).
+    `pagoda:engine_up 0` is exposed (no stale values pretending to be current). With model pools it
+    returns {model name: stats or None}: one sample per model in each family.
     """
 
     def __init__(self, get_stats: StatsGetter, model_name: ModelName) -> None:
@@ -88,38 +89,40 @@ class EngineStatsCollector:
         self._model_name = model_name if callable(model_name) else (lambda: model_name)
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._get_stats()
-        labels = [self._model_name()]
+        snapshot = self._get_stats()
+        per_model = snapshot if isinstance(snapshot, dict) else {self._model_name(): snapshot}
         up = GaugeMetricFamily("pagoda:engine_up", "1 when the scheduler answered GetStats.",
                                labels=["model_name"])
-        up.add_metric(labels, 0.0 if stats is None else 1.0)
+        for model, stats in per_model.items():
+            up.add_metric([model], 0.0 if stats is None else 1.0)
         yield up
-        if stats is None:
+        answered = [(model, stats) for model, stats in per_model.items() if stats is not None]
+        if not answered:
             return
         for name, field, doc in _GAUGES:
-            yield _family(GaugeMetricFamily, name, doc, labels, getattr(stats, field))
+            yield _family(GaugeMetricFamily, name, doc, answered, field)
         for name, field, doc in _COUNTERS:
-            yield _family(CounterMetricFamily, name, doc, labels, getattr(stats, field))
+            yield _family(CounterMetricFamily, name, doc, answered, field)
         success = CounterMetricFamily("vllm:request_success", "Finished requests, by finish reason.",
                                       labels=["model_name", "finished_reason"])
-        for reason, count in sorted(stats.request_success.items()):
-            success.add_metric([*labels, reason], count)
-        yield success
         per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by draft position (0-based).",
                                       labels=["model_name", "position"])
-        for position, count in enumerate(stats.spec_accepted_per_pos):
-            per_pos.add_metric([*labels, str(position)], count)
-        yield per_pos
         step = SummaryMetricFamily("pagoda:step_duration_seconds", "Scheduler step wall time.",
                                    labels=["model_name"])
-        step.add_metric(labels, count_value=stats.num_steps, sum_value=stats.step_seconds_sum)
-        yield step
+        for model, stats in answered:
+            for reason, count in sorted(stats.request_success.items()):
+                success.add_metric([model, reason], count)
+            for position, count in enumerate(stats.spec_accepted_per_pos):
+                per_pos.add_metric([model, str(position)], count)
+            step.add_metric([model], count_value=stats.num_steps, sum_value=stats.step_seconds_sum)
+        yield from (success, per_pos, step)
 
 
-def _family(cls: type, name: str, doc: str, labels: list[str], value: float) -> Metric:
+def _family(cls: type, name: str, doc: str, answered: list[tuple[str, Any]], field: str) -> Metric:
     family = cls(name, doc, labels=["model_name"])
-    family.add_metric(labels, value)
+    for model, stats in answered:
+        family.add_metric([model], getattr(stats, field))
     return family
 
 
@@ -132,8 +135,8 @@ class RequestTimer:
 
     __slots__ = ("_ttft", "_itl", "_e2e", "_queue", "arrival", "first_token", "last_token")
 
-    def __init__(self, metrics: GatewayMetrics, now: float | None = None) -> None:
-        name = metrics.model_name
+    def __init__(self, metrics: GatewayMetrics, now: float | None = None, model_name: str | None = None) -> None:
+        name = metrics.model_name if model_name is None else model_name
         self._ttft = metrics.time_to_first_token.labels(name)
         self._itl = metrics.inter_token_latency.labels(name)
         self._e2e = metrics.e2e_request_latency.labels(name)
@@ -199,12 +202,14 @@ class GatewayMetrics:
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
 
-    def request_timer(self, now: float | None = None) -> RequestTimer:
-        return RequestTimer(self, now)
+    def request_timer(self, now: float | None = None, model_name: str | None = None) -> RequestTimer:
+        """A timer labelled `model_name` (default: `self.model_name`; model pools pass theirs)."""
+        return RequestTimer(self, now, model_name)
 
     async def scrape(self, fetch_stats: Callable[[], Awaitable[Any]]) -> bytes:
         """The exposition text, with engine stats fetched now: `fetch_stats` returns the scheduler's
-        EngineStats, or None when it does not answer (then `pagoda:engine_up 0`).
+        EngineStats, or None when it does not answer (then `pagoda:engine_up 0`); or, with model
+        pools, {model name: EngineStats or None}.
         No await between storing the stats and rendering, so concurrent scrapes stay consistent."""
         self._latest_stats = await fetch_stats()
         return generate_latest(self.registry)
