@@ -2,7 +2,8 @@
 
 Starts the worker, the scheduler and (when gateway/__main__.py exists) the gateway as separate
 processes (with `--data-parallel-size N`: N worker + scheduler pairs, replica i on the port flags
-+ 10·i, and one gateway routing over all N schedulers), waits until each answers grpc.health.v1, prints the addresses, restarts a child that
++ 10·i, and one gateway routing over all N schedulers; each `--extra-model` adds one more pair
+serving another model, the gateway's pool for that model name), waits until each answers grpc.health.v1, prints the addresses, restarts a child that
 dies (the scheduler reconnects to a restarted worker and recomputes), and stops everything in
 reverse order on Ctrl-C / SIGTERM / SIGHUP / SIGQUIT: the gateway drains first, then the
 scheduler, then the worker.
@@ -147,18 +148,29 @@ REPLICA_PORT_STRIDE = 10  # replica i: --worker-port + 10·i, --scheduler-port +
 
 
 def replica_ports(args: argparse.Namespace) -> list[tuple[int, int]]:
-    """(worker port, scheduler port) of each data-parallel replica."""
+    """(worker port, scheduler port) of each replica: the data-parallel ones, then one per extra model."""
     return [(args.worker_port + REPLICA_PORT_STRIDE * i, args.scheduler_port + REPLICA_PORT_STRIDE * i)
-            for i in range(args.data_parallel_size)]
+            for i in range(args.data_parallel_size + len(args.extra_model))]
+
+
+def replica_models(args: argparse.Namespace) -> list[tuple[str | None, str]]:
+    """(pool name, model path) of each replica: None (the default pool) for the data-parallel ones,
+    then each --extra-model [NAME=]PATH (name: the path's file name without .gguf)."""
+    extra = []
+    for text in args.extra_model:
+        name, _, path = text.rpartition("=")
+        extra.append((name or Path(path).name.removesuffix(".gguf"), path))
+    return [(None, args.model)] * args.data_parallel_size + extra
 
 
 def replica_devices(args: argparse.Namespace, replica: int) -> dict[str, str]:
-    """With several replicas on GPUs: replica i sees GPUs [i·tp, (i+1)·tp) of the visible ones."""
-    if args.data_parallel_size == 1 or args.device == "cpu":
+    """With several replicas on GPUs (extra models' too): replica i sees GPUs [i·tp, (i+1)·tp) of the
+    visible ones."""
+    replicas = len(replica_ports(args))
+    if replicas == 1 or args.device == "cpu":
         return {}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(i) for i in range(args.data_parallel_size
-                                                                     * args.tensor_parallel_size)]
+    gpus = visible.split(",") if visible else [str(i) for i in range(replicas * args.tensor_parallel_size)]
     mine = gpus[replica * args.tensor_parallel_size:(replica + 1) * args.tensor_parallel_size]
     return {"CUDA_VISIBLE_DEVICES": ",".join(mine)} if mine else {}
 
@@ -167,34 +179,37 @@ def build_children(args: argparse.Namespace) -> list[Child]:
     """Worker, scheduler per replica, then the gateway over every scheduler."""
     children: list[Child] = []
     schedulers = []
-    for i, (worker_port, scheduler_port) in enumerate(replica_ports(args)):
-        suffix = f"[{i}]" if args.data_parallel_size > 1 else ""
-        pair = _replica_children(args, worker_port, scheduler_port, suffix)
+    several = len(replica_ports(args)) > 1
+    for i, ((worker_port, scheduler_port), (pool, model)) in enumerate(
+            zip(replica_ports(args), replica_models(args), strict=True)):
+        suffix = f"[{i}]" if several else ""
+        pair = _replica_children(args, model, worker_port, scheduler_port, suffix)
         pair[0].env = replica_devices(args, i)
         children += pair
-        schedulers.append(f"127.0.0.1:{scheduler_port}")
+        schedulers.append(f"{pool}=127.0.0.1:{scheduler_port}" if pool else f"127.0.0.1:{scheduler_port}")
     if (REPO / "gateway" / "__main__.py").exists() and not args.no_gateway:
         has_model = Path(args.model).is_dir() or is_gguf_file(args.model)
         tokenizer = ["--tokenizer", args.model] if has_model or not args.fake else []
         drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
         api_keys = ["--api-keys", args.api_keys] if args.api_keys else []
         routing = ["--routing-policy", args.routing_policy] if args.routing_policy else []
+        fallbacks = [flag for pair in args.fallback_model for flag in ("--fallback-model", pair)]
         children.append(Child("gateway", ["gateway", "--scheduler", ",".join(schedulers),
                                           "--port", str(args.gateway_port),
                                           "--grpc-port", str(args.grpc_port), *tokenizer, *drain,
-                                          *api_keys, *routing],
+                                          *api_keys, *routing, *fallbacks],
                               f"127.0.0.1:{args.grpc_port}", needs_serving=True))
     return children
 
 
-def _replica_children(args: argparse.Namespace, worker_port: int, scheduler_port: int,
+def _replica_children(args: argparse.Namespace, model_path: str, worker_port: int, scheduler_port: int,
                       suffix: str) -> list[Child]:
     worker = f"127.0.0.1:{worker_port}"
     scheduler = f"127.0.0.1:{scheduler_port}"
     # A fake worker still reads the model directory when there is one: its vocabulary size for the
     # worker, its tokenizer for the gateway (fake token ids must decode).
-    has_model = Path(args.model).is_dir() or is_gguf_file(args.model)
-    model_dir = ["--model", args.model] if has_model or not args.fake else []
+    has_model = Path(model_path).is_dir() or is_gguf_file(model_path)
+    model_dir = ["--model", model_path] if has_model or not args.fake else []
     model = ["--fake", *model_dir] if args.fake else model_dir
     drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
@@ -250,6 +265,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="worker + scheduler replicas behind the one gateway (replica i: port flags + 10·i)")
     p.add_argument("--routing-policy", choices=("prefix", "round-robin", "least-loaded"), default=None,
                    help="the gateway's replica routing (default: prefix with several replicas)")
+    p.add_argument("--extra-model", action="append", default=[], metavar="[NAME=]PATH",
+                   help="one more worker + scheduler pair serving PATH, the gateway's pool for model NAME "
+                        "(default: PATH's file name); repeatable")
+    p.add_argument("--fallback-model", action="append", default=[], metavar="A=B",
+                   help="the gateway serves model B when model A's pool is unavailable or shedding")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the worker's compute dtype (auto: the checkpoint's, fp32 for a quantised GGUF)")
@@ -276,7 +296,7 @@ def taken_ports(args: argparse.Namespace) -> list[str]:
     report this one as serving while its children die on 'address in use'."""
     ports = {}
     for i, (worker_port, scheduler_port) in enumerate(replica_ports(args)):
-        offset = f" + {REPLICA_PORT_STRIDE * i}" if i else ""
+        offset = f" + {REPLICA_PORT_STRIDE * i}" if i else ""  # extra models follow the replicas
         ports |= {f"--worker-port{offset}": worker_port, f"--scheduler-port{offset}": scheduler_port}
     if not args.no_gateway:
         ports |= {"--gateway-port": args.gateway_port, "--grpc-port": args.grpc_port}
@@ -327,8 +347,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_addresses(args: argparse.Namespace, children: list[Child]) -> None:
     lines = []
-    for i, (worker_port, scheduler_port) in enumerate(replica_ports(args)):
-        replica = f"  (replica {i})" if args.data_parallel_size > 1 else ""
+    for i, ((worker_port, scheduler_port), (pool, _)) in enumerate(
+            zip(replica_ports(args), replica_models(args), strict=True)):
+        replica = f"  (model {pool})" if pool else f"  (replica {i})" if args.data_parallel_size > 1 else ""
         lines += [f"  worker     grpc  127.0.0.1:{worker_port}{replica}",
                   f"  scheduler  grpc  127.0.0.1:{scheduler_port}  (pagoda.v1.Engine){replica}"]
     if any(c.name == "gateway" for c in children):

@@ -1,4 +1,5 @@
-"""The launcher's --data-parallel-size: N worker + scheduler pairs on offset ports, one gateway."""
+"""The launcher's --data-parallel-size: N worker + scheduler pairs on offset ports, one gateway;
+--extra-model: one more pair per model, a named pool at the gateway."""
 
 from __future__ import annotations
 
@@ -44,3 +45,21 @@ def test_every_replica_port_is_checked_before_starting():
         args = parse_args(["--fake", "--no-gateway", "--data-parallel-size", "2",
                            "--worker-port", str(port - 10)])
         assert taken_ports(args) == [f"--worker-port + 10 {port}"]
+
+
+def test_an_extra_model_is_one_more_pair_and_a_named_pool_at_the_gateway(monkeypatch):
+    args = parse_args(["--fake", "--worker-port", "30061", "--scheduler-port", "30052",
+                       "--extra-model", "models/other.gguf", "--extra-model", "small=models/x",
+                       "--fallback-model", "big=small"])
+    children = build_children(args)
+    assert [c.name for c in children][:6] == ["worker[0]", "scheduler[0]", "worker[1]", "scheduler[1]",
+                                              "worker[2]", "scheduler[2]"]
+    assert [c.health_target for c in children[1:6:2]] == ["127.0.0.1:30052", "127.0.0.1:30062",
+                                                          "127.0.0.1:30072"]
+    if children[-1].name == "gateway":
+        argv = children[-1].argv
+        assert argv[argv.index("--scheduler") + 1] == ("127.0.0.1:30052,other=127.0.0.1:30062,"
+                                                       "small=127.0.0.1:30072")
+        assert argv[argv.index("--fallback-model") + 1] == "big=small"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert replica_devices(args, 2) == {"CUDA_VISIBLE_DEVICES": "2"}
