@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,14 @@ from pagoda.runtime.logging import get_logger
 from pagoda.v1 import engine_pb2
 
 log = get_logger(__name__)
+# Pools load their tokenizers in threads; transformers' lazy imports are not thread-safe (two at
+# once: "cannot import name 'AutoTokenizer'"), so one load at a time.
+_TOKENIZER_LOADING = threading.Lock()
+
+
+def _load_tokenizer(path: str) -> Tokenizer:
+    with _TOKENIZER_LOADING:
+        return Tokenizer.load(path)
 
 
 class ModelPool:
@@ -72,7 +81,7 @@ class ModelPool:
                 continue
             if self.tokenizer is None:
                 path = self.tokenizer_path or info.model_name
-                self.tokenizer = await asyncio.to_thread(Tokenizer.load, path)
+                self.tokenizer = await asyncio.to_thread(_load_tokenizer, path)
                 log.info("tokenizer_loaded", path=path, model=self.name or info.model_name)
             if not self._named:
                 self.name = info.model_name
