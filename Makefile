@@ -13,7 +13,7 @@ ARGS   ?=# more launcher flags: make run ARGS="--api-keys keys.jsonl --speculati
 PROTO_SRC := $(wildcard protos/pagoda/v1/*.proto)
 PROTO_OUT := pagoda/v1/.generated
 
-.PHONY: setup protos model tiny-model run test test-fast lint clean
+.PHONY: setup protos model tiny-model prometheus-tools run test test-fast lint clean
 
 KERNEL_SRC := kernels/cpu_extension.py $(wildcard kernels/paged_attention/cpu_attention*)
 KERNEL_OUT := build/torch_extensions/.built
@@ -52,6 +52,13 @@ model: setup
 # The small random-weight model generated deterministically: fast tests, and the fallback.
 tiny-model: setup
 	$(BIN)/python -m pagoda.tiny_model --out $(TINY_MODEL)
+
+# Prometheus and promtool for the alert tests (tests/prometheus_tools.py): Debian's `prometheus`
+# package unpacked into build/prometheus, not installed (no service starts, nothing outside the
+# tree changes). Best effort: where apt cannot fetch it this says so and those tests skip.
+PROMETHEUS_DIR := build/prometheus
+prometheus-tools:
+	@if { command -v prometheus && command -v promtool; } >/dev/null || [ -x $(PROMETHEUS_DIR)/usr/bin/prometheus ]; then 		exit 0; fi; 	mkdir -p $(PROMETHEUS_DIR) && cd $(PROMETHEUS_DIR) && 	{ apt-get download prometheus >/dev/null 2>&1 || 	  { apt-get update -qq >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }; } && 	dpkg -x prometheus_*.deb . && rm -f prometheus_*.deb && echo "prometheus, promtool: $(PROMETHEUS_DIR)/usr/bin" || 	echo "prometheus-tools: Debian's prometheus package could not be fetched; the Prometheus tests will skip"
 
 # `make run` prepares the model it serves (none for a MODEL=path of yours); the default falls
 # back to the tiny model when `make model` could not fetch it.

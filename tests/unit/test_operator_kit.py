@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import METRICS
 from pagoda.v1 import engine_pb2
+from tests.prometheus_tools import prometheus_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy/prometheus/alerts.yml"
@@ -98,9 +98,10 @@ def test_every_alert_fires_in_a_promtool_test_and_is_documented() -> None:
 
 
 def test_promtool_checks_and_unit_tests_every_rule() -> None:
-    promtool = shutil.which("promtool")
+    promtool = prometheus_tool("promtool")
     if promtool is None:
-        pytest.skip("promtool not installed (apt-get install prometheus): rules not run through it")
+        pytest.skip("promtool not installed (make prometheus-tools, or apt-get install prometheus): "
+                    "rules not run through it")
     for args in (["check", "rules", RULES.name], ["test", "rules", RULE_TESTS.name]):
         done = subprocess.run([promtool, *args], cwd=RULES.parent, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
