@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pagoda.contract.lora import LoRARequest
     from pagoda.contract.params import SamplingParams
     from pagoda.contract.structured import StructuredOutputsParams
     from pagoda.llm import LLM, CompletionOutput, RequestOutput
@@ -17,10 +18,12 @@ _EXPORTS = {
     "RequestOutput": "pagoda.llm",
     "CompletionOutput": "pagoda.llm",
     "SamplingParams": "pagoda.contract.params",
+    "LoRARequest": "pagoda.contract.lora",
     "StructuredOutputsParams": "pagoda.contract.structured",
 }
 
-__all__ = ["CompletionOutput", "LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["CompletionOutput", "LLM", "LoRARequest", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:

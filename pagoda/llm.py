@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.contract.ids import RequestId
+from pagoda.contract.lora import LoRARequest, read_adapter_config
 from pagoda.contract.params import SamplingParams, check_vocab, with_bad_words_tokenized
 from pagoda.contract.step import TokenLogprobs
 from pagoda.contract.structured import check_grammar
@@ -56,7 +57,8 @@ class LLM:
                  attention_backend: str = "auto", tensor_parallel_size: int = 1, device: str = "auto",
                  long_prefill_token_threshold: int = 0,
                  speculative_config: dict | str | None = None,
-                 pinned_prompts: Sequence[str | list[int]] | None = None) -> None:
+                 pinned_prompts: Sequence[str | list[int]] | None = None, enable_lora: bool = False,
+                 max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None) -> None:
         # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
         # "prompt_lookup_min": 2} (scheduler_svc/core/spec_decode.py). Checked before loading.
         speculative = SpeculativeConfig.parse(speculative_config)
@@ -66,7 +68,8 @@ class LLM:
             model=model, dtype=dtype, device=device, block_size=block_size, max_model_len=max_model_len,
             num_gpu_blocks_override=num_gpu_blocks_override,
             kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
-            seed=seed, tensor_parallel_size=tensor_parallel_size)
+            seed=seed, tensor_parallel_size=tensor_parallel_size, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
         self.runner = create_runner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
         # Runs close()'s work when the LLM is garbage-collected (vLLM's users `del` their engine);
         # it holds the runner's bound close, never `self`, so it does not keep the LLM alive.
@@ -83,7 +86,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching,
-            eos_token_ids=self.worker_info.eos_token_ids, speculative=speculative))
+            eos_token_ids=self.worker_info.eos_token_ids, speculative=speculative,
+            max_loras=self.worker_info.max_loras))
         self.model_dir = model
         self._tokenizer: Any = None
         self._request_counter = itertools.count()
@@ -118,18 +122,24 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; one RequestOutput per prompt, in input order."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; one RequestOutput per prompt, in input order. `lora_request`:
+        one adapter for every prompt, or one per prompt (None: the base model), as in vLLM."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         params = _per_prompt_params(sampling_params, len(prompts))
+        loras = _per_prompt_loras(lora_request, len(prompts))
         outputs: dict[RequestId, RequestOutput] = {}
         try:
-            for prompt, sampling in zip(prompts, params, strict=True):
+            for prompt, sampling, lora in zip(prompts, params, loras, strict=True):
                 request_id = RequestId(str(next(self._request_counter)))
                 text, token_ids = self._tokenize(prompt)
                 sampling = self._resolve_params(sampling)
-                self.scheduler.add_request(EngineRequest(request_id, tuple(token_ids), sampling))
+                if lora is not None:  # a missing or too-large adapter fails here, not in a step
+                    read_adapter_config(lora.lora_path, self.worker_info.max_lora_rank or None)
+                self.scheduler.add_request(EngineRequest(request_id, tuple(token_ids), sampling, lora=lora))
                 outputs[request_id] = RequestOutput(
                     request_id, text, list(token_ids),
                     [CompletionOutput(i, logprobs=[] if sampling.logprobs is not None else None)
@@ -204,6 +214,16 @@ def _per_prompt_params(sampling_params: SamplingParams | Sequence[SamplingParams
     if len(params) != num_prompts:
         raise ValueError(f"{len(params)} sampling params for {num_prompts} prompts")
     return params
+
+
+def _per_prompt_loras(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                      num_prompts: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"{len(loras)} lora requests for {num_prompts} prompts")
+    return loras
 
 
 def _apply_delta(outputs: dict[RequestId, RequestOutput], delta: SequenceDelta) -> bool:

@@ -23,3 +23,13 @@ class WorkerConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     pack_weights: bool = True  # CPU: linear weights pre-packed for oneDNN (models/packed_linear.py)
+    # Multi-LoRA (worker_svc/lora/): vLLM's --enable-lora --max-loras --max-lora-rank --max-cpu-loras
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters in device slots at once (distinct adapters per step)
+    max_lora_rank: int = 16  # every slot is padded to this rank; a higher-rank adapter is refused
+    max_cpu_loras: int | None = None  # loaded adapters kept on the host (LRU); None: max_loras
+
+    def __post_init__(self) -> None:
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            # The LoRA slots are not sharded yet; a silently replicated delta would be wrong.
+            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")

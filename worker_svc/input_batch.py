@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pagoda.contract.ids import RequestId
+from pagoda.contract.lora import LoRARequest
 from pagoda.contract.params import SamplingParams
 from worker_svc.models.common import AttentionMetadata
 from worker_svc.sampler import SamplingRow
@@ -27,6 +28,7 @@ class CachedRequestState:
     sampling: SamplingParams
     seq_index: int = 0
     grammar: GrammarState | None = None  # structured outputs (the sampling rank only)
+    lora: LoRARequest | None = None  # its adapter; None: the base model
 
     def sampling_row(self) -> SamplingRow:
         return SamplingRow(self.sampling, self.token_ids, self.num_prompt_tokens, self.seq_index,
@@ -36,7 +38,7 @@ class CachedRequestState:
         """A child sharing every block (the scheduler ref-counts them); lists are copied."""
         return CachedRequestState(child_id, list(self.token_ids), self.num_prompt_tokens,
                                   list(self.block_ids), self.num_computed_tokens, self.sampling,
-                                  seq_index, self.grammar.fork() if self.grammar else None)
+                                  seq_index, self.grammar.fork() if self.grammar else None, self.lora)
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.input_batch import CachedRequestState, ScheduledSeq, build_model_inputs
 from worker_svc.kv_cache import CacheShape, KVCache, cpu_num_blocks, cuda_num_blocks
 from worker_svc.loader import load_model, resolve_dtype
+from worker_svc.lora.manager import LoRAManager
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.packed_linear import can_pack, pack_linear_weights
 from worker_svc.plan_validation import validate_plan
@@ -60,6 +61,9 @@ class ModelRunner:
         self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp)
         if config.pack_weights and tp.size == 1 and can_pack(self.device):
             pack_linear_weights(self.model)
+        self.lora = (LoRAManager(self.model, self.model_config, config.max_loras, config.max_lora_rank,
+                                 config.max_cpu_loras, self.dtype, self.device)
+                     if config.enable_lora else None)  # wraps the (packed) projections
         backend = config.attention_backend
         self.backend = get_backend(default_backend_name(self.device) if backend == "auto" else backend)
         self.max_model_len = self._resolve_max_model_len()
@@ -95,7 +99,9 @@ class ModelRunner:
         return WorkerInfo(num_blocks=num_blocks, block_size=self.config.block_size,
                           max_model_len=self.max_model_len,
                           eos_token_ids=tuple(self.model_config.eos_token_ids),
-                          vocab_size=self.model_config.vocab_size, model_name=self.config.model)
+                          vocab_size=self.model_config.vocab_size, model_name=self.config.model,
+                          max_loras=self.lora.max_loras if self.lora else 0,
+                          max_lora_rank=self.lora.max_lora_rank if self.lora else 0)
 
     def reset(self) -> None:
         """Drop every resident request; the next plan may start at any step id."""
@@ -118,6 +124,8 @@ class ModelRunner:
         if plan.draft_token_ids and self.tp.size > 1:
             raise PlanError("speculative decoding with tensor parallelism is not supported yet")
         validate_plan(plan, self.requests, self.kv_cache.num_blocks, self.config.block_size)
+        if self.lora is None and any(new.lora is not None for new in plan.new_requests):
+            raise PlanError("a request names a LoRA adapter but this worker runs without --enable-lora")
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Raises PlanError (before any change) for a plan that does not apply."""
@@ -187,7 +195,8 @@ class ModelRunner:
         for new in plan.new_requests:
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
-                new.num_computed_tokens, new.sampling, new.seq_index, self._grammar(new.sampling))
+                new.num_computed_tokens, new.sampling, new.seq_index, self._grammar(new.sampling),
+                new.lora)
             counts[new.request_id] = new.num_scheduled_tokens
         for update in plan.table_updates:
             table = self.requests[update.request_id].block_ids
@@ -215,7 +224,13 @@ class ModelRunner:
         """
         assert self.kv_cache is not None
         inputs = build_model_inputs(seqs, self.config.block_size, self.backend, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.layers)
+        if self.lora is not None:
+            self.lora.prepare([seq.state.lora for seq in seqs], [seq.num_tokens for seq in seqs])
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.layers)
+        finally:
+            if self.lora is not None:
+                self.lora.finish_step()
         logit_rows: list[int] = []
         rows: list[SamplingRow] = []
         states: list[CachedRequestState] = []

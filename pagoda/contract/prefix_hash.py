@@ -1,7 +1,8 @@
 """The chained prefix-block hash, shared by the scheduler's prefix index and the gateway's router.
 
 hash_i = SHA-256(hash_{i-1} or ROOT, token ids of full block i, extra keys), where the extra keys
-carry the per-request `cache_salt` on the first block (the chain carries it to every later block).
+carry the per-request `cache_salt` and LoRA adapter (`LoRARequest.cache_key`) on the first block (the
+chain carries them to every later block): K/V computed under one adapter is never a hit for another.
 The gateway routes a request by the same hash the scheduler caches it under, so two requests that
 would share cached blocks on one replica are sent to that replica. Pure: hashlib and struct only.
 """
@@ -35,16 +36,20 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple
     return digest.digest()
 
 
-def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple:
-    return (cache_salt,) if block_index == 0 and cache_salt is not None else ()
+def block_extra_keys(block_index: int, cache_salt: str | None, lora_key: str | None = None) -> tuple:
+    if block_index:
+        return ()
+    keys = () if cache_salt is None else (cache_salt,)
+    # Tagged, so an adapter key can never equal a salt; without an adapter the keys are unchanged.
+    return keys if lora_key is None else (*keys, ("lora", lora_key))
 
 
 def prefix_hash(token_ids: Sequence[int], block_size: int, cache_salt: str | None,
-                max_blocks: int) -> bytes | None:
+                max_blocks: int, lora_key: str | None = None) -> bytes | None:
     """The chained hash of the first min(max_blocks, full blocks) blocks: the scheduler's hash of
     that block. None when the prompt has no full block (nothing could be cached for it)."""
     parent = None
     for i in range(min(max_blocks, len(token_ids) // block_size)):
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
-                            block_extra_keys(i, cache_salt))
+                            block_extra_keys(i, cache_salt, lora_key))
     return parent

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagoda.contract.ids import BlockId, RequestId
+from pagoda.contract.lora import LoRARequest
 from pagoda.contract.params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class NewRequestData:
     num_scheduled_tokens: int  # tokens to compute in this step (>=1)
     sampling: SamplingParams
     seq_index: int = 0  # which of the n sequences this is (seeds sampling of forks)
+    lora: LoRARequest | None = None  # the adapter it runs under (the worker loads it); None: base
 
 
 @dataclass(slots=True)
@@ -120,3 +122,5 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     model_name: str
+    max_loras: int = 0  # distinct LoRA adapters a step may use; 0: LoRA disabled
+    max_lora_rank: int = 0

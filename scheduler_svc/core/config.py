@@ -63,3 +63,5 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
     # Brownout under sustained memory pressure (core/brownout.py); None: off.
     brownout: BrownoutConfig | None = None
+    # Distinct LoRA adapters running at once (the worker's --max-loras, from its Init); 0: LoRA off.
+    max_loras: int = 0

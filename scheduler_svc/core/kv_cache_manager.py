@@ -35,11 +35,12 @@ class KVCacheManager:
     def _ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
         """Extend seq.block_hashes (incrementally) to its first num_blocks full blocks."""
         hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
-        salt = seq.request.cache_salt
+        salt, lora_key = seq.request.cache_salt, seq.request.lora_key
         for i in range(len(hashes), num_blocks):
             parent = hashes[i - 1] if i else None
             # Looked up on the module each time so tests can force collisions by monkeypatching it.
-            hashes.append(prefix_index.hash_block(parent, tokens[i * bs:(i + 1) * bs], block_extra_keys(i, salt)))
+            hashes.append(prefix_index.hash_block(parent, tokens[i * bs:(i + 1) * bs],
+                                                  block_extra_keys(i, salt, lora_key)))
 
     def find_cached_prefix(self, seq: Sequence) -> tuple[list[BlockId], int]:
         """Verified cached full blocks of a waiting sequence, leaving >= 1 token to compute."""
@@ -48,7 +49,7 @@ class KVCacheManager:
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
         self._ensure_hashes(seq, max_blocks)
         return self.index.match(seq.block_hashes, seq.token_ids, self.block_size,
-                                seq.request.cache_salt, max_blocks)
+                                seq.request.cache_salt, max_blocks, seq.request.lora_key)
 
     def register_computed(self, seq: Sequence, num_computed: int) -> None:
         """Register the full blocks of positions < num_computed (their writing step has reported)."""
@@ -58,11 +59,11 @@ class KVCacheManager:
         if full <= seq.num_registered_blocks:
             return
         self._ensure_hashes(seq, full)
-        bs, salt = self.block_size, seq.request.cache_salt
+        bs, salt, lora_key = self.block_size, seq.request.cache_salt, seq.request.lora_key
         for i in range(seq.num_registered_blocks, full):
             serial = self.index.register(seq.block_table[i], seq.block_hashes[i], seq.last_serial,
                                          tuple(seq.token_ids[i * bs:(i + 1) * bs]),
-                                         block_extra_keys(i, salt))
+                                         block_extra_keys(i, salt, lora_key))
             if serial is None:  # collision: the chain cannot be extended past it
                 seq.num_registered_blocks = len(seq.token_ids) + 1  # never try again
                 return

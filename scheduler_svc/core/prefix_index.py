@@ -1,7 +1,7 @@
 """The prefix index: chained SHA-256 block hashes -> physical blocks, every hit verified.
 
 hash_i = SHA-256(hash_{i-1} or ROOT, token ids of full block i, extra keys) where the extra keys
-carry the per-request `cache_salt` on the first block (the chain carries it to every later block).
+carry the per-request `cache_salt` and LoRA adapter on the first block (the chain carries them on).
 A hash match alone is never trusted: the entry also stores the block's token ids, its extra keys
 and the serial of its parent entry, and a hit must match all three, so a collision (even a crafted
 one) degrades to a miss. Serials are never reused, so an entry whose parent was evicted and
@@ -49,7 +49,8 @@ class PrefixIndex:
         return self._entries[block][_SERIAL]
 
     def match(self, block_hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int,
-              cache_salt: str | None, max_blocks: int) -> tuple[list[BlockId], int]:
+              cache_salt: str | None, max_blocks: int,
+              lora_key: str | None = None) -> tuple[list[BlockId], int]:
         """The longest verified chain of cached blocks (at most max_blocks) and its last serial."""
         blocks: list[BlockId] = []
         serial = ROOT_SERIAL
@@ -59,7 +60,7 @@ class PrefixIndex:
                 break
             _, parent, tokens, extra_keys, entry_serial = self._entries[block]
             if parent != serial or tokens != tuple(token_ids[i * block_size:(i + 1) * block_size]) \
-                    or extra_keys != block_extra_keys(i, cache_salt):
+                    or extra_keys != block_extra_keys(i, cache_salt, lora_key):
                 self.num_collisions += 1
                 break
             blocks.append(block)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pagoda.contract.ids import BlockId, RequestId
+from pagoda.contract.lora import LoRARequest
 from pagoda.contract.params import FinishReason, SamplingParams
 
 
@@ -36,6 +37,7 @@ class EngineRequest:
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first (vLLM's convention); ties break by arrival
     cache_salt: str | None = None  # keeps one tenant's prefix cache invisible to another
+    lora: LoRARequest | None = None  # the adapter to run under; None: the base model
 
 
 @dataclass(slots=True, eq=False)
@@ -48,6 +50,7 @@ class Request:
     arrival_time: float
     arrival_order: int  # ties of (priority, arrival_time) break by this
     cache_salt: str | None
+    lora: LoRARequest | None = None
     seqs: list[Sequence] = field(default_factory=list)
     num_unfinished: int = 0  # of the n sequences, counting those not forked yet
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -60,9 +63,12 @@ class Request:
     num_prompt_tokens: int = field(init=False)
     max_num_tokens: int = field(init=False)  # prompt + max_tokens: no token is sampled beyond it
 
+    lora_key: str | None = field(init=False)  # part of its prefix-cache keys
+
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.max_num_tokens = self.num_prompt_tokens + self.max_tokens
+        self.lora_key = self.lora.cache_key if self.lora is not None else None
 
     @property
     def n(self) -> int:

@@ -28,6 +28,7 @@ from pagoda.contract.step import Fork, NewRequestData, StepPlan, StepResult, Tab
 from scheduler_svc.core.brownout import BrownoutMixin
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
+from scheduler_svc.core.lora_admission import lora_fits
 from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.pinning import PinningMixin
 from scheduler_svc.core.poison import PoisonIsolationMixin
@@ -196,6 +197,8 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
             seq = waiting.peek()
             if seq.num_placeholders or self._running_slots + seq.num_slots > cfg.max_num_seqs:
                 return  # its last tokens are still in flight / no room: keep the order, try later
+            if seq.request.lora is not None and not lora_fits(seq, self._running, cfg.max_loras):
+                return  # max_loras other adapters run: it waits (in order) until one drains
             hits, last_serial = kv.find_cached_prefix(seq)
             num_hit = len(hits) * cfg.block_size
             num_new = min(len(seq.token_ids) - num_hit, self._threshold, draft.budget)
@@ -212,7 +215,7 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
         self._note_admission(seq, num_hit)
         draft.plan.new_requests.append(NewRequestData(
             seq.seq_id, list(seq.token_ids), seq.request.num_prompt_tokens, list(seq.block_table),
-            num_hit, num_new, seq.request.sampling, seq.seq_index))
+            num_hit, num_new, seq.request.sampling, seq.seq_index, seq.request.lora))
         seq.resident = True
         self._add_running(seq)
         self._commit_seq(draft, seq, num_new)

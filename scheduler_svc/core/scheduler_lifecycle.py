@@ -88,6 +88,9 @@ class SchedulerLifecycleMixin:
         if blocks > cfg.num_blocks:
             raise InvalidRequestError(f"the request needs {blocks} KV blocks but the cache has only "
                                       f"{cfg.num_blocks}")
+        if request.lora is not None and not cfg.max_loras:
+            raise InvalidRequestError(f"LoRA adapter {request.lora.lora_name!r} requested, but LoRA is "
+                                      "not enabled (start the worker with --enable-lora)")
         if len(self._waiting) >= cfg.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full: {len(self._waiting)} of "
                                  f"{cfg.max_waiting_requests} requests waiting; retry later")
@@ -98,7 +101,7 @@ class SchedulerLifecycleMixin:
         stop_set = frozenset(sampling.stop_token_ids if sampling.ignore_eos
                              else (*sampling.stop_token_ids, *cfg.eos_token_ids))
         req = Request(rid, tuple(prompt), sampling, max_tokens, request.priority, request.arrival_time,
-                      next(self._arrivals), request.cache_salt, num_unfinished=sampling.n,
+                      next(self._arrivals), request.cache_salt, request.lora, num_unfinished=sampling.n,
                       stop_token_set=stop_set)
         seq = Sequence(rid, 0, req, list(prompt), pending_fork=sampling.n > 1)
         req.seqs.append(seq)

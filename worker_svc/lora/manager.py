@@ -1,0 +1,132 @@
+"""`LoRAManager`: the adapters of a worker, on the host and in the device slots.
+
+- Host: an LRU of loaded adapters (`max_cpu_loras`), so an adapter that left its slot comes back
+  with one copy, not a disk read.
+- Device: `max_loras` slots per projection. Each step, `prepare` makes sure every adapter of the
+  step's sequences has a slot (evicting the least recently used slot no sequence of this step needs)
+  and builds the step's LoRABatch. The scheduler never runs more than `max_loras` distinct adapters
+  at once (scheduler_svc/core/lora_admission.py), so a step always fits.
+
+Adapters are keyed by `LoRARequest.cache_key` (name and path), never by the request's int id, which
+only the caller that chose it knows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagoda.contract.lora import LoRARequest
+from pagoda.runtime.logging import get_logger
+from worker_svc.lora.layers import LoRABatch, LoRALinear, build_lora_batch
+from worker_svc.lora.weights import AdapterWeights, fused_shapes, load_adapter
+from worker_svc.model_config import ModelConfig
+
+log = get_logger(__name__)
+
+# (parent module attribute, projection attribute, fused projection name) of each decoder layer
+_PROJECTIONS = (("self_attn", "qkv_proj", "qkv"), ("self_attn", "o_proj", "o"),
+                ("mlp", "gate_up_proj", "gate_up"), ("mlp", "down_proj", "down"))
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, cfg: ModelConfig, max_loras: int, max_lora_rank: int,
+                 max_cpu_loras: int | None, dtype: torch.dtype, device: torch.device) -> None:
+        if max_loras < 1 or max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        self.batch: LoRABatch | None = None  # the current step's; read by every LoRALinear
+        self.layers = self._wrap(model)
+        self._host: OrderedDict[str, AdapterWeights] = OrderedDict()
+        self._slot_keys: list[str | None] = [None] * max_loras
+        self._slot_targets: list[frozenset[str]] = [frozenset()] * max_loras
+        self._slot_used = [0] * max_loras  # the step counter when each slot was last needed
+        self._clock = itertools.count(1)
+
+    def _wrap(self, model: nn.Module) -> list[LoRALinear]:
+        shapes = fused_shapes(self.cfg)
+        wrapped = []
+        for index, layer in enumerate(model.model.layers):
+            for parent_name, attr, proj in _PROJECTIONS:
+                parent = getattr(layer, parent_name)
+                shape = shapes[proj]
+                module = LoRALinear(getattr(parent, attr), proj, index, shape.in_features,
+                                    len(shape.sub_out) * self.max_lora_rank, shape.out_features,
+                                    self.max_loras, self, self.dtype, self.device)
+                setattr(parent, attr, module)
+                wrapped.append(module)
+        return wrapped
+
+    # -- per step -------------------------------------------------------------------------------
+
+    def prepare(self, adapters: Sequence[LoRARequest | None], num_tokens: Sequence[int]) -> LoRABatch | None:
+        """Slot every adapter of the step and set `self.batch`. adapters[i] / num_tokens[i]: the
+        i-th scheduled sequence's adapter (None: base model) and token count, in batch order."""
+        needed = {a.cache_key: a for a in adapters if a is not None}
+        if not needed:
+            self.batch = None
+            return None
+        if len(needed) > self.max_loras:
+            raise RuntimeError(f"a step uses {len(needed)} LoRA adapters but --max-loras is "
+                               f"{self.max_loras} (the scheduler should never plan it)")
+        now = next(self._clock)
+        slot_of = {key: self._slot_for(key, lora, needed, now) for key, lora in needed.items()}
+        seq_slots = np.fromiter((slot_of[a.cache_key] if a is not None else -1 for a in adapters),
+                                dtype=np.int64, count=len(adapters))
+        token_slots = np.repeat(seq_slots, np.asarray(num_tokens, dtype=np.int64))
+        targets = frozenset().union(*(self._slot_targets[s] for s in slot_of.values()))
+        self.batch = build_lora_batch(token_slots, targets, self.device)
+        return self.batch
+
+    def finish_step(self) -> None:
+        self.batch = None
+
+    # -- slots and the host cache ---------------------------------------------------------------
+
+    def _slot_for(self, key: str, lora: LoRARequest, needed: dict[str, LoRARequest], now: int) -> int:
+        if key in self._slot_keys:
+            slot = self._slot_keys.index(key)
+        else:
+            free = [s for s, k in enumerate(self._slot_keys) if k is None or k not in needed]
+            slot = min(free, key=lambda s: (self._slot_keys[s] is not None, self._slot_used[s]))
+            self._fill_slot(slot, key, self._host_weights(lora))
+        self._slot_used[slot] = now
+        return slot
+
+    def _fill_slot(self, slot: int, key: str, weights: AdapterWeights) -> None:
+        for module in self.layers:
+            pair = weights.matrices.get((module.layer, module.proj))
+            if pair is None:
+                module.lora_a[slot].zero_()
+                module.lora_b[slot].zero_()
+            else:
+                module.lora_a[slot].copy_(pair[0], non_blocking=True)
+                module.lora_b[slot].copy_(pair[1], non_blocking=True)
+        self._slot_keys[slot] = key
+        self._slot_targets[slot] = weights.targets
+
+    def _host_weights(self, lora: LoRARequest) -> AdapterWeights:
+        key = lora.cache_key
+        weights = self._host.get(key)
+        if weights is not None:
+            self._host.move_to_end(key)
+            return weights
+        weights = load_adapter(lora.lora_path, self.cfg, self.max_lora_rank, self.dtype)
+        log.info("lora_adapter_loaded", lora_name=lora.lora_name, lora_path=lora.lora_path,
+                 targets=sorted(weights.targets))
+        self._host[key] = weights
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
+        return weights
+
+    @property
+    def resident_adapters(self) -> list[str]:
+        """Names (cache keys) of the adapters in device slots."""
+        return [k for k in self._slot_keys if k is not None]

@@ -1,0 +1,103 @@
+"""Read a PEFT LoRA adapter into the layout of Pagoda's fused projections.
+
+PEFT stores, per target module, lora_A [r, in] and lora_B [out, r]; its delta is
+`x @ A.T @ B.T * scaling`. Pagoda fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, so
+one fused projection carries up to three sub-adapters. They are laid side by side: A_fused
+[in, n_sub * R] (sub i in columns [i*R, i*R + r_i]), B_fused [n_sub * R, out] block-diagonal (sub i's
+rows map only onto its own output columns). One pair of matmuls then gives every sub-delta at once,
+and the zero padding (ranks below R, untargeted subs) adds exact zeros. Scaling is folded into B.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from pagoda.contract.errors import InvalidRequestError
+from pagoda.contract.lora import WEIGHTS_FILE, read_adapter_config
+from worker_svc.model_config import ModelConfig
+
+# PEFT module -> (fused projection, sub index inside it)
+PEFT_TO_FUSED = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+                 "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
+
+
+@dataclass(frozen=True, slots=True)
+class FusedShape:
+    """One fused projection: its input width and the output width of each sub-projection."""
+
+    in_features: int
+    sub_out: tuple[int, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.sub_out)
+
+
+def fused_shapes(cfg: ModelConfig) -> dict[str, FusedShape]:
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    return {"qkv": FusedShape(h, (q, kv, kv)), "o": FusedShape(q, (h,)),
+            "gate_up": FusedShape(h, (inter, inter)), "down": FusedShape(inter, (h,))}
+
+
+@dataclass(slots=True)
+class AdapterWeights:
+    """An adapter on the host, ready to copy into a device slot."""
+
+    # (layer index, fused projection) -> (A [in, n_sub * R], B [n_sub * R, out]), scaling in B
+    matrices: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def targets(self) -> frozenset[str]:
+        return frozenset(proj for _, proj in self.matrices)
+
+
+def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype) -> AdapterWeights:
+    """InvalidRequestError for anything Pagoda cannot apply exactly (unknown tensors, shapes, rank)."""
+    config = read_adapter_config(path, max_rank)
+    tensors = load_file(str(Path(path) / WEIGHTS_FILE))
+    shapes = fused_shapes(cfg)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.search(key)
+        if match is None or match.group(2) not in PEFT_TO_FUSED or int(match.group(1)) >= cfg.num_layers:
+            raise InvalidRequestError(f"LoRA adapter {path}: tensor {key} targets nothing Pagoda "
+                                      f"applies LoRA to (q/k/v/o_proj, gate/up/down_proj)")
+        pairs.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor
+    matrices: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), ab in sorted(pairs.items()):
+        proj, sub = PEFT_TO_FUSED[module]
+        shape = shapes[proj]
+        a, b = _check_pair(path, layer, module, ab, shape.in_features, shape.sub_out[sub], max_rank)
+        if (layer, proj) not in matrices:
+            width = len(shape.sub_out) * max_rank
+            matrices[layer, proj] = (torch.zeros(shape.in_features, width),
+                                     torch.zeros(width, shape.out_features))
+        fused_a, fused_b = matrices[layer, proj]
+        rank, rows, cols = a.shape[0], sub * max_rank, sum(shape.sub_out[:sub])
+        fused_a[:, rows:rows + rank] = a.float().T
+        fused_b[rows:rows + rank, cols:cols + b.shape[0]] = b.float().T * config.scaling(rank)
+    return AdapterWeights({k: (a.to(dtype), b.to(dtype)) for k, (a, b) in matrices.items()})
+
+
+def _check_pair(path: str | Path, layer: int, module: str, ab: dict[str, torch.Tensor],
+                in_features: int, out_features: int, max_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    where = f"LoRA adapter {path}: layer {layer} {module}"
+    if set(ab) != {"A", "B"}:
+        raise InvalidRequestError(f"{where} has lora_A or lora_B missing")
+    a, b = ab["A"], ab["B"]  # [r, in], [out, r]
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        raise InvalidRequestError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+                                  "do not pair")
+    if a.shape[1] != in_features or b.shape[0] != out_features:
+        raise InvalidRequestError(f"{where}: shapes {tuple(a.shape)} / {tuple(b.shape)} do not fit "
+                                  f"the base model ({in_features} -> {out_features})")
+    if a.shape[0] > max_rank:
+        raise InvalidRequestError(f"{where}: rank {a.shape[0]} is above --max-lora-rank {max_rank}")
+    return a, b
