@@ -14,6 +14,8 @@ from pagoda.contract.common_codec import (
     finish_reason_to_pb,
     logprobs_from_pb,
     logprobs_to_pb,
+    lora_from_pb,
+    lora_to_pb,
     sampling_from_pb,
     sampling_to_pb,
 )
@@ -37,14 +39,15 @@ def request_from_pb(pb: engine_pb2.GenerateRequest, arrival_time: float,
     return EngineRequest(
         request_id=RequestId(pb.request_id or f"req-{uuid.uuid4().hex}"),
         prompt_token_ids=tuple(pb.prompt_token_ids), sampling=sampling_from_pb(pb.sampling),
-        arrival_time=arrival_time, priority=pb.priority, cache_salt=pb.cache_salt or None)
+        arrival_time=arrival_time, priority=pb.priority, cache_salt=pb.cache_salt or None,
+        lora=lora_from_pb(pb))
 
 
 def request_to_pb(request: EngineRequest) -> engine_pb2.GenerateRequest:
     return engine_pb2.GenerateRequest(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_pb(request.sampling), priority=request.priority,
-        cache_salt=request.cache_salt or "")
+        cache_salt=request.cache_salt or "", lora=lora_to_pb(request.lora))
 
 
 def delta_to_pb(delta: SequenceDelta) -> engine_pb2.SequenceDelta:
@@ -83,7 +86,8 @@ def info_to_pb(info: WorkerInfo, config: SchedulerConfig) -> engine_pb2.EngineIn
         eos_token_ids=config.eos_token_ids, vocab_size=info.vocab_size,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         enable_prefix_caching=config.enable_prefix_caching,
-        max_waiting_requests=config.max_waiting_requests)
+        max_waiting_requests=config.max_waiting_requests, max_loras=info.max_loras,
+        max_lora_rank=info.max_lora_rank)
 
 
 # SchedulerStats attribute -> EngineStats field (the names differ only where listed).

@@ -74,7 +74,7 @@ def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> Scheduler
         enable_prefix_caching=config.enable_prefix_caching,
         max_waiting_requests=config.max_waiting_requests, eos_token_ids=info.eos_token_ids,
         policy=config.scheduling_policy, max_inflight_steps=2 if config.pipelining else 1,
-        speculative=config.speculative, brownout=config.brownout)
+        speculative=config.speculative, brownout=config.brownout, max_loras=info.max_loras)
 
 
 @dataclass(slots=True)

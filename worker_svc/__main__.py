@@ -30,6 +30,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU: pre-pack linear weights for oneDNN at load (faster GEMMs; see "
                         "worker_svc/models/packed_linear.py)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT directories) next to the base model (docs/lora.md)")
+    p.add_argument("--max-loras", type=int, default=1,
+                   help="adapters in device slots at once: distinct adapters among running requests")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="the largest adapter rank accepted (every slot is padded to it)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="loaded adapters kept in host memory, LRU (default: --max-loras)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="sizes the memory profile; the scheduler's Init may lower it")
@@ -50,7 +58,9 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, attention_backend=args.attention_backend,
-        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, pack_weights=args.pack_weights)
+        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, pack_weights=args.pack_weights,
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras)
 
 
 def main(argv: list[str] | None = None) -> None:

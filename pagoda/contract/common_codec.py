@@ -6,6 +6,7 @@ API, the scheduler and the worker on the Steps stream. Pure functions over the c
 
 from __future__ import annotations
 
+from pagoda.contract.lora import LoRARequest
 from pagoda.contract.params import FinishReason, SamplingParams
 from pagoda.contract.step import TokenLogprobs
 from pagoda.contract.structured import StructuredOutputsParams
@@ -76,3 +77,19 @@ def finish_reason_to_pb(reason: FinishReason | str | None) -> int:
 def finish_reason_from_pb(code: int) -> FinishReason | None:
     """The enum code -> FinishReason (a str: "stop", ...), or None while the sequence runs."""
     return _FINISH_FROM_PB.get(code)
+
+
+def lora_to_pb(lora: LoRARequest | None) -> common_pb2.LoRARequest | None:
+    """None for the base model (the message field stays unset)."""
+    if lora is None:
+        return None
+    return common_pb2.LoRARequest(lora_name=lora.lora_name, lora_int_id=lora.lora_int_id,
+                                  lora_path=lora.lora_path)
+
+
+def lora_from_pb(parent: object) -> LoRARequest | None:
+    """The `lora` field of `parent` (a GenerateRequest or NewRequest); None when unset. Validates."""
+    if not parent.HasField("lora"):  # type: ignore[attr-defined]
+        return None
+    pb = parent.lora  # type: ignore[attr-defined]
+    return LoRARequest(pb.lora_name, pb.lora_int_id, pb.lora_path)

@@ -7,7 +7,14 @@ defined once. Pure functions; domain classes never see protobuf.
 
 from __future__ import annotations
 
-from pagoda.contract.common_codec import logprobs_from_pb, logprobs_to_pb, sampling_from_pb, sampling_to_pb
+from pagoda.contract.common_codec import (
+    logprobs_from_pb,
+    logprobs_to_pb,
+    lora_from_pb,
+    lora_to_pb,
+    sampling_from_pb,
+    sampling_to_pb,
+)
 from pagoda.contract.ids import BlockId, RequestId
 from pagoda.contract.step import (
     BlockCopy,
@@ -58,7 +65,7 @@ def _new_request_to_pb(r: NewRequestData) -> worker_pb2.NewRequest:
         request_id=r.request_id, token_ids=r.token_ids, num_prompt_tokens=r.num_prompt_tokens,
         block_ids=r.block_ids, num_computed_tokens=r.num_computed_tokens,
         num_scheduled_tokens=r.num_scheduled_tokens, sampling=sampling_to_pb(r.sampling),
-        seq_index=r.seq_index)
+        seq_index=r.seq_index, lora=lora_to_pb(r.lora))
 
 
 def _new_request_from_pb(pb: worker_pb2.NewRequest) -> NewRequestData:
@@ -66,7 +73,7 @@ def _new_request_from_pb(pb: worker_pb2.NewRequest) -> NewRequestData:
         request_id=RequestId(pb.request_id), token_ids=list(pb.token_ids),
         num_prompt_tokens=pb.num_prompt_tokens, block_ids=[BlockId(b) for b in pb.block_ids],
         num_computed_tokens=pb.num_computed_tokens, num_scheduled_tokens=pb.num_scheduled_tokens,
-        sampling=sampling_from_pb(pb.sampling), seq_index=pb.seq_index)
+        sampling=sampling_from_pb(pb.sampling), seq_index=pb.seq_index, lora=lora_from_pb(pb))
 
 
 # -- step results -----------------------------------------------------------------------------
@@ -100,11 +107,12 @@ def info_to_pb(info: WorkerInfo, epoch: int) -> worker_pb2.InitResponse:
     return worker_pb2.InitResponse(
         num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
         eos_token_ids=info.eos_token_ids, epoch=epoch, vocab_size=info.vocab_size,
-        model_name=info.model_name)
+        model_name=info.model_name, max_loras=info.max_loras, max_lora_rank=info.max_lora_rank)
 
 
 def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
     """(epoch, info)."""
     return pb.epoch, WorkerInfo(
         num_blocks=pb.num_blocks, block_size=pb.block_size, max_model_len=pb.max_model_len,
-        eos_token_ids=tuple(pb.eos_token_ids), vocab_size=pb.vocab_size, model_name=pb.model_name)
+        eos_token_ids=tuple(pb.eos_token_ids), vocab_size=pb.vocab_size, model_name=pb.model_name,
+        max_loras=pb.max_loras, max_lora_rank=pb.max_lora_rank)
