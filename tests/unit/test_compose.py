@@ -18,7 +18,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 BASE, CPU = ROOT / "docker-compose.yml", ROOT / "docker-compose.cpu.yml"
 TP = ROOT / "docker-compose.tp.yml"
-PAGODA_SERVICES = ("worker", "scheduler", "gateway")
+PAGODA_SERVICES = ("worker", "scheduler", "worker-1", "scheduler-1", "gateway")
+REPLICAS = (("worker", "scheduler"), ("worker-1", "scheduler-1"))  # data-parallel: (worker, its scheduler)
 OTLP = ["--otlp-traces-endpoint", "http://otel-collector:4317"]
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 RESET = object()  # compose's `!reset`: drop the key from the merged model
@@ -88,21 +89,24 @@ def test_service_commands(services: dict) -> None:
     assert services["worker"]["command"] == [
         "python", "-m", "worker_svc", "--model", "${MODEL:-/app/models/smollm2-135m-instruct}",
         "--host", "0.0.0.0", "--port", "50061", *OTLP]
-    assert services["scheduler"]["command"] == [
-        "python", "-m", "scheduler_svc", "--workers", "worker:50061",
-        "--host", "0.0.0.0", "--port", "50052", *OTLP]
+    assert services["worker-1"]["command"] == services["worker"]["command"]  # its own container
+    for worker, scheduler in REPLICAS:
+        assert services[scheduler]["command"] == [
+            "python", "-m", "scheduler_svc", "--workers", f"{worker}:50061",
+            "--host", "0.0.0.0", "--port", "50052", *OTLP]
     assert services["gateway"]["command"] == [
-        "python", "-m", "gateway", "--scheduler", "scheduler:50052",
+        "python", "-m", "gateway", "--scheduler", "scheduler:50052,scheduler-1:50052",
         "--host", "0.0.0.0", "--port", "8000", "--grpc-port", "50051", *OTLP]
     for name in PAGODA_SERVICES:
-        assert services[name]["environment"]["OTEL_SERVICE_NAME"] == f"pagoda-{name}"
+        assert services[name]["environment"]["OTEL_SERVICE_NAME"] == f"pagoda-{name.removesuffix('-1')}"
         assert services[name]["volumes"] == ["${MODEL_DIR:-./models}:/models:ro"]
 
 
 def test_healthchecks_probe_each_service_own_port(services: dict) -> None:
     probe = ["CMD", "python", "-m", "pagoda.runtime.healthcheck"]
-    assert services["worker"]["healthcheck"]["test"] == [*probe, "127.0.0.1:50061"]
-    assert services["scheduler"]["healthcheck"]["test"] == [*probe, "127.0.0.1:50052"]
+    for worker, scheduler in REPLICAS:
+        assert services[worker]["healthcheck"]["test"] == [*probe, "127.0.0.1:50061"]
+        assert services[scheduler]["healthcheck"]["test"] == [*probe, "127.0.0.1:50052"]
     assert services["gateway"]["healthcheck"]["test"] == [*probe, "http://127.0.0.1:8000/ready"]
     for name in PAGODA_SERVICES:
         check = services[name]["healthcheck"]
@@ -117,8 +121,10 @@ def test_depends_on_targets_exist_without_cycles(services: dict) -> None:
             if spec["condition"] == "service_healthy":
                 assert "healthcheck" in services[target], f"{name} waits on unprobed {target}"
     assert services["gateway"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
+    assert "scheduler-1" not in services["gateway"]["depends_on"]  # replica 1 may be left out
     # The worker turns SERVING only after the scheduler's Init: waiting on it would deadlock.
-    assert services["scheduler"]["depends_on"]["worker"]["condition"] == "service_started"
+    for worker, scheduler in REPLICAS:
+        assert services[scheduler]["depends_on"][worker]["condition"] == "service_started"
 
     def visit(name: str, stack: tuple[str, ...]) -> None:
         assert name not in stack, f"dependency cycle {stack + (name,)}"
@@ -129,12 +135,14 @@ def test_depends_on_targets_exist_without_cycles(services: dict) -> None:
         visit(name, ())
 
 
-def test_worker_gets_one_nvidia_gpu_shm_and_restarts(services: dict) -> None:
-    worker = services["worker"]
-    [device] = worker["deploy"]["resources"]["reservations"]["devices"]
-    assert device == {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
-    assert worker["restart"] == "unless-stopped"
-    assert worker["shm_size"]
+def test_each_worker_gets_its_own_nvidia_gpu_shm_and_restarts(services: dict) -> None:
+    for index, (name, _) in enumerate(REPLICAS):
+        worker = services[name]
+        [device] = worker["deploy"]["resources"]["reservations"]["devices"]
+        assert device == {"driver": "nvidia", "device_ids": [f"${{REPLICA_{index}_GPU:-{index}}}"],
+                          "capabilities": ["gpu"]}
+        assert worker["restart"] == "unless-stopped"
+        assert worker["shm_size"]
 
 
 def test_published_ports_are_the_documented_ones(services: dict) -> None:
@@ -143,34 +151,38 @@ def test_published_ports_are_the_documented_ones(services: dict) -> None:
                          "jaeger": ["16686"], "prometheus": ["9090"], "grafana": ["3000"]}
 
 
-def test_cpu_overlay_drops_the_gpu_and_keeps_the_rest(base: dict) -> None:
+def test_cpu_overlay_drops_the_gpus_and_keeps_the_rest(base: dict) -> None:
     merged = merge(base, load(CPU))["services"]
-    worker, gpu_worker = merged["worker"], base["services"]["worker"]
-    assert "deploy" not in worker
-    assert worker["command"][:5] == gpu_worker["command"][:5]
-    assert worker["command"][5:7] == ["--device", "cpu"]
-    assert worker["command"][-2:] == OTLP
-    for key in ("healthcheck", "restart", "volumes", "environment", "depends_on", "image"):
-        assert worker[key] == gpu_worker[key], key
-    assert {k: v for k, v in merged.items() if k != "worker"} == {
-        k: v for k, v in base["services"].items() if k != "worker"}
+    workers = [name for name, _ in REPLICAS]
+    for name in workers:
+        worker, gpu_worker = merged[name], base["services"][name]
+        assert "deploy" not in worker
+        assert worker["command"][:5] == gpu_worker["command"][:5]
+        assert worker["command"][5:7] == ["--device", "cpu"]
+        assert worker["command"][-2:] == OTLP
+        for key in ("healthcheck", "restart", "volumes", "environment", "depends_on", "image"):
+            assert worker[key] == gpu_worker[key], key
+    assert {k: v for k, v in merged.items() if k not in workers} == {
+        k: v for k, v in base["services"].items() if k not in workers}
 
 
-def test_tp_overlay_gives_the_worker_two_gpus_and_nccl_settings(base: dict) -> None:
+def test_tp_overlay_gives_each_worker_two_gpus_of_its_own_and_nccl_settings(base: dict) -> None:
     merged = merge(base, load(TP))["services"]
-    worker, gpu_worker = merged["worker"], base["services"]["worker"]
-    command = worker["command"]
-    assert command[command.index("--tensor-parallel-size") + 1] == "2"
-    assert [a for a in command if a not in ("--tensor-parallel-size", "2")] == gpu_worker["command"]
-    [device] = worker["deploy"]["resources"]["reservations"]["devices"]  # replaced, not appended
-    assert device == {"driver": "nvidia", "count": 2, "capabilities": ["gpu"]}
-    assert worker["ipc"] == "host" and worker["shm_size"]
-    assert worker["environment"]["NCCL_SOCKET_IFNAME"] == "lo"
-    assert worker["environment"]["OTEL_SERVICE_NAME"] == "pagoda-worker"  # merged, not replaced
-    for key in ("healthcheck", "restart", "volumes", "depends_on", "image"):
-        assert worker[key] == gpu_worker[key], key
-    assert {k: v for k, v in merged.items() if k != "worker"} == {
-        k: v for k, v in base["services"].items() if k != "worker"}
+    workers = [name for name, _ in REPLICAS]
+    for name, gpus in zip(workers, (["0", "1"], ["2", "3"]), strict=True):
+        worker, gpu_worker = merged[name], base["services"][name]
+        command = worker["command"]
+        assert command[command.index("--tensor-parallel-size") + 1] == "2"
+        assert [a for a in command if a not in ("--tensor-parallel-size", "2")] == gpu_worker["command"]
+        [device] = worker["deploy"]["resources"]["reservations"]["devices"]  # replaced, not appended
+        assert device == {"driver": "nvidia", "device_ids": gpus, "capabilities": ["gpu"]}
+        assert worker["ipc"] == "host" and worker["shm_size"]
+        assert worker["environment"]["NCCL_SOCKET_IFNAME"] == "lo"
+        assert worker["environment"]["OTEL_SERVICE_NAME"] == "pagoda-worker"  # merged, not replaced
+        for key in ("healthcheck", "restart", "volumes", "depends_on", "image"):
+            assert worker[key] == gpu_worker[key], key
+    assert {k: v for k, v in merged.items() if k not in workers} == {
+        k: v for k, v in base["services"].items() if k not in workers}
 
 
 def test_mounted_configs_exist_and_wire_traces_and_scrapes(services: dict) -> None:
