@@ -91,6 +91,8 @@ class Sequence:
     generation: int = 0  # +1 on preemption: facts recorded for an older generation are stale
     resident: bool = False  # the worker holds this sequence's state
     pending_fork: bool = False  # n>1 and the children are not forked yet (seq 0 only)
+    spec_accepts: int = 0  # draft positions accepted / tried: its acceptance rate (spec_policy.py)
+    spec_tries: int = 0
 
     @property
     def num_tokens(self) -> int:

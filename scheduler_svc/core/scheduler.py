@@ -86,7 +86,8 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
         """Fork, record the step as in flight, and hand the plan out."""
         for parent in draft.fork_parents:  # after admission: the children run behind admitted ones
             self._fork(parent, plan)
-        self._inflight.append(InflightStep(plan.step_id, draft.computed, draft.spec))
+        num_tokens = draft.num_prefill + draft.num_decode + sum(n for _, _, n in draft.spec)
+        self._inflight.append(InflightStep(plan.step_id, draft.computed, draft.spec, num_tokens))
         self._note_step(draft.num_prefill, draft.num_decode, len(plan.preempted_ids))
         self._next_step_id += 1
         return plan
@@ -101,7 +102,8 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
         counts, computed = plan.num_scheduled_tokens, draft.computed
         pool, table_updates = kv.pool, plan.table_updates
         refs, bs, threshold = pool.ref_counts, self.config.block_size, self._threshold
-        budget, num_decode, spec = draft.budget, 0, self._spec
+        budget, num_decode = draft.budget, 0
+        drafts = self._plan_drafts(running) if self._spec is not None else {}
         i = 0
         while i < len(running):
             seq = running[i]
@@ -109,9 +111,8 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
             start = seq.num_computed_tokens
             total = len(seq.token_ids) + seq.num_placeholders
             req = seq.request
-            if spec is not None and total - start == 1 and not seq.num_placeholders \
-                    and total > req.num_prompt_tokens:  # decoding, its last token known: drafts?
-                used = self._schedule_drafts(draft, seq, total, budget)
+            if seq.seq_id in drafts:
+                used = self._schedule_drafts(draft, seq, drafts[seq.seq_id], budget)
                 if used:
                     budget -= used
                     continue
@@ -285,6 +286,7 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
                 if num_computed // bs > seq.num_registered_blocks and seq.generation == generation \
                         and seq.status is SeqStatus.RUNNING:
                     kv.register_computed(seq, num_computed)
+        self._observe_step_cost(step.num_tokens, result.forward_seconds + result.sample_seconds)
         deltas = self._append_tokens(result)
         if step.spec:
             self._settle_drafts(step.spec, result.request_ids)

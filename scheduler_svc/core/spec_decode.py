@@ -4,6 +4,7 @@ The proposer (prompt lookup): for a decoding sequence whose last token is known,
 recent earlier occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
 in its own prompt + output, and propose the up to K tokens that followed it. Pure Python, no model.
 
+How many of its drafts a sequence gets in a step is the goodput policy's call (spec_policy.py).
 A sequence with drafts is scheduled 1 + K tokens (its last token, then the drafts) within the
 step's token budget, with blocks for all of them. It is committed like a decode (one placeholder,
 num_computed up to its last token, prefix blocks registered only up to there, so a rejected draft
@@ -20,6 +21,12 @@ from collections import Counter
 
 from pagoda.contract.ids import RequestId
 from scheduler_svc.core.request import SeqStatus, Sequence
+from scheduler_svc.core.spec_policy import (
+    StepCostModel,
+    acceptance_rate,
+    choose_draft_lengths,
+    record_outcome,
+)
 from scheduler_svc.core.step_draft import StepDraft
 
 SEARCH_WINDOW = 4096  # tokens searched back from the end: bounds the proposer's cost per sequence
@@ -64,15 +71,50 @@ class SpeculationMixin:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos: Counter[int] = Counter()  # position i (0-based) accepted
+        self._spec_cost = StepCostModel()  # fitted to the worker's step times (spec_policy.py)
 
-    def _schedule_drafts(self, draft: StepDraft, seq: Sequence, total: int, budget: int) -> int:
-        """Give a decoding `seq` (last token known, nothing in flight) drafts if the proposer finds
-        any and they fit without preempting. Returns the tokens it took from the budget (0: none)."""
-        spec, req = self._spec, seq.request
-        limit = min(spec.num_speculative_tokens, budget - 1, req.max_num_tokens - total - 1)
-        if limit <= 0 or req.sampling.logprobs is not None:  # drafts carry no logprobs (yet)
-            return 0
-        drafts = propose_ngram(seq.token_ids, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    def _observe_step_cost(self, num_tokens: int, seconds: float) -> None:
+        if self._spec is not None:
+            self._spec_cost.observe(num_tokens, seconds)
+
+    def _may_draft(self, seq: Sequence, total: int) -> bool:
+        """Decoding, its last token known, nothing in flight, no logprobs asked (drafts carry none)."""
+        req = seq.request
+        return total - seq.num_computed_tokens == 1 and not seq.num_placeholders \
+            and total > req.num_prompt_tokens and req.sampling.logprobs is None
+
+    def _plan_drafts(self, running: list[Sequence]) -> dict[RequestId, list[int]]:
+        """The proposer's drafts for the sequences of `running` that may draft, each cut to the
+        length the goodput policy picks for this step (all of it while the cost fit is not ready)."""
+        spec, threshold = self._spec, self._threshold
+        proposals: dict[RequestId, list[int]] = {}
+        alphas: dict[RequestId, float] = {}
+        base_tokens = base_yield = 0
+        for seq in running:
+            total = len(seq.token_ids) + seq.num_placeholders
+            gap = total - seq.num_computed_tokens
+            if gap <= 0:
+                continue
+            base_tokens += min(gap, threshold) if threshold > 0 else gap
+            base_yield += 1
+            if not self._may_draft(seq, total):
+                continue
+            limit = min(spec.num_speculative_tokens, seq.request.max_num_tokens - total - 1)
+            drafts = propose_ngram(seq.token_ids, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if drafts:
+                proposals[seq.seq_id] = drafts
+                alphas[seq.seq_id] = acceptance_rate(seq.spec_accepts, seq.spec_tries)
+        cost = self._spec_cost.coefficients()
+        if cost is None or not proposals:
+            return proposals
+        lengths = choose_draft_lengths({sid: len(d) for sid, d in proposals.items()}, alphas,
+                                       base_tokens, base_yield, cost)
+        return {sid: d[:lengths[sid]] for sid, d in proposals.items() if lengths[sid]}
+
+    def _schedule_drafts(self, draft: StepDraft, seq: Sequence, drafts: list[int], budget: int) -> int:
+        """Give `seq` (one `_plan_drafts` chose) its drafts, as many as fit in the budget and the
+        pool without preempting. Returns the tokens it took from the budget (0: none)."""
+        drafts = drafts[:budget - 1]
         if not drafts:
             return 0
         num_new = 1 + len(drafts)
@@ -95,6 +137,9 @@ class SpeculationMixin:
             self.spec_num_drafts += 1
             self.spec_num_draft_tokens += num_drafts
             accepted = max(gained[seq.seq_id] - 1, 0)
+            accepts, tries = record_outcome(num_drafts, accepted)
+            seq.spec_accepts += accepts
+            seq.spec_tries += tries
             self.spec_num_accepted_tokens += accepted
             for pos in range(accepted):
                 self.spec_accepted_per_pos[pos] += 1

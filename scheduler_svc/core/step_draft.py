@@ -15,6 +15,7 @@ class InflightStep:
     # block they have not registered: the others have nothing to register when the step reports.
     computed: list[tuple[Sequence, int, int]]
     spec: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, generation, drafts)
+    num_tokens: int = 0  # computed in the step, drafts included: the speculation policy's cost fit
 
 
 @dataclass(slots=True)

@@ -76,14 +76,18 @@ def test_drafts_are_accepted_on_a_small_vocabulary_and_streams_stay_exact() -> N
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(traces(), st.sampled_from([3, 5, 40]), st.integers(1, 4))
-def test_random_traces_with_speculation_keep_invariants_and_streams(trace, vocab, k) -> None:
+@given(traces(), st.sampled_from([3, 5, 40]), st.integers(1, 4),
+       st.sampled_from([(0.0, 0.0), (0.05, 0.0001), (0.01, 0.002), (0.001, 0.01)]))
+def test_random_traces_with_speculation_keep_invariants_and_streams(trace, vocab, k, step_cost) -> None:
     config, requests, aborts, eos_probability, worker_loss_step = trace
     spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3, prompt_lookup_min=1)
     config = dataclasses.replace(config, speculative=spec)
     lost = []
 
     def loses_worker(plan, result):  # a worker loss (as a failed step) once, mid-trace
+        # step times a + b * tokens, so that the draft-length policy (spec_policy.py) takes part
+        tokens = len(result.request_ids) + sum(map(len, plan.draft_token_ids.values()))
+        result.forward_seconds = step_cost[0] + step_cost[1] * tokens
         if worker_loss_step is not None and plan.step_id == worker_loss_step and not lost:
             lost.append(plan.step_id)
             return True

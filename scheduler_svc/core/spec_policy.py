@@ -1,0 +1,105 @@
+"""How many drafts each sequence gets in a step: the count that maximises expected tokens per second.
+
+Why not always K: a draft costs compute whether or not it is accepted. At batch 1 on CPU a step is
+bound by reading the weights, so K more positions are almost free; at batch 8 the step already
+computes 8 tokens and 8 x (1 + K) cost several times as much, so drafting all K can gain nothing
+or lose (docs/speculative_decoding.md). The rule, after SmartSpec (Liu et al., 2024, "Optimizing
+Speculative Decoding for Serving Large Language Models Using Goodput"):
+
+- a step's time is modelled as a + b * tokens, fitted online to the times the worker reports;
+- a sequence's j-th draft is accepted with probability alpha^j, alpha its own per-position
+  acceptance rate so far (a prior for a new sequence), so its expected gain is alpha^j tokens;
+- drafts are added best gain first while the step's expected tokens per second still rises:
+  adding a draft of gain g to a step expected to yield G tokens in time c = a + b * M pays
+  exactly when g * c > G * b. The gains fall and the bar rises, so the first refusal ends it.
+
+Until the fit has seen enough steps of different sizes the policy grants every proposal (the fixed-K
+behaviour), which is also what makes the sizes vary. Exactness never depends on this: the verifier
+keeps outputs identical whatever the draft lengths.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+# alpha for a sequence with no history: Beta-like prior of PRIOR_ACCEPTS / PRIOR_TRIES
+PRIOR_ACCEPTS, PRIOR_TRIES = 1.5, 2.0
+
+
+def acceptance_rate(accepts: int, tries: int) -> float:
+    """Per-position acceptance estimate from a sequence's record (see `record_outcome`)."""
+    return (accepts + PRIOR_ACCEPTS) / (tries + PRIOR_TRIES)
+
+
+def record_outcome(num_drafts: int, num_accepted: int) -> tuple[int, int]:
+    """(accepts, tries) one verified draft run adds: positions are tried in order until the first
+    rejection, so `num_accepted` successes out of `num_accepted` + (1 if one was rejected) tries."""
+    return num_accepted, num_accepted + (1 if num_accepted < num_drafts else 0)
+
+
+@dataclass(slots=True)
+class StepCostModel:
+    """Least-squares fit of step seconds = a + b * tokens, with exponential forgetting so that the
+    fit follows the machine (other load, thermal limits) over the last few hundred steps."""
+
+    decay: float = 0.995
+    min_steps: int = 16
+    min_token_variance: float = 4.0  # tokens^2: below this the slope is not identified yet
+    _w: float = 0.0
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+    _steps: int = 0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0.0:
+            return  # a step the worker did not time (tests' fake worker, an empty step)
+        d = self.decay
+        self._w = self._w * d + 1.0
+        self._x = self._x * d + num_tokens
+        self._y = self._y * d + seconds
+        self._xx = self._xx * d + num_tokens * num_tokens
+        self._xy = self._xy * d + num_tokens * seconds
+        self._steps += 1
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b) in seconds and seconds per token; None while the fit is not identified."""
+        if self._steps < self.min_steps:
+            return None
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x < self.min_token_variance:
+            return None
+        b = max((self._xy / self._w - mean_x * mean_y) / var_x, 0.0)
+        a = max(mean_y - b * mean_x, 0.0)
+        return a, b
+
+
+def choose_draft_lengths(proposed: dict[str, int], alphas: dict[str, float], base_tokens: int,
+                         base_yield: int, cost: tuple[float, float]) -> dict[str, int]:
+    """Drafts to keep per sequence (<= its proposal) for the highest expected tokens per second.
+
+    `proposed`: seq -> drafts the proposer found; `alphas`: seq -> acceptance rate; `base_tokens`:
+    tokens the step computes without drafts; `base_yield`: tokens it samples without drafts.
+    """
+    a, b = cost
+    chosen = dict.fromkeys(proposed, 0)
+    if b <= 0.0:
+        return dict(proposed)  # drafts look free: take them all
+    # (-gain, seq, position): alpha^j falls with j, so a sequence's positions pop in order
+    heap = [(-alphas[seq], seq, 1) for seq, n in proposed.items() if n > 0]
+    heapq.heapify(heap)
+    tokens, expected = float(base_tokens), float(base_yield)
+    while heap:
+        neg_gain, seq, position = heapq.heappop(heap)
+        gain = -neg_gain
+        if gain * (a + b * tokens) <= expected * b:
+            break
+        chosen[seq] = position
+        tokens += 1
+        expected += gain
+        if position < proposed[seq]:
+            heapq.heappush(heap, (-gain * alphas[seq], seq, position + 1))
+    return chosen

@@ -1,0 +1,83 @@
+"""The goodput policy for draft lengths (scheduler_svc/core/spec_policy.py) and the scheduler using it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from scheduler_svc.core import SchedulerConfig
+from scheduler_svc.core.config import SpeculativeConfig
+from scheduler_svc.core.spec_policy import (
+    StepCostModel,
+    acceptance_rate,
+    choose_draft_lengths,
+    record_outcome,
+)
+from tests.unit.test_fake_worker_property import expected
+from tests.unit.test_poison_isolation import Run
+from tests.unit.test_spec_decode import repeating
+
+
+def test_cost_model_recovers_a_line_and_waits_until_sizes_vary() -> None:
+    model = StepCostModel()
+    for _ in range(40):
+        model.observe(8, 0.044)
+    assert model.coefficients() is None  # one size only: the slope is unknown
+    for tokens in (8, 16, 24, 40) * 10:
+        model.observe(tokens, 0.02 + 0.003 * tokens)
+    a, b = model.coefficients()
+    assert a == pytest.approx(0.02, abs=2e-3) and b == pytest.approx(0.003, rel=0.05)
+    model.observe(0, 1.0)  # untimed steps (fake workers, empty plans) are ignored
+    assert model.coefficients() == (a, b)
+
+
+def test_record_outcome_counts_tries_up_to_the_first_rejection() -> None:
+    assert record_outcome(4, 4) == (4, 4)  # all accepted: no rejection tried
+    assert record_outcome(4, 1) == (1, 2)  # one accepted, the second rejected
+    assert record_outcome(3, 0) == (0, 1)
+    assert acceptance_rate(0, 0) == pytest.approx(0.75)  # the prior
+    assert acceptance_rate(9, 10) > acceptance_rate(1, 10)
+
+
+def test_cheap_tokens_take_every_draft_and_dear_ones_none() -> None:
+    proposed, alphas = {"a": 4, "b": 3}, {"a": 0.8, "b": 0.6}
+    # batch-1-like: the step costs its fixed part, a token almost nothing
+    assert choose_draft_lengths(proposed, alphas, 2, 2, (0.040, 0.0001)) == {"a": 4, "b": 3}
+    # compute-bound: each token costs as much as the fixed part
+    assert choose_draft_lengths(proposed, alphas, 2, 2, (0.001, 0.010)) == {"a": 0, "b": 0}
+
+
+def test_drafts_go_to_the_likeliest_positions_first() -> None:
+    # a=0.02, b=0.005, 8 decoding sequences: c(8)=0.06, G=8, bar = G*b/c = 0.667 for the first draft
+    proposed, alphas = {"good": 4, "poor": 4}, {"good": 0.9, "poor": 0.5}
+    chosen = choose_draft_lengths(proposed, alphas, 8, 8, (0.02, 0.005))
+    assert chosen["poor"] == 0  # 0.5 < 0.667
+    # good: 0.9 (bar .667) -> 0.81 (bar (8.9*.005)/.065=.685) -> 0.729 (bar .699) -> 0.656 (bar .713): 3
+    assert chosen["good"] == 3
+
+
+def test_the_policy_drafts_less_when_tokens_are_dear_and_streams_stay_exact() -> None:
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+    config = SchedulerConfig(num_blocks=128, block_size=4, max_model_len=64, max_num_seqs=8,
+                             max_num_batched_tokens=64, speculative=spec)
+    drafted = {}
+    for name, (a, b) in {"untimed": (0.0, 0.0), "cheap": (0.05, 0.0001), "dear": (0.001, 0.01)}.items():
+        def timed(plan, result, a=a, b=b):  # the worker's reported step time: a + b * tokens
+            tokens = len(result.request_ids) + sum(map(len, plan.draft_token_ids.values()))
+            result.forward_seconds = a + b * tokens if a or b else 0.0
+            return False
+
+        run = Run(config, timed)
+        run.sampler = dataclasses.replace(run.sampler, vocab_size=4)
+        run.worker.sampler = run.sampler
+        requests = [repeating(f"r{i}", 48) for i in range(6)]
+        run.go([(0, r) for r in requests])
+        for request in requests:
+            assert run.streams[(request.request_id, 0)] == expected(run.sampler, request, 0)
+        assert run.scheduler.stats().num_used_blocks == 0
+        # once the fit has seen enough steps (16 at least) the policy decides
+        drafted[name] = sum(len(d) for plan, _, _ in run.steps[24:] for d in plan.draft_token_ids.values())
+    # cheap: all but the unlikeliest last positions; dear: a draft must be near-certain to pay
+    assert drafted["cheap"] >= 0.7 * drafted["untimed"] > 0
+    assert drafted["dear"] < drafted["untimed"] / 4
