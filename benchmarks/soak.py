@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import httpx
 import psutil
+from tqdm import tqdm
 
 from benchmarks.soak_requests import Outcome, bad_request, completion
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
@@ -145,12 +146,17 @@ async def soak(args: argparse.Namespace) -> SoakReport:
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         slots = asyncio.Semaphore(args.concurrency)
+        progress = tqdm(total=args.num_requests, desc="soak", unit="req", file=sys.stderr)
 
         async def bounded() -> None:
             async with slots:
                 outcomes.append(await one_request(client, args, random.Random(rng.random())))
+                progress.update()
+                if outcomes[-1].kind == "lost":
+                    progress.set_postfix(lost=sum(o.kind == "lost" for o in outcomes))
 
         await asyncio.gather(*(bounded() for _ in range(args.num_requests)))
+        progress.close()
     report.wall_seconds = round(time.monotonic() - started, 3)
     report.sent = len(outcomes)
     counts = Counter(o.kind for o in outcomes)
