@@ -7,6 +7,7 @@ import asyncio
 import os
 
 from gateway.config import GatewayConfig
+from gateway.lora_adapters import parse_lora_module
 from gateway.routing import POLICIES, RoutingConfig
 from gateway.server import serve
 from gateway.tenants import TenantFileError, load_tenant_file
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     parser.add_argument("--tls-ca", default=None, help="PEM CA to verify the scheduler (TLS channel)")
     parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default="hermes",
                         help="the model's tool-call format (vLLM's names)")
+    parser.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) served by the default model under NAME "
+                             "(the worker needs --enable-lora; docs/lora.md)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let the model decide to call tools (tool_choice "auto")')
     args = parser.parse_args(argv)
@@ -91,7 +95,8 @@ def _config(args: argparse.Namespace, api_keys) -> GatewayConfig:
                          log_json=args.log_json, otlp_traces_endpoint=args.otlp_traces_endpoint,
                          shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert,
                          tls_key=args.tls_key, tls_ca=args.tls_ca, tool_call_parser=args.tool_call_parser,
-                         enable_auto_tool_choice=args.enable_auto_tool_choice)
+                         enable_auto_tool_choice=args.enable_auto_tool_choice,
+                         lora_modules=tuple(parse_lora_module(m) for m in args.lora_modules))
 
 
 def _pair(text: str) -> tuple[str, str]:

@@ -54,6 +54,8 @@ class GatewayConfig:
     """The model's tool-call format: hermes (`<tool_call>` JSON) or llama3_json (vLLM's names)."""
     enable_auto_tool_choice: bool = False
     """Let the model decide whether to call tools (tool_choice "auto"); required/named work without."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """(name, path) LoRA adapters served by the default model (`--lora-modules name=path`)."""
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):

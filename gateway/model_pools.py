@@ -24,6 +24,7 @@ from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import EngineNotReadyError, ModelNotFoundError, UpstreamError
+from gateway.lora_adapters import AdapterPool, LoRARegistry
 from gateway.replica_set import ReplicaSet
 from gateway.tokenizer import Tokenizer
 from pagoda.runtime.logging import get_logger
@@ -110,11 +111,13 @@ class Route:
 
 
 class ModelPools:
-    def __init__(self, pools: Sequence[ModelPool], fallbacks: Mapping[str, str] | None = None) -> None:
+    def __init__(self, pools: Sequence[ModelPool], fallbacks: Mapping[str, str] | None = None,
+                 adapters: LoRARegistry | None = None) -> None:
         if not pools:
             raise ValueError("at least one model pool is needed")
         self.pools = list(pools)
         self.fallbacks = dict(fallbacks or {})
+        self.adapters = adapters or LoRARegistry()  # LoRA adapters, served by their base's pool
 
     @property
     def default(self) -> ModelPool:
@@ -122,12 +125,15 @@ class ModelPools:
 
     def resolve(self, model: str | None) -> ModelPool:
         """The pool a request's `model` names (empty: the default pool); 404 for any other (vLLM's
-        message). Multi-LoRA adapters would resolve here too, to their base model's pool."""
+        message). A LoRA adapter's name gives its base model's pool under the adapter's name."""
         if not model:
             return self.default
         for pool in self.pools:
             if pool.answers_to(model):
                 return pool
+        adapter = self.adapters.get(model)
+        if adapter is not None:
+            return AdapterPool(adapter, self.resolve(adapter.base_model), self.adapters)
         if any(not pool.name for pool in self.pools):  # named by its scheduler, which has not answered
             raise EngineNotReadyError("the scheduler is not available yet; retry shortly")
         raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model")
@@ -152,7 +158,9 @@ class ModelPools:
 
     def cards(self) -> list[dict]:
         """/v1/models: every pool that has connected (a pool down now still lists its model)."""
-        return [pool.card() for pool in self.pools if pool.info is not None]
+        cards = [pool.card() for pool in self.pools if pool.info is not None]
+        adapters = [AdapterPool(a, self.resolve(a.base_model), self.adapters) for a in self.adapters]
+        return cards + [a.card() for a in adapters if a.base.info is not None]
 
     @property
     def ready(self) -> bool:
@@ -219,4 +227,4 @@ def pools_from_config(config: GatewayConfig) -> ModelPools:
                                 labels=[str(p) for p, _ in entries])
         tokenizer = config.tokenizer if name == default_name else None
         pools.append(ModelPool(name, client, tokenizer))
-    return ModelPools(pools, dict(config.fallback_models))
+    return ModelPools(pools, dict(config.fallback_models), LoRARegistry(config.lora_modules))

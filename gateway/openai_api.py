@@ -15,6 +15,7 @@ from gateway.http_middleware import BodySizeLimitMiddleware, RequestCounterMiddl
 from gateway.json_body import IJSONRoute
 from gateway.openai_chat import chat_prompt_ids, create_chat_completion
 from gateway.openai_completions import create_completion
+from gateway.openai_lora import add_lora_routes
 from gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -65,6 +66,7 @@ def create_app(state: GatewayState) -> FastAPI:
     app.state.gateway = state
     app.router.route_class = IJSONRoute  # bodies read as I-JSON: a lone surrogate is a 400
     _add_routes(app, state)
+    add_lora_routes(app, state)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     _add_error_handlers(app, state.config.retry_after_s)
     routes = frozenset(route.path for route in app.routes)
     # Outermost first at run time: count, then auth, then the size cap.

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import EngineNotReadyError
+from gateway.lora_adapters import LoRARegistry
 from gateway.model_pools import ModelPool, ModelPools, Route
 from gateway.replica_set import ReplicaSet
 from gateway.tenancy import Tenancy
@@ -27,7 +28,7 @@ class GatewayState:
         config.tokenizer unless `tokenizer` is given loaded)."""
         self.config = config
         self.pools = pools or ModelPools([ModelPool(config.served_model_name, client, config.tokenizer, tokenizer)],
-                                         dict(config.fallback_models))
+                                         dict(config.fallback_models), LoRARegistry(config.lora_modules))
         self.tenancy = tenancy or Tenancy(config.tenant_table())  # keys, tenants and their limits
         self.draining = False  # SIGTERM: refuse new work while in-flight requests finish
 

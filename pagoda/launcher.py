@@ -194,10 +194,11 @@ def build_children(args: argparse.Namespace) -> list[Child]:
         api_keys = ["--api-keys", args.api_keys] if args.api_keys else []
         routing = ["--routing-policy", args.routing_policy] if args.routing_policy else []
         fallbacks = [flag for pair in args.fallback_model for flag in ("--fallback-model", pair)]
+        loras = ["--lora-modules", *args.lora_modules] if args.lora_modules else []
         children.append(Child("gateway", ["gateway", "--scheduler", ",".join(schedulers),
                                           "--port", str(args.gateway_port),
                                           "--grpc-port", str(args.grpc_port), *tokenizer, *drain,
-                                          *api_keys, *routing, *fallbacks],
+                                          *api_keys, *routing, *fallbacks, *loras],
                               f"127.0.0.1:{args.grpc_port}", needs_serving=True))
     return children
 
@@ -213,10 +214,14 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
     model = ["--fake", *model_dir] if args.fake else model_dir
     drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
+    lora = ["--enable-lora", "--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank),
+            *(["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras else [])
+            ] if args.enable_lora or args.lora_modules else []
     return [
         Child(f"worker{suffix}", ["worker_svc", *model, "--port", str(worker_port),
                                   "--tensor-parallel-size", str(args.tensor_parallel_size),
-                                  "--device", args.device, "--dtype", args.dtype], worker, needs_serving=False),
+                                  "--device", args.device, "--dtype", args.dtype, *lora], worker,
+              needs_serving=False),
         Child(f"scheduler{suffix}", ["scheduler_svc", "--workers", worker, "--port", str(scheduler_port),
                                      *drain, *spec], scheduler, needs_serving=True),
     ]
@@ -281,6 +286,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speculative-config", default=None,
                    help="the scheduler's n-gram speculative decoding, as JSON (see its --help)")
     p.add_argument("--api-keys", default=None, help="the gateway's tenant key file (JSON Lines)")
+    p.add_argument("--enable-lora", action="store_true", help="LoRA adapters (implied by --lora-modules)")
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH")
+    p.add_argument("--max-loras", type=int, default=1)
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-cpu-loras", type=int, default=None)
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds the gateway and the scheduler may each drain requests in flight")
