@@ -14,6 +14,7 @@ from worker_svc.lora.layers import build_lora_batch, segmented_lora_delta
     [2, -1, 0, 2, 1, -1, 0, 0, 3],
     [1] * 37 + [0, -1, 2, 3, -1],  # one long prefill and three decodes: chunks of the mean size
     [3, -1] * 10,
+    [1, 3, 1, 3],  # by slot with slot 2 unused in between
 ])
 def test_each_row_gets_its_own_adapter_delta(token_slots):
     gen = torch.Generator().manual_seed(0)
@@ -33,4 +34,11 @@ def test_each_row_gets_its_own_adapter_delta(token_slots):
         0, batch.rows, segmented_lora_delta(x, a, b, batch))
     torch.testing.assert_close(got, expected)
     real_rows = sum(s >= 0 for s in token_slots)
-    assert batch.gather_rows.numel() < 2 * real_rows + batch.gather_rows.shape[1]  # bounded padding
+    assert batch.gather_rows.numel() <= 2 * real_rows + batch.gather_rows.shape[0]  # bounded padding
+
+
+def test_equal_groups_use_the_slot_matrices_in_place_and_a_long_prefill_is_chunked():
+    decode = build_lora_batch(np.array([0, 1, 2, 3] * 4), frozenset(), torch.device("cpu"))
+    assert decode.chunk_slots is None and tuple(decode.gather_rows.shape) == (4, 4)
+    prefill = build_lora_batch(np.array([0] * 40 + [1, 2, 3]), frozenset(), torch.device("cpu"))
+    assert prefill.chunk_slots is not None and prefill.gather_rows.numel() < 2 * 43 + 4

@@ -2,9 +2,9 @@
 token in one segmented matmul (no loop over requests or adapters).
 
 The step's tokens that use an adapter are grouped by adapter slot (`LoRABatch.rows`, built once per
-step on the host) and cut into chunks of at most C rows of one slot each, C = the mean group size,
-so padding never exceeds the real rows. Per projection that is: one gather of the rows into
-[chunks, C, in], two `bmm`s against each chunk's slot matrices, one `index_add_` back. Base-model
+step on the host) into chunks of rows of one slot each, padded to one length C (see LoRABatch for
+the two layouts; padding never exceeds about the real rows). Per projection that is: one gather of
+the rows into [chunks, C, in], two `bmm`s against each chunk's slot matrices, one `index_add_` back. Base-model
 tokens are never touched; a step without adapters costs one attribute check per projection.
 """
 
@@ -19,13 +19,21 @@ from torch import nn
 
 @dataclass(slots=True)
 class LoRABatch:
-    """Which rows of the step's flat batch get which adapter (device tensors, shared by all layers)."""
+    """Which rows of the step's flat batch get which adapter (device tensors, shared by all layers).
+
+    Two layouts of the same thing, chosen per step by `build_lora_batch`:
+    - by slot (`chunk_slots` None): chunk i holds the rows of slot `first_slot + i`, so the slot
+      matrices are used in place (a view), no copy; taken when the groups are about equal (decode);
+    - by chunk: groups cut into chunks of C rows, each chunk's slot matrices gathered; taken when
+      one group dwarfs the others (a long prefill), where padding every slot to it would cost more.
+    """
 
     rows: torch.Tensor  # [N] int64: token rows with an adapter, grouped by slot
     gather_rows: torch.Tensor  # [chunks, C] int64: rows of each chunk, padded with row 0
-    chunk_slots: torch.Tensor  # [chunks] int64: the slot of each chunk
     valid: torch.Tensor  # [N] int64: where rows[i]'s delta sits in the flattened [chunks * C]
     targets: frozenset[str]  # projections some adapter of this step targets (others: skipped)
+    chunk_slots: torch.Tensor | None = None  # [chunks] int64: the slot of each chunk (by chunk)
+    first_slot: int = 0  # by slot: chunk i is slot first_slot + i
 
 
 def build_lora_batch(token_slots: np.ndarray, targets: frozenset[str],
@@ -38,28 +46,41 @@ def build_lora_batch(token_slots: np.ndarray, targets: frozenset[str],
     slots = token_slots[rows]
     starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])  # [G] group starts
     ends = np.r_[starts[1:], rows.size]
-    chunk_len = -(-rows.size // starts.size)  # C: the mean group size, rounded up
-    chunk_starts = np.concatenate([np.arange(s, e, chunk_len) for s, e in zip(starts, ends, strict=True)])
-    chunk_ends = np.minimum(chunk_starts + chunk_len, np.repeat(ends, -(-(ends - starts) // chunk_len)))
-    lengths = chunk_ends - chunk_starts  # [chunks]
+    first, span, longest = int(slots[0]), int(slots[-1] - slots[0]) + 1, int((ends - starts).max())
+    if span * longest <= 2 * rows.size:  # by slot: padding at most doubles the rows
+        chunk_len, chunk_starts, chunk_ends = longest, starts, ends
+        chunk_index = slots[starts] - first  # each group's chunk is its slot's
+        num_chunks, chunk_slots = span, None
+    else:  # by chunk: C = the mean group size, so padding stays below the real rows plus one chunk per group
+        chunk_len = -(-rows.size // starts.size)
+        chunk_starts = np.concatenate([np.arange(s, e, chunk_len) for s, e in zip(starts, ends, strict=True)])
+        chunk_ends = np.minimum(chunk_starts + chunk_len, np.repeat(ends, -(-(ends - starts) // chunk_len)))
+        chunk_index = np.arange(chunk_starts.size)
+        num_chunks, chunk_slots = chunk_starts.size, slots[chunk_starts]
+    lengths = chunk_ends - chunk_starts
     offsets = np.arange(chunk_len)[None, :]  # [1, C]
-    gather = np.where(offsets < lengths[:, None], chunk_starts[:, None] + offsets, -1)  # into rows
+    gather = np.full((num_chunks, chunk_len), -1, dtype=np.int64)  # positions into rows; -1: padding
+    gather[chunk_index] = np.where(offsets < lengths[:, None], chunk_starts[:, None] + offsets, -1)
     valid = np.flatnonzero(gather.ravel() >= 0)
     gather_rows = np.where(gather >= 0, rows[np.maximum(gather, 0)], 0)
 
     def to_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
 
-    return LoRABatch(to_device(rows), to_device(gather_rows), to_device(slots[chunk_starts]),
-                     to_device(valid), targets)
+    return LoRABatch(to_device(rows), to_device(gather_rows), to_device(valid), targets,
+                     None if chunk_slots is None else to_device(chunk_slots), first)
 
 
 def segmented_lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                          batch: LoRABatch) -> torch.Tensor:
     """x: [T, in]; lora_a: [slots, in, W]; lora_b: [slots, W, out] -> deltas [N, out] of batch.rows."""
+    if batch.chunk_slots is None:  # by slot: the matrices in place
+        end = batch.first_slot + batch.gather_rows.shape[0]
+        a, b = lora_a[batch.first_slot:end], lora_b[batch.first_slot:end]
+    else:
+        a, b = lora_a[batch.chunk_slots], lora_b[batch.chunk_slots]
     xs = x[batch.gather_rows]  # [chunks, C, in]
-    shrunk = torch.bmm(xs, lora_a[batch.chunk_slots])  # [chunks, C, W]
-    expanded = torch.bmm(shrunk, lora_b[batch.chunk_slots])  # [chunks, C, out]
+    expanded = torch.bmm(torch.bmm(xs, a), b)  # [chunks, C, W] -> [chunks, C, out]
     return expanded.view(-1, expanded.shape[-1])[batch.valid]  # [N, out]
 
 
