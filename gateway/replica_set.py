@@ -22,6 +22,7 @@ from gateway import metrics
 from gateway.engine_client import EngineClient
 from gateway.errors import UpstreamError
 from gateway.routing import BreakerState, CircuitBreaker, Router, RoutingConfig, routing_key
+from pagoda.contract.common_codec import lora_from_pb
 from pagoda.runtime.logging import get_logger
 from pagoda.v1 import engine_pb2
 
@@ -122,8 +123,10 @@ class ReplicaSet:
 
     async def generate(self, request: engine_pb2.GenerateRequest, metadata=()
                        ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        lora = lora_from_pb(request)
         key = (routing_key(request.prompt_token_ids, request.cache_salt, self.block_size,
-                           self._config.prefix_blocks) if self.block_size else None)
+                           self._config.prefix_blocks, lora.cache_key if lora else None)
+               if self.block_size else None)
         tried: set[int] = set()
         while True:
             candidates = self.available(tried)

@@ -79,3 +79,13 @@ def test_load_checks_name_rank_and_lora_support(tmp_path):
     registry.remove("a")
     with pytest.raises(ModelNotFoundError):
         registry.remove("a")
+
+
+def test_replica_routing_keys_follow_the_adapter_like_the_scheduler_cache():
+    from gateway.routing import routing_key
+    from pagoda.contract.lora import LoRARequest
+
+    prompt = list(range(40))
+    keys = {routing_key(prompt, "", 16, 2, lora) for lora in
+            (None, LoRARequest("a", 1, "/a").cache_key, LoRARequest("b", 2, "/b").cache_key)}
+    assert len(keys) == 3
