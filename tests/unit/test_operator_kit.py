@@ -162,7 +162,9 @@ def test_topology_gpus_and_probes() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     command = container["command"]
     engine_service = next(s for s in by_kind("Service") if s["metadata"]["name"] == engine["spec"]["serviceName"])
-    assert command[command.index("--scheduler") + 1] == f"{engine['metadata']['name']}-0.{engine_service['metadata']['name']}:50052"
+    pods = [f"{engine['metadata']['name']}-{i}.{engine_service['metadata']['name']}:50052"
+            for i in range(engine["spec"]["replicas"])]  # every engine pod is one of its replicas
+    assert command[command.index("--scheduler") + 1] == ",".join(pods)
 
 
 def test_prometheus_operator_objects() -> None:
