@@ -191,8 +191,9 @@ class ModelPools:
         return any(answers)
 
     async def stats(self) -> dict[str, engine_pb2.EngineStats | None]:
-        """Each connected pool's engine stats by model name; None for a pool that did not answer."""
-        pools = [p for p in self.pools if p.ready]
+        """Each pool's engine stats by model name; None for a pool that did not answer (so a pool
+        down since startup still shows `pagoda:engine_up 0`, once it has a name)."""
+        pools = [p for p in self.pools if p.name]
         results = await asyncio.gather(*(p.client.get_stats() for p in pools), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, UpstreamError):

@@ -25,6 +25,7 @@ from gateway.replica_set import ReplicaSet
 from gateway.routing import RoutingConfig
 from gateway.state import GatewayState
 from pagoda.v1 import gateway_pb2
+from tests.e2e.conftest import free_port
 from tests.gateway.conftest import sse_events, wait_until
 from tests.gateway.fake_engine import FakeEngine
 from tests.gateway.test_replica_set import serving
@@ -172,3 +173,22 @@ async def test_metrics_carry_each_pools_engine_series(tokenizer_dir, scripts):
         await http.post("/v1/completions", json=_completion("b"))
         text = (await http.get("/metrics")).text
         assert 'vllm:e2e_request_latency_seconds_count{model_name="b"} ' in text
+
+
+async def test_a_pool_down_since_startup_is_a_503_or_its_fallback_and_shows_engine_down(tokenizer_dir, scripts):
+    engine = FakeEngine(model_name=tokenizer_dir, scripts=scripts)
+    async with serving(engine) as (target, _), contextlib.AsyncExitStack() as stack:
+        config = GatewayConfig(scheduler=f"a={target},b=127.0.0.1:{free_port()},c=127.0.0.1:{free_port()}",
+                               fallback_models=(("b", "a"),), routing=FAST_BREAKERS)
+        pools = pools_from_config(config)
+        stack.push_async_callback(pools.close)
+        state = GatewayState(config, pools=pools)
+        await state.pools.resolve("a").connect()  # b and c never answer
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)), base_url="http://gw")
+        stack.push_async_callback(http.aclose)
+        assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == ["a"]
+        assert (await http.post("/v1/completions", json=_completion("c"))).status_code == 503
+        reply = await http.post("/v1/completions", json=_completion("b"))
+        assert reply.status_code == 200 and reply.json()["model"] == "a"
+        text = (await http.get("/metrics")).text
+        assert 'pagoda:engine_up{model_name="a"} 1.0' in text and 'pagoda:engine_up{model_name="c"} 0.0' in text
