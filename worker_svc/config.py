@@ -28,8 +28,3 @@ class WorkerConfig:
     max_loras: int = 1  # adapters in device slots at once (distinct adapters per step)
     max_lora_rank: int = 16  # every slot is padded to this rank; a higher-rank adapter is refused
     max_cpu_loras: int | None = None  # loaded adapters kept on the host (LRU); None: max_loras
-
-    def __post_init__(self) -> None:
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            # The LoRA slots are not sharded yet; a silently replicated delta would be wrong.
-            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")

@@ -62,7 +62,7 @@ class ModelRunner:
         if config.pack_weights and tp.size == 1 and can_pack(self.device):
             pack_linear_weights(self.model)
         self.lora = (LoRAManager(self.model, self.model_config, config.max_loras, config.max_lora_rank,
-                                 config.max_cpu_loras, self.dtype, self.device)
+                                 config.max_cpu_loras, self.dtype, self.device, tp)
                      if config.enable_lora else None)  # wraps the (packed) projections
         backend = config.attention_backend
         self.backend = get_backend(default_backend_name(self.device) if backend == "auto" else backend)

@@ -1,12 +1,11 @@
 """Multi-LoRA acceptance, offline: in ONE mixed batch of base-model requests and four PEFT adapters
 (ranks 8 and 16, different targets, random A and B), every request's greedy output equals HF + PEFT
 with its adapter (fp32, token-identical) on the Llama and Qwen2 test models; the prefix cache never
-serves one adapter's K/V to another."""
+serves one adapter's K/V to another; tensor parallelism changes nothing."""
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
@@ -14,7 +13,6 @@ from pagoda import LLM, LoRARequest, SamplingParams
 from pagoda.contract.errors import InvalidRequestError
 from tests.worker.hf_models import build_hf_model
 from tests.worker.lora_adapters import AdapterSpec, PeftReference, make_adapter, make_adapters
-from worker_svc.config import WorkerConfig
 from worker_svc.model_config import ModelConfig
 
 pytest.importorskip("peft")
@@ -100,6 +98,7 @@ def test_refusals_name_the_problem(lora_setup, tmp_path):
                            use_tqdm=False)
 
 
-def test_tensor_parallel_with_lora_is_refused_clearly():
-    with pytest.raises(ValueError, match="tensor-parallel-size"):
-        WorkerConfig(model=str(Path("unused")), enable_lora=True, tensor_parallel_size=2)
+def test_tensor_parallel_splits_the_adapters_like_the_base_weights(lora_setup):
+    """TP=2 (gloo on CPU): A and B split like the projections they belong to, same outputs."""
+    with make_llm(lora_setup, tensor_parallel_size=2) as llm:
+        assert generate(llm, lora_setup) == lora_setup["expected"]

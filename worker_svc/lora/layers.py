@@ -100,7 +100,18 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        y = self.base(x)
+        return self._add_delta(x, self.base(x))
+
+    def partial_product(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-parallel under TP: this rank's x @ W.T plus its partial delta, no bias (the layer
+        all-reduces the sum, then adds the bias once: models/llama.py `row_parallel`)."""
+        return self._add_delta(x, nn.functional.linear(x, self.base.weight))
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
+    def _add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batch: LoRABatch | None = self.owner.batch  # type: ignore[attr-defined]
         if batch is None or self.proj not in batch.targets:
             return y

@@ -7,6 +7,9 @@
   and builds the step's LoRABatch. The scheduler never runs more than `max_loras` distinct adapters
   at once (scheduler_svc/core/lora_admission.py), so a step always fits.
 
+Under tensor parallelism every rank runs its own manager over its shard (weights.py splits the
+adapters like the base weights); the ranks apply the same plans, so they fill the same slots.
+
 Adapters are keyed by `LoRARequest.cache_key` (name and path), never by the request's int id, which
 only the caller that chose it knows.
 """
@@ -23,6 +26,7 @@ from torch import nn
 
 from pagoda.contract.lora import LoRARequest
 from pagoda.runtime.logging import get_logger
+from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.lora.layers import LoRABatch, LoRALinear, build_lora_batch
 from worker_svc.lora.weights import AdapterWeights, fused_shapes, load_adapter
 from worker_svc.model_config import ModelConfig
@@ -36,10 +40,11 @@ _PROJECTIONS = (("self_attn", "qkv_proj", "qkv"), ("self_attn", "o_proj", "o"),
 
 class LoRAManager:
     def __init__(self, model: nn.Module, cfg: ModelConfig, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int | None, dtype: torch.dtype, device: torch.device) -> None:
+                 max_cpu_loras: int | None, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel = SINGLE) -> None:
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
-        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.cfg, self.dtype, self.device, self.tp = cfg, dtype, device, tp
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.batch: LoRABatch | None = None  # the current step's; read by every LoRALinear
@@ -51,7 +56,7 @@ class LoRAManager:
         self._clock = itertools.count(1)
 
     def _wrap(self, model: nn.Module) -> list[LoRALinear]:
-        shapes = fused_shapes(self.cfg)
+        shapes = fused_shapes(self.cfg, self.tp.size)  # this rank's share of each projection
         wrapped = []
         for index, layer in enumerate(model.model.layers):
             for parent_name, attr, proj in _PROJECTIONS:
@@ -118,7 +123,8 @@ class LoRAManager:
         if weights is not None:
             self._host.move_to_end(key)
             return weights
-        weights = load_adapter(lora.lora_path, self.cfg, self.max_lora_rank, self.dtype)
+        weights = load_adapter(lora.lora_path, self.cfg, self.max_lora_rank, self.dtype,
+                               self.tp.rank, self.tp.size)
         log.info("lora_adapter_loaded", lora_name=lora.lora_name, lora_path=lora.lora_path,
                  targets=sorted(weights.targets))
         self._host[key] = weights

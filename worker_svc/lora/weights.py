@@ -39,9 +39,14 @@ class FusedShape:
         return sum(self.sub_out)
 
 
-def fused_shapes(cfg: ModelConfig) -> dict[str, FusedShape]:
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    h, inter = cfg.hidden_size, cfg.intermediate_size
+ROW_PARALLEL = ("o", "down")  # split on the input under TP; qkv and gate_up on the output
+
+
+def fused_shapes(cfg: ModelConfig, tp_size: int = 1) -> dict[str, FusedShape]:
+    """The projections' shapes on one of `tp_size` ranks."""
+    q = cfg.num_heads * cfg.head_dim // tp_size
+    kv = cfg.num_kv_heads * cfg.head_dim // tp_size
+    h, inter = cfg.hidden_size, cfg.intermediate_size // tp_size
     return {"qkv": FusedShape(h, (q, kv, kv)), "o": FusedShape(q, (h,)),
             "gate_up": FusedShape(h, (inter, inter)), "down": FusedShape(inter, (h,))}
 
@@ -58,11 +63,13 @@ class AdapterWeights:
         return frozenset(proj for _, proj in self.matrices)
 
 
-def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype) -> AdapterWeights:
-    """InvalidRequestError for anything Pagoda cannot apply exactly (unknown tensors, shapes, rank)."""
+def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1) -> AdapterWeights:
+    """InvalidRequestError for anything Pagoda cannot apply exactly (unknown tensors, shapes, rank).
+    Under TP: this rank's share (module docstring)."""
     config = read_adapter_config(path, max_rank)
     tensors = load_file(str(Path(path) / WEIGHTS_FILE))
-    shapes = fused_shapes(cfg)
+    full, shapes = fused_shapes(cfg), fused_shapes(cfg, tp_size)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.search(key)
@@ -74,7 +81,11 @@ def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, dtype: torch
     for (layer, module), ab in sorted(pairs.items()):
         proj, sub = PEFT_TO_FUSED[module]
         shape = shapes[proj]
-        a, b = _check_pair(path, layer, module, ab, shape.in_features, shape.sub_out[sub], max_rank)
+        a, b = _check_pair(path, layer, module, ab, full[proj].in_features, full[proj].sub_out[sub], max_rank)
+        if proj in ROW_PARALLEL:  # a: [r, in] -> this rank's input columns
+            a = a[:, tp_rank * shape.in_features:(tp_rank + 1) * shape.in_features]
+        else:  # b: [out, r] -> this rank's output rows
+            b = b[tp_rank * shape.sub_out[sub]:(tp_rank + 1) * shape.sub_out[sub]]
         if (layer, proj) not in matrices:
             width = len(shape.sub_out) * max_rank
             matrices[layer, proj] = (torch.zeros(shape.in_features, width),

@@ -32,11 +32,13 @@ from worker_svc.model_config import ModelConfig
 from worker_svc.models.common import AttentionMetadata, RMSNorm, RotaryEmbedding, silu_and_mul
 
 
-def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     # x: [T, in/N] -> [T, out]; the bias (replicated) is added once, after the sum over ranks.
     if tp.size == 1:
         return linear(x)
-    out = tp.all_reduce(nn.functional.linear(x, linear.weight))
+    # A LoRA-wrapped projection (worker_svc/lora/) adds its partial delta before the sum.
+    partial = getattr(linear, "partial_product", None)
+    out = tp.all_reduce(partial(x) if partial is not None else nn.functional.linear(x, linear.weight))
     return out if linear.bias is None else out + linear.bias
 
 
