@@ -31,7 +31,7 @@ from pathlib import Path
 from pagoda.runtime.healthcheck import check_serving
 from pagoda.runtime.model_files import is_gguf_file
 from pagoda.runtime.shutdown import EXIT_MARGIN_S, LAUNCHER_PID_ENV
-from worker_svc.config import DTYPES
+from worker_svc.config import DTYPES, KV_CACHE_DTYPES
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; beyond that the launcher gives up
@@ -220,7 +220,8 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
     return [
         Child(f"worker{suffix}", ["worker_svc", *model, "--port", str(worker_port),
                                   "--tensor-parallel-size", str(args.tensor_parallel_size),
-                                  "--device", args.device, "--dtype", args.dtype, *lora], worker,
+                                  "--device", args.device, "--dtype", args.dtype,
+                                  "--kv-cache-dtype", args.kv_cache_dtype, *lora], worker,
               needs_serving=False),
         Child(f"scheduler{suffix}", ["scheduler_svc", "--workers", worker, "--port", str(scheduler_port),
                                      *drain, *spec], scheduler, needs_serving=True),
@@ -278,6 +279,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the worker's compute dtype (auto: the checkpoint's, fp32 for a quantised GGUF)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the worker's KV cache: auto (the compute dtype) or FP8 (one byte per value)")
     p.add_argument("--worker-port", type=int, default=50061)
     p.add_argument("--scheduler-port", type=int, default=50052)
     p.add_argument("--gateway-port", type=int, default=8000)

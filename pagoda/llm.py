@@ -58,7 +58,8 @@ class LLM:
                  long_prefill_token_threshold: int = 0,
                  speculative_config: dict | str | None = None,
                  pinned_prompts: Sequence[str | list[int]] | None = None, enable_lora: bool = False,
-                 max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None) -> None:
+                 max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
         # "prompt_lookup_min": 2} (scheduler_svc/core/spec_decode.py). Checked before loading.
         speculative = SpeculativeConfig.parse(speculative_config)
@@ -67,8 +68,9 @@ class LLM:
         worker_config = WorkerConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, max_model_len=max_model_len,
             num_gpu_blocks_override=num_gpu_blocks_override,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
-            seed=seed, tensor_parallel_size=tensor_parallel_size, enable_lora=enable_lora,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
+            attention_backend=attention_backend, seed=seed, tensor_parallel_size=tensor_parallel_size,
+            enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
         self.runner = create_runner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
         # Runs close()'s work when the LLM is garbage-collected (vLLM's users `del` their engine);

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from pagoda.runtime.logging import configure_logging, get_logger
-from worker_svc.config import DTYPES, WorkerConfig
+from worker_svc.config import DTYPES, KV_CACHE_DTYPES, WorkerConfig
 
 log = get_logger("worker_svc")
 
@@ -25,6 +25,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto: the model's dtype; fp8 (e4m3) / fp8_e5m2: one byte per value, 2x the "
+                        "blocks of bf16 in the same memory (CPU backends; see kernels/kv_cache_dtype.py)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cupy"])
     p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU: pre-pack linear weights for oneDNN at load (faster GEMMs; see "
@@ -57,8 +60,9 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, attention_backend=args.attention_backend,
-        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, pack_weights=args.pack_weights,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size, pack_weights=args.pack_weights,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras)
 

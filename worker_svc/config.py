@@ -7,6 +7,9 @@ from typing import Literal, get_args
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(DType)  # the --dtype choices of the worker and the launcher
+# vLLM's --kv-cache-dtype names (kernels/kv_cache_dtype.py maps them to torch dtypes)
+KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDType)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +22,7 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the worker may use
     num_gpu_blocks_override: int | None = None  # exact block count (tests, CPU)
     kv_cache_memory_bytes: int | None = None  # CPU: byte budget for the cache (default 1 GiB)
+    kv_cache_dtype: KVCacheDType = "auto"  # vLLM's names: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2
     attention_backend: Literal["auto", "torch", "cpu", "cupy"] = "auto"  # auto: cupy on CUDA, cpu on CPU
     seed: int = 0
     tensor_parallel_size: int = 1

@@ -17,6 +17,7 @@ import time
 import torch
 
 from kernels import default_backend_name, get_backend
+from kernels.kv_cache_dtype import is_fp8, resolve_cache_dtype
 from pagoda.contract.errors import NotInitializedError, PlanError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
@@ -67,6 +68,10 @@ class ModelRunner:
         backend = config.attention_backend
         self.backend = get_backend(default_backend_name(self.device) if backend == "auto" else backend)
         self.max_model_len = self._resolve_max_model_len()
+        self.cache_dtype = resolve_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if is_fp8(self.cache_dtype) and self.backend.name == "cupy":
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} is not implemented in the CuPy "
+                             "kernels yet: use auto on CUDA (the CPU and torch backends read FP8 caches)")
         self.sampler = Sampler(self.model_config.eos_token_ids, self.device, config.seed)
         # Structured outputs: only the rank that samples keeps grammars (compiled off the loop).
         self.grammars = (GrammarCompiler(config.model, self.model_config.vocab_size,
@@ -83,7 +88,7 @@ class ModelRunner:
         """Profile memory (CUDA), allocate the KV cache, and say what the scheduler may use."""
         shape = CacheShape(self.model_config.num_layers, self.config.block_size,
                            self.model_config.num_kv_heads // self.tp.size,  # this rank's heads
-                           self.model_config.head_dim, self.dtype)
+                           self.model_config.head_dim, self.cache_dtype)
         if self.config.num_gpu_blocks_override is not None:
             num_blocks = self.config.num_gpu_blocks_override
         elif self.device.type == "cuda":

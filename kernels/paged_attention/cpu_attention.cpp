@@ -5,7 +5,7 @@
 // block table: no gather, no padding. One code path serves decode rows and prefill chunks over a
 // cached prefix: a work item is (sequence, KV heads, tile of query rows) and runs a flash-style
 // online softmax over the blocks its last row can see; every query head of a KV group is in the
-// tile, so each K/V row is read (and, for bf16/fp16, converted) once per tile. Accumulation is fp32.
+// tile, so each K/V row is read (and, for bf16/fp16/fp8, converted) once per tile. Accumulation is fp32.
 // Items are handed out dynamically, longest first, on torch's thread pool.
 //
 // Registered as torch ops (not a pybind module) so the extension needs only light headers (a fast
@@ -103,13 +103,13 @@ std::vector<Item> plan_items(const at::Tensor& tables, const at::Tensor& seq_len
   return items;
 }
 
-template <typename T>
+template <typename T, typename C = T>
 void run_items(const Geometry& g, const std::vector<Item>& items, const at::Tensor& query,
                const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
                at::Tensor& out) {
   const T* q = query.const_data_ptr<T>();
-  const T* kc = k_cache.const_data_ptr<T>();
-  const T* vc = v_cache.const_data_ptr<T>();
+  const C* kc = k_cache.const_data_ptr<C>();
+  const C* vc = v_cache.const_data_ptr<C>();
   const int32_t* tb = tables.const_data_ptr<int32_t>();
   T* o = out.mutable_data_ptr<T>();
   int64_t max_vectors = 1;
@@ -132,6 +132,28 @@ void run_items(const Geometry& g, const std::vector<Item>& items, const at::Tens
   }
 }
 
+template <typename C>
+void run_fp8_cache_as(const Geometry& g, const std::vector<Item>& items, const at::Tensor& query,
+                      const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                      at::Tensor& out) {
+  switch (query.scalar_type()) {
+    case at::kFloat: run_items<float, C>(g, items, query, k_cache, v_cache, tables, out); break;
+    case at::kBFloat16: run_items<c10::BFloat16, C>(g, items, query, k_cache, v_cache, tables, out); break;
+    case at::kHalf: run_items<c10::Half, C>(g, items, query, k_cache, v_cache, tables, out); break;
+    default: TORCH_CHECK(false, "pagoda_cpu.paged_attention: unsupported query dtype ", query.scalar_type());
+  }
+}
+
+void run_fp8_cache(const Geometry& g, const std::vector<Item>& items, const at::Tensor& query,
+                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                   at::Tensor& out) {
+  if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    run_fp8_cache_as<c10::Float8_e4m3fn>(g, items, query, k_cache, v_cache, tables, out);
+  } else {
+    run_fp8_cache_as<c10::Float8_e5m2>(g, items, query, k_cache, v_cache, tables, out);
+  }
+}
+
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale) {
@@ -139,8 +161,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
               "query [T, Hq, D] and caches [num_blocks, block_size, Hkv, D] expected");
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "pagoda_cpu runs on CPU tensors");
-  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type(),
-              "query and caches must share a dtype");
+  const bool fp8_cache = k_cache.scalar_type() == at::kFloat8_e4m3fn || k_cache.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (fp8_cache || k_cache.scalar_type() == query.scalar_type()),
+              "the caches must share the query's dtype, or both be FP8");
   TORCH_CHECK(query.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "head_dim must be contiguous");
   const int64_t T = query.size(0), Hq = query.size(1), D = query.size(2);
@@ -162,6 +186,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                    v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
                    static_cast<float>(scale * 1.4426950408889634)};
+  if (fp8_cache) {
+    run_fp8_cache(g, items, query, k_cache, v_cache, tables, out);
+    return out;
+  }
   switch (query.scalar_type()) {
     case at::kFloat: run_items<float>(g, items, query, k_cache, v_cache, tables, out); break;
     case at::kBFloat16: run_items<c10::BFloat16>(g, items, query, k_cache, v_cache, tables, out); break;

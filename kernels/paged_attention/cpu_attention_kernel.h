@@ -8,6 +8,8 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -30,6 +32,25 @@ inline v8 splat(float x) { return v8{} + x; }
 inline v8 vmax(v8 a, v8 b) { return a > b ? a : b; }
 inline float hmax(v8 v) { float m = v[0]; for (int j = 1; j < 8; ++j) m = std::max(m, v[j]); return m; }
 inline float hsum(v8 v) { float s = 0.f; for (int j = 0; j < 8; ++j) s += v[j]; return s; }
+
+// FP8 caches (vLLM's --kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2): all 256 codes decoded once into a
+// table, so a cache element costs one load, the same as the bf16 shift. The per-tensor scales are
+// folded in by the caller (k_scale into the softmax scale, v_scale into the output).
+template <typename F8>
+inline const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int code = 0; code < 256; ++code) {
+      F8 x;
+      x.x = static_cast<uint8_t>(code);
+      t[code] = static_cast<float>(x);
+    }
+    return t;
+  }();
+  return table.data();
+}
+inline float to_float(c10::Float8_e4m3fn x) { return fp8_table<c10::Float8_e4m3fn>()[x.x]; }
+inline float to_float(c10::Float8_e5m2 x) { return fp8_table<c10::Float8_e5m2>()[x.x]; }
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
@@ -200,8 +221,9 @@ inline void prefetch_block(const T* cache, int64_t block, int64_t block_stride, 
   }
 }
 
-template <typename T>
-void run_item(const Geometry& g, const Item& it, const T* q, const T* kc, const T* vc,
+// T: query and output; C: the cache (T itself, or an FP8 type).
+template <typename T, typename C>
+void run_item(const Geometry& g, const Item& it, const T* q, const C* kc, const C* vc,
               const int32_t* tables, T* out, Scratch& sc) {
   const int64_t G = g.group, D = g.head_dim, Dp = g.padded_dim, BS = g.block_size;
   const int64_t rows = it.row_end - it.row_begin, heads = it.head_end - it.head_begin;

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu_extension import load
+from kernels.kv_cache_dtype import is_fp8
 
 
 class CpuBackend:
@@ -31,6 +32,7 @@ class CpuBackend:
                         query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                         max_seq_len: int) -> torch.Tensor:
         # query: [T, Hq, D] -> out: [T, Hq, D] (max_query_len / max_seq_len: the op needs neither)
-        out = self._ops.paged_attention(query.to(k_cache.dtype), k_cache, v_cache, block_tables, seq_lens,
-                                        query_start_loc, scale)
+        if not is_fp8(k_cache.dtype):  # an FP8 cache is decoded inside the op; the query stays as is
+            query = query.to(k_cache.dtype)
+        out = self._ops.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
         return out.to(query.dtype)  # no-ops when query and cache share a dtype (always, in the worker)

@@ -33,7 +33,7 @@ def dense_reference(query, keys, values, scale):
 
 
 def make_case(seqs, group, *, dtype=torch.float32, head_dim=64, seed=0, poison=float("nan"),
-              logit_scale=1.0, backend=None):
+              logit_scale=1.0, backend=None, cache_dtype=None):
     """seqs: list of (seq_len, q_len). Writes every context through `backend` (the CPU one by
     default) into a poisoned cache over a shuffled pool 3x the need; unused table entries hold
     out-of-range ids. Returns (args for paged_attention, expected fp64 output)."""
@@ -43,7 +43,8 @@ def make_case(seqs, group, *, dtype=torch.float32, head_dim=64, seed=0, poison=f
     needed = [math.ceil(s / BLOCK_SIZE) for s, _ in seqs]
     pool = 3 * sum(needed) + 4
     shape = (pool, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
-    k_cache, v_cache = torch.full(shape, poison, dtype=dtype), torch.full(shape, poison, dtype=dtype)
+    cache_dtype = cache_dtype or dtype  # an FP8 cache: expected from the values it can hold
+    k_cache, v_cache = torch.full(shape, poison, dtype=cache_dtype), torch.full(shape, poison, dtype=cache_dtype)
     perm = torch.randperm(pool, generator=gen).tolist()
     tables = torch.full((len(seqs), max(needed, default=0) + 1), pool + 1000, dtype=torch.int32)
     queries, expected = [], []
@@ -58,7 +59,7 @@ def make_case(seqs, group, *, dtype=torch.float32, head_dim=64, seed=0, poison=f
                              dtype=torch.int64)
         backend.write_kv_cache(k, v, k_cache, v_cache, slots)
         queries.append(q)
-        expected.append(dense_reference(q, k, v, scale))
+        expected.append(dense_reference(q, k.to(cache_dtype).to(dtype), v.to(cache_dtype).to(dtype), scale))
     q_lens = [q for _, q in seqs]
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32)
@@ -214,3 +215,19 @@ def test_ops_pass_opcheck(cpu):
     key = torch.randn(3, NUM_KV_HEADS, 64)
     torch.library.opcheck(torch.ops.pagoda_cpu.write_kv_cache.default,
                           (key, key.clone(), k_cache.clone(), v_cache.clone(), torch.tensor([1, -1, 5])))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_is_decoded_on_load(cpu, cache_dtype, dtype):
+    # decode rows and prefill chunks over a cached prefix, GQA 3; the cache holds one byte per value
+    seqs = [(37, 1), (BLOCK_SIZE * 3, 5), (70, 70), (1, 1)]
+    args, expected = make_case(seqs, 3, dtype=dtype, cache_dtype=cache_dtype, seed=11)
+    assert args[1].dtype == cache_dtype and args[1].element_size() == 1
+    out = cpu.paged_attention(*args)
+    assert out.dtype == dtype and not torch.isnan(out).any()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+    # the torch reference backend reads the same FP8 cache the same way
+    reference = get_backend("torch").paged_attention(*args)
+    torch.testing.assert_close(reference.double(), out.double(), atol=tolerance, rtol=tolerance)
