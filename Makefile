@@ -58,7 +58,14 @@ tiny-model: setup
 # tree changes). Best effort: where apt cannot fetch it this says so and those tests skip.
 PROMETHEUS_DIR := build/prometheus
 prometheus-tools:
-	@if { command -v prometheus && command -v promtool; } >/dev/null || [ -x $(PROMETHEUS_DIR)/usr/bin/prometheus ]; then 		exit 0; fi; 	mkdir -p $(PROMETHEUS_DIR) && cd $(PROMETHEUS_DIR) && 	{ apt-get download prometheus >/dev/null 2>&1 || 	  { apt-get update -qq >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }; } && 	dpkg -x prometheus_*.deb . && rm -f prometheus_*.deb && echo "prometheus, promtool: $(PROMETHEUS_DIR)/usr/bin" || 	echo "prometheus-tools: Debian's prometheus package could not be fetched; the Prometheus tests will skip"
+	@if { command -v prometheus && command -v promtool; } >/dev/null || [ -x $(PROMETHEUS_DIR)/usr/bin/prometheus ]; then \
+		exit 0; \
+	fi; \
+	mkdir -p $(PROMETHEUS_DIR) && cd $(PROMETHEUS_DIR) && \
+	{ apt-get download prometheus >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }; } && \
+	dpkg -x prometheus_*.deb . && rm -f prometheus_*.deb && echo "prometheus, promtool: $(PROMETHEUS_DIR)/usr/bin" || \
+	echo "prometheus-tools: Debian's prometheus package could not be fetched; the Prometheus tests will skip"
 
 # `make run` prepares the model it serves (none for a MODEL=path of yours); the default falls
 # back to the tiny model when `make model` could not fetch it.
