@@ -145,3 +145,25 @@ async def test_public_grpc_takes_the_adapter_as_its_model(lora_stack):
                                        lora_stack["eos"])
     assert [t for c in chunks for t in c.token_ids] == expected
     assert chunks[-1].model == spec.name
+
+
+async def test_an_adapter_whose_files_vanish_fails_its_request_alone(client, lora_stack, tmp_path):
+    """Registered, then deleted before first use: the worker cannot load it, so that request fails
+    (HTTP 500 from the scheduler's poison isolation) while a base request sent with it completes."""
+    import shutil
+
+    path = tmp_path / "doomed"
+    shutil.copytree(lora_stack["adapters"][SPECS[0].name], path)
+    async with httpx.AsyncClient(base_url=lora_stack["http_url"], timeout=30) as http:
+        loaded = await http.post("/v1/load_lora_adapter", json={"lora_name": "doomed", "lora_path": str(path)})
+        assert loaded.status_code == 200
+    (path / "adapter_model.safetensors").unlink()
+    doomed, base = await asyncio.gather(complete(client, "doomed", PROMPTS[1]),
+                                        complete(client, lora_stack["model"], PROMPTS[2]),
+                                        return_exceptions=True)
+    assert isinstance(doomed, openai.InternalServerError), doomed
+    text, _ = await asyncio.to_thread(expected_text, lora_stack, PROMPTS[2], None)
+    assert base.choices[0].text == text
+    reply = await complete(client, STATIC[0].name, PROMPTS[3])  # the engine keeps serving adapters
+    assert reply.choices[0].text == (await asyncio.to_thread(expected_text, lora_stack, PROMPTS[3],
+                                                             STATIC[0].name))[0]
