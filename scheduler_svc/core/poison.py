@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from pagoda.contract.params import FinishReason
 from pagoda.contract.step import StepPlan, StepResult
+from scheduler_svc.core.lora_admission import lora_fits
 from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.request import Request, SeqStatus, Sequence
 from scheduler_svc.core.step_draft import StepDraft
@@ -100,7 +101,8 @@ class PoisonIsolationMixin:
             num_hit = len(hits) * bs
             num_new = min(len(target.token_ids) - num_hit, self._threshold, draft.budget)
             if kv.pool.can_allocate(kv.blocks_to_admit(hits, num_hit + num_new)) and \
-                    self._running_slots + target.num_slots <= self.config.max_num_seqs:
+                    self._running_slots + target.num_slots <= self.config.max_num_seqs and \
+                    lora_fits(target, self._running, self.config.max_loras):  # the worker's slots
                 break
             if not self._running:
                 return  # cannot happen for an admitted request (add_request checked its size)

@@ -96,3 +96,19 @@ def test_lora_without_enable_lora_is_a_400():
     sched, _ = setup(max_loras=0)
     with pytest.raises(InvalidRequestError, match="--enable-lora"):
         sched.add_request(req("a", A))
+
+
+def test_a_suspect_admitted_out_of_order_still_respects_the_adapter_slots():
+    """Poison isolation admits a waiting suspect alone, preempting from the tail until it fits:
+    with max_loras=1 that includes the running adapter's requests."""
+    from pagoda.contract.step import StepPlan
+    from scheduler_svc.core.step_draft import StepDraft
+
+    sched, worker = setup(max_loras=1)
+    sched.add_request(req("a", A, prompt=[5, 6, 7], max_tokens=8))
+    sched.update(worker.execute(sched.schedule()))
+    sched.add_request(req("b", B, prompt=[8, 9], max_tokens=8))
+    (waiting_b,) = list(sched._waiting)
+    plan = StepPlan(step_id=sched._next_step_id)
+    sched._admit_probe(StepDraft(plan, 64), waiting_b)
+    assert plan.preempted_ids == ["a"] and [n.request_id for n in plan.new_requests] == ["b"]
