@@ -40,5 +40,6 @@ def test_each_row_gets_its_own_adapter_delta(token_slots):
 def test_equal_groups_use_the_slot_matrices_in_place_and_a_long_prefill_is_chunked():
     decode = build_lora_batch(np.array([0, 1, 2, 3] * 4), frozenset(), torch.device("cpu"))
     assert decode.chunk_slots is None and tuple(decode.gather_rows.shape) == (4, 4)
+    assert decode.valid is None  # nothing padded: the deltas are used as they come
     prefill = build_lora_batch(np.array([0] * 40 + [1, 2, 3]), frozenset(), torch.device("cpu"))
     assert prefill.chunk_slots is not None and prefill.gather_rows.numel() < 2 * 43 + 4

@@ -30,7 +30,8 @@ class LoRABatch:
 
     rows: torch.Tensor  # [N] int64: token rows with an adapter, grouped by slot
     gather_rows: torch.Tensor  # [chunks, C] int64: rows of each chunk, padded with row 0
-    valid: torch.Tensor  # [N] int64: where rows[i]'s delta sits in the flattened [chunks * C]
+    valid: torch.Tensor | None  # [N] int64: where rows[i]'s delta sits in the flattened
+    # [chunks * C]; None when nothing is padded (equal groups filling their slots: a mixed decode)
     targets: frozenset[str]  # projections some adapter of this step targets (others: skipped)
     chunk_slots: torch.Tensor | None = None  # [chunks] int64: the slot of each chunk (by chunk)
     first_slot: int = 0  # by slot: chunk i is slot first_slot + i
@@ -67,7 +68,8 @@ def build_lora_batch(token_slots: np.ndarray, targets: frozenset[str],
     def to_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
 
-    return LoRABatch(to_device(rows), to_device(gather_rows), to_device(valid), targets,
+    return LoRABatch(to_device(rows), to_device(gather_rows),
+                     None if valid.size == gather.size else to_device(valid), targets,
                      None if chunk_slots is None else to_device(chunk_slots), first)
 
 
@@ -81,7 +83,8 @@ def segmented_lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Te
         a, b = lora_a[batch.chunk_slots], lora_b[batch.chunk_slots]
     xs = x[batch.gather_rows]  # [chunks, C, in]
     expanded = torch.bmm(torch.bmm(xs, a), b)  # [chunks, C, W] -> [chunks, C, out]
-    return expanded.view(-1, expanded.shape[-1])[batch.valid]  # [N, out]
+    flat = expanded.view(-1, expanded.shape[-1])  # [chunks * C, out]
+    return flat if batch.valid is None else flat[batch.valid]  # [N, out]
 
 
 class LoRALinear(nn.Module):
