@@ -103,7 +103,7 @@ _STATS_FIELDS = {
     "spec_num_drafts": "spec_num_drafts", "spec_num_draft_tokens": "spec_num_draft_tokens",
     "spec_num_accepted_tokens": "spec_num_accepted_tokens", "num_pinned_blocks": "num_pinned_blocks",
     "brownout_active": "brownout_active", "brownout_entries": "brownout_entries",
-    "brownout_capped_requests": "brownout_capped_requests",
+    "brownout_capped_requests": "brownout_capped_requests", "max_loras": "max_loras",
 }
 
 
@@ -119,4 +119,6 @@ def stats_to_pb(core_stats: object, *, num_total_blocks: int, num_steps: int, id
         if value is not None:
             setattr(pb, field, value)
     pb.spec_accepted_per_pos.extend(getattr(core_stats, "spec_accepted_per_pos", ()))
+    pb.running_lora_adapters.extend(getattr(core_stats, "running_lora_adapters", ()))
+    pb.waiting_lora_adapters.extend(getattr(core_stats, "waiting_lora_adapters", ()))
     return pb

@@ -117,6 +117,22 @@ class EngineStatsCollector:
                 per_pos.add_metric([model, str(position)], count)
             step.add_metric([model], count_value=stats.num_steps, sum_value=stats.step_seconds_sum)
         yield from (success, per_pos, step)
+        yield from _lora_info(answered)
+
+
+def _lora_info(answered: list[tuple[str, Any]]) -> Iterator[Metric]:
+    """vLLM's `vllm:lora_requests_info`: the adapters in use as labels (comma-separated names),
+    the value the scrape time, as vLLM does; only for engines that serve LoRA."""
+    lora = [(model, stats) for model, stats in answered if getattr(stats, "max_loras", 0)]
+    if not lora:
+        return
+    family = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters.",
+                               labels=["model_name", "running_lora_adapters", "waiting_lora_adapters",
+                                       "max_lora"])
+    for model, stats in lora:
+        family.add_metric([model, ",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters),
+                           str(stats.max_loras)], time.time())
+    yield family
 
 
 def _family(cls: type, name: str, doc: str, answered: list[tuple[str, Any]], field: str) -> Metric:

@@ -16,6 +16,11 @@ def running_adapters(running: Iterable[Sequence]) -> set[str]:
     return {seq.request.lora_key for seq in running if seq.request.lora_key is not None}
 
 
+def adapter_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    """The adapters (by name, sorted) of `seqs`, for the stats."""
+    return tuple(sorted({seq.request.lora.lora_name for seq in seqs if seq.request.lora is not None}))
+
+
 def lora_fits(seq: Sequence, running: Iterable[Sequence], max_loras: int) -> bool:
     key = seq.request.lora_key
     if key is None:

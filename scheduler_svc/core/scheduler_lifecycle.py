@@ -13,6 +13,7 @@ from pagoda.contract.errors import InvalidRequestError, QueueFullError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason, check_context_length
 from pagoda.contract.step import StepPlan
+from scheduler_svc.core.lora_admission import adapter_names
 from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.request import EngineRequest, Request, SeqStatus, Sequence
 
@@ -46,6 +47,10 @@ class SchedulerStats:
     brownout_active: bool = False  # under memory pressure: smaller steps, capped max_tokens (brownout.py)
     brownout_entries: int = 0  # times brownout was entered
     brownout_capped_requests: int = 0  # requests whose max_tokens brownout lowered
+    # Multi-LoRA (vLLM's lora_requests_info): adapter names with running / waiting requests
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0  # 0: LoRA off
 
 
 class SchedulerLifecycleMixin:
@@ -133,7 +138,9 @@ class SchedulerLifecycleMixin:
             self.spec_num_accepted_tokens,
             tuple(self.spec_accepted_per_pos[i] for i in range(len(self.spec_accepted_per_pos))),
             len(self._pinned_blocks), brownout_active=self.brownout_active,
-            brownout_entries=self.brownout_entries, brownout_capped_requests=self.brownout_capped_requests)
+            brownout_entries=self.brownout_entries, brownout_capped_requests=self.brownout_capped_requests,
+            running_lora_adapters=adapter_names(self._running), waiting_lora_adapters=adapter_names(self._waiting),
+            max_loras=self.config.max_loras)
 
     def running_request_ids(self, plan: StepPlan) -> list[RequestId]:
         """The caller-level ids of the requests `plan` (just returned by schedule(), nothing changed

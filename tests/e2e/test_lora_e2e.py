@@ -167,3 +167,10 @@ async def test_an_adapter_whose_files_vanish_fails_its_request_alone(client, lor
     reply = await complete(client, STATIC[0].name, PROMPTS[3])  # the engine keeps serving adapters
     assert reply.choices[0].text == (await asyncio.to_thread(expected_text, lora_stack, PROMPTS[3],
                                                              STATIC[0].name))[0]
+
+
+async def test_metrics_carry_vllm_lora_requests_info(lora_stack):
+    async with httpx.AsyncClient(base_url=lora_stack["http_url"], timeout=30) as http:
+        text = (await http.get("/metrics")).text
+    (line,) = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert 'max_lora="4"' in line and 'running_lora_adapters=""' in line  # idle between tests

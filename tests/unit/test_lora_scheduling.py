@@ -112,3 +112,20 @@ def test_a_suspect_admitted_out_of_order_still_respects_the_adapter_slots():
     plan = StepPlan(step_id=sched._next_step_id)
     sched._admit_probe(StepDraft(plan, 64), waiting_b)
     assert plan.preempted_ids == ["a"] and [n.request_id for n in plan.new_requests] == ["b"]
+
+
+def test_stats_name_the_running_and_waiting_adapters_for_lora_requests_info():
+    from pagoda.runtime.metrics import EngineStatsCollector
+    from scheduler_svc.convert import stats_to_pb
+
+    sched, worker = setup(max_loras=1)
+    for rid, lora in (("a", A), ("b", B), ("base", None)):
+        sched.add_request(req(rid, lora, prompt=[5, 6, 7], max_tokens=3))
+    sched.update(worker.execute(sched.schedule()))
+    stats = sched.stats()
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters, stats.max_loras) == (("a",), ("b",), 1)
+    pb = stats_to_pb(stats, num_total_blocks=32, num_steps=1, idle=False, invariant_ok=True,
+                     request_success={}, worker_connected=True, step_seconds_sum=0.0)
+    (family,) = [f for f in EngineStatsCollector(lambda: pb, "m").collect() if f.name == "vllm:lora_requests_info"]
+    assert family.samples[0].labels == {"model_name": "m", "running_lora_adapters": "a",
+                                        "waiting_lora_adapters": "b", "max_lora": "1"}
