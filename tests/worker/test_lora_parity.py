@@ -92,6 +92,8 @@ def test_refusals_name_the_problem(lora_setup, tmp_path):
             llm.generate({"prompt_token_ids": [5, 6]}, lora_request=LoRARequest("r32", 9, str(big)), use_tqdm=False)
         with pytest.raises(InvalidRequestError, match="adapter_config.json"):
             llm.generate({"prompt_token_ids": [5, 6]}, lora_request=LoRARequest("nope", 9, str(tmp_path / "missing")), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        make_llm(lora_setup, max_loras=4, max_cpu_loras=2)
     with LLM(model=lora_setup["base"], dtype="float32", device="cpu") as plain:
         with pytest.raises(InvalidRequestError, match="--enable-lora"):
             plain.generate({"prompt_token_ids": [5, 6]}, lora_request=lora_requests(lora_setup)[1],

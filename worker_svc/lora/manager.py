@@ -44,9 +44,11 @@ class LoRAManager:
                  tp: TensorParallel = SINGLE) -> None:
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if max_cpu_loras is not None and max_cpu_loras < max_loras:  # vLLM's rule too
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
         self.cfg, self.dtype, self.device, self.tp = cfg, dtype, device, tp
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
-        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        self.max_cpu_loras = max_cpu_loras or max_loras
         self.batch: LoRABatch | None = None  # the current step's; read by every LoRALinear
         self.layers = self._wrap(model)
         self._host: OrderedDict[str, AdapterWeights] = OrderedDict()
