@@ -228,9 +228,9 @@ class ModelRunner:
         its own seq_index; they become resident here as copies of the parent before its token.
         """
         assert self.kv_cache is not None
+        if self.lora is not None:  # grouped by adapter: each adapter's rows become one block
+            seqs = self.lora.prepare(seqs)
         inputs = build_model_inputs(seqs, self.config.block_size, self.backend, self.device)
-        if self.lora is not None:
-            self.lora.prepare([seq.state.lora for seq in seqs], [seq.num_tokens for seq in seqs])
         try:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.layers)
         finally:

@@ -43,3 +43,34 @@ def test_equal_groups_use_the_slot_matrices_in_place_and_a_long_prefill_is_chunk
     assert decode.valid is None  # nothing padded: the deltas are used as they come
     prefill = build_lora_batch(np.array([0] * 40 + [1, 2, 3]), frozenset(), torch.device("cpu"))
     assert prefill.chunk_slots is not None and prefill.gather_rows.numel() < 2 * 43 + 4
+
+
+class _Owner:
+    batch = None
+
+
+@pytest.mark.parametrize("token_slots", [
+    [-1, -1, 0, 0, 1, 1, 2, 2],  # grouped, equal, consecutive slots: the two-op block path
+    [0, 0, 0, 1, 1, 1],
+    [-1, 0, 0, 2, 2],  # a slot missing in between: the general path
+    [0, 1, 0, 1, -1],  # not grouped (the runner groups them, but any order must work)
+])
+def test_lora_linear_adds_each_rows_delta_on_top_of_the_base(token_slots):
+    from worker_svc.lora.layers import LoRALinear
+
+    gen = torch.Generator().manual_seed(1)
+    base = torch.nn.Linear(8, 6, dtype=torch.float64)
+    owner = _Owner()
+    layer = LoRALinear(base, "qkv", 0, 8, 4, 6, 3, owner, torch.float64, torch.device("cpu"))
+    layer.lora_a.copy_(torch.randn(3, 8, 4, generator=gen, dtype=torch.float64))
+    layer.lora_b.copy_(torch.randn(3, 4, 6, generator=gen, dtype=torch.float64))
+    x = torch.randn(len(token_slots), 8, generator=gen, dtype=torch.float64)
+    owner.batch = build_lora_batch(np.array(token_slots), frozenset({"qkv"}), torch.device("cpu"))
+    expected = base(x).detach().clone()
+    for row, slot in enumerate(token_slots):
+        if slot >= 0:
+            expected[row] += x[row] @ layer.lora_a[slot] @ layer.lora_b[slot]
+    with torch.inference_mode():
+        got = layer(x)
+    torch.testing.assert_close(got, expected)
+    assert (owner.batch.block is not None) == (token_slots in ([-1, -1, 0, 0, 1, 1, 2, 2], [0, 0, 0, 1, 1, 1]))

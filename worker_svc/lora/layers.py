@@ -1,10 +1,13 @@
 """`LoRALinear`: a fused projection plus the LoRA deltas of the step's adapters, computed for every
 token in one segmented matmul (no loop over requests or adapters).
 
-The step's tokens that use an adapter are grouped by adapter slot (`LoRABatch.rows`, built once per
-step on the host) into chunks of rows of one slot each, padded to one length C (see LoRABatch for
-the two layouts; padding never exceeds about the real rows). Per projection that is: one gather of
-the rows into [chunks, C, in], two `bmm`s against each chunk's slot matrices, one `index_add_` back. Base-model
+The runner orders the step's sequences by adapter slot (manager.py), so each adapter's tokens are
+one block of rows. When the groups are equal (a balanced decode or prefill step), the delta is two
+ops over views: `bmm` of x's block as [G, L, in] with the slots' A, then `baddbmm_` into y's block.
+Otherwise the adapter rows (`LoRABatch.rows`, built once per step on the host) are cut into chunks
+of rows of one slot each, padded to one length C (see LoRABatch for the two layouts; padding never
+exceeds about the real rows): one gather into [chunks, C, in], two `bmm`s against each chunk's slot
+matrices, one `index_add_` back. Base-model
 tokens are never touched; a step without adapters costs one attribute check per projection.
 """
 
@@ -35,6 +38,10 @@ class LoRABatch:
     targets: frozenset[str]  # projections some adapter of this step targets (others: skipped)
     chunk_slots: torch.Tensor | None = None  # [chunks] int64: the slot of each chunk (by chunk)
     first_slot: int = 0  # by slot: chunk i is slot first_slot + i
+    # (first row, groups G, group length L, first slot) when the adapter rows are one block of G
+    # equal groups of consecutive slots (a balanced step, the batch grouped by adapter): then x and
+    # y are read and written through views, with no gather and no scatter.
+    block: tuple[int, int, int, int] | None = None
 
 
 def build_lora_batch(token_slots: np.ndarray, targets: frozenset[str],
@@ -70,7 +77,17 @@ def build_lora_batch(token_slots: np.ndarray, targets: frozenset[str],
 
     return LoRABatch(to_device(rows), to_device(gather_rows),
                      None if valid.size == gather.size else to_device(valid), targets,
-                     None if chunk_slots is None else to_device(chunk_slots), first)
+                     None if chunk_slots is None else to_device(chunk_slots), first,
+                     _block(rows, slots[starts], ends - starts))
+
+
+def _block(rows: np.ndarray, group_slots: np.ndarray, group_lens: np.ndarray) -> tuple[int, int, int, int] | None:
+    contiguous = rows[-1] - rows[0] + 1 == rows.size and bool(np.all(np.diff(rows) == 1))
+    equal = bool(np.all(group_lens == group_lens[0]))
+    consecutive = bool(np.all(group_slots == group_slots[0] + np.arange(group_slots.size)))
+    if not (contiguous and equal and consecutive):
+        return None
+    return int(rows[0]), int(group_slots.size), int(group_lens[0]), int(group_slots[0])
 
 
 def segmented_lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -117,6 +134,12 @@ class LoRALinear(nn.Module):
     def _add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batch: LoRABatch | None = self.owner.batch  # type: ignore[attr-defined]
         if batch is None or self.proj not in batch.targets:
+            return y
+        if batch.block is not None:  # two ops over views: [G, L, in] @ A -> y += (.) @ B, in place
+            start, groups, length, first = batch.block
+            rows, slots = slice(start, start + groups * length), slice(first, first + groups)
+            shrunk = torch.bmm(x[rows].reshape(groups, length, -1), self.lora_a[slots])  # [G, L, W]
+            y[rows].view(groups, length, -1).baddbmm_(shrunk, self.lora_b[slots])
             return y
         return y.index_add_(0, batch.rows, segmented_lora_delta(x, self.lora_a, self.lora_b, batch))
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -27,6 +26,7 @@ from torch import nn
 from pagoda.contract.lora import LoRARequest
 from pagoda.runtime.logging import get_logger
 from worker_svc.distributed import SINGLE, TensorParallel
+from worker_svc.input_batch import ScheduledSeq
 from worker_svc.lora.layers import LoRABatch, LoRALinear, build_lora_batch
 from worker_svc.lora.weights import AdapterWeights, fused_shapes, load_adapter
 from worker_svc.model_config import ModelConfig
@@ -73,24 +73,28 @@ class LoRAManager:
 
     # -- per step -------------------------------------------------------------------------------
 
-    def prepare(self, adapters: Sequence[LoRARequest | None], num_tokens: Sequence[int]) -> LoRABatch | None:
-        """Slot every adapter of the step and set `self.batch`. adapters[i] / num_tokens[i]: the
-        i-th scheduled sequence's adapter (None: base model) and token count, in batch order."""
-        needed = {a.cache_key: a for a in adapters if a is not None}
+    def prepare(self, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Slot every adapter of the step, set `self.batch`, and return `seqs` grouped by slot
+        (base-model sequences first, order kept within a group), the order the step must run in:
+        each adapter's tokens are then one contiguous block of rows, which the delta reads and
+        writes through views (layers.py). Callers match results by request id, never by order."""
+        needed = {s.state.lora.cache_key: s.state.lora for s in seqs if s.state.lora is not None}
         if not needed:
             self.batch = None
-            return None
+            return seqs
         if len(needed) > self.max_loras:
             raise RuntimeError(f"a step uses {len(needed)} LoRA adapters but --max-loras is "
                                f"{self.max_loras} (the scheduler should never plan it)")
         now = next(self._clock)
         slot_of = {key: self._slot_for(key, lora, needed, now) for key, lora in needed.items()}
-        seq_slots = np.fromiter((slot_of[a.cache_key] if a is not None else -1 for a in adapters),
-                                dtype=np.int64, count=len(adapters))
-        token_slots = np.repeat(seq_slots, np.asarray(num_tokens, dtype=np.int64))
+        seq_slots = [slot_of[s.state.lora.cache_key] if s.state.lora is not None else -1 for s in seqs]
+        order = sorted(range(len(seqs)), key=seq_slots.__getitem__)  # stable
+        seqs = [seqs[i] for i in order]
+        token_slots = np.repeat(np.asarray([seq_slots[i] for i in order], dtype=np.int64),
+                                np.asarray([s.num_tokens for s in seqs], dtype=np.int64))
         targets = frozenset().union(*(self._slot_targets[s] for s in slot_of.values()))
         self.batch = build_lora_batch(token_slots, targets, self.device)
-        return self.batch
+        return seqs
 
     def finish_step(self) -> None:
         self.batch = None
