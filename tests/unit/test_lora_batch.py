@@ -61,15 +61,18 @@ def test_lora_linear_adds_each_rows_delta_on_top_of_the_base(token_slots):
     gen = torch.Generator().manual_seed(1)
     base = torch.nn.Linear(8, 6, dtype=torch.float64)
     owner = _Owner()
-    layer = LoRALinear(base, "qkv", 0, 8, 4, 6, 3, owner, torch.float64, torch.device("cpu"))
-    layer.lora_a.copy_(torch.randn(3, 8, 4, generator=gen, dtype=torch.float64))
-    layer.lora_b.copy_(torch.randn(3, 4, 6, generator=gen, dtype=torch.float64))
+    # three sub-projections (q, k, v) of widths 3, 1, 2, rank 2: A [8, 6], B [2, 6]
+    layer = LoRALinear(base, "qkv", 0, 8, (3, 1, 2), 2, 3, owner, torch.float64, torch.device("cpu"))
+    layer.lora_a.copy_(torch.randn(3, 8, 6, generator=gen, dtype=torch.float64))
+    layer.lora_b.copy_(torch.randn(3, 2, 6, generator=gen, dtype=torch.float64))
     x = torch.randn(len(token_slots), 8, generator=gen, dtype=torch.float64)
     owner.batch = build_lora_batch(np.array(token_slots), frozenset({"qkv"}), torch.device("cpu"))
     expected = base(x).detach().clone()
     for row, slot in enumerate(token_slots):
-        if slot >= 0:
-            expected[row] += x[row] @ layer.lora_a[slot] @ layer.lora_b[slot]
+        for sub, (c0, c1) in enumerate(((0, 3), (3, 4), (4, 6))):  # each sub: its A columns, its outputs
+            if slot >= 0:
+                a, b = layer.lora_a[slot][:, 2 * sub:2 * sub + 2], layer.lora_b[slot][:, c0:c1]
+                expected[row, c0:c1] += x[row] @ a @ b
     with torch.inference_mode():
         got = layer(x)
     torch.testing.assert_close(got, expected)

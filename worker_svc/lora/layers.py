@@ -3,7 +3,8 @@ token in one segmented matmul (no loop over requests or adapters).
 
 The runner orders the step's sequences by adapter slot (manager.py), so each adapter's tokens are
 one block of rows. When the groups are equal (a balanced decode or prefill step), the delta is two
-ops over views: `bmm` of x's block as [G, L, in] with the slots' A, then `baddbmm_` into y's block.
+ops over views: `bmm` of x's block as [G, L, in] with the slots' A, then `baddbmm_` into y's block
+(one per sub-projection: B is stored without the zero blocks of a block-diagonal layout).
 Otherwise the adapter rows (`LoRABatch.rows`, built once per step on the host) are cut into chunks
 of rows of one slot each, padded to one length C (see LoRABatch for the two layouts; padding never
 exceeds about the real rows): one gather into [chunks, C, in], two `bmm`s against each chunk's slot
@@ -90,16 +91,31 @@ def _block(rows: np.ndarray, group_slots: np.ndarray, group_lens: np.ndarray) ->
     return int(rows[0]), int(group_slots.size), int(group_lens[0]), int(group_slots[0])
 
 
-def segmented_lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                         batch: LoRABatch) -> torch.Tensor:
-    """x: [T, in]; lora_a: [slots, in, W]; lora_b: [slots, W, out] -> deltas [N, out] of batch.rows."""
+def expand_into(out: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor,
+                subs: tuple[tuple[int, int, int, int], ...]) -> None:
+    """out[..., c0:c1] += shrunk[..., r0:r1] @ lora_b[..., c0:c1] for each sub-projection
+    (r0, r1, c0, c1): B is stored compact ([R, out], no zero blocks between q, k and v), so each
+    sub-adapter multiplies only its own output columns. Strided views, no copies."""
+    if len(subs) == 1:
+        out.baddbmm_(shrunk, lora_b)
+        return
+    for r0, r1, c0, c1 in subs:
+        out[..., c0:c1].baddbmm_(shrunk[..., r0:r1], lora_b[..., c0:c1])
+
+
+def segmented_lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, batch: LoRABatch,
+                         subs: tuple[tuple[int, int, int, int], ...] | None = None) -> torch.Tensor:
+    """x: [T, in]; lora_a: [slots, in, W]; lora_b: [slots, R, out] -> deltas [N, out] of batch.rows.
+    `subs`: see expand_into; None: one sub-projection (W == R) over every output column."""
     if batch.chunk_slots is None:  # by slot: the matrices in place
         end = batch.first_slot + batch.gather_rows.shape[0]
         a, b = lora_a[batch.first_slot:end], lora_b[batch.first_slot:end]
     else:
         a, b = lora_a[batch.chunk_slots], lora_b[batch.chunk_slots]
     xs = x[batch.gather_rows]  # [chunks, C, in]
-    expanded = torch.bmm(torch.bmm(xs, a), b)  # [chunks, C, W] -> [chunks, C, out]
+    shrunk = torch.bmm(xs, a)  # [chunks, C, W]
+    expanded = shrunk.new_zeros(*shrunk.shape[:2], lora_b.shape[-1])  # [chunks, C, out]
+    expand_into(expanded, shrunk, b, subs or ((0, a.shape[-1], 0, lora_b.shape[-1]),))
     flat = expanded.view(-1, expanded.shape[-1])  # [chunks * C, out]
     return flat if batch.valid is None else flat[batch.valid]  # [N, out]
 
@@ -108,15 +124,18 @@ class LoRALinear(nn.Module):
     """`base(x)` plus, for the step's adapter rows, their LoRA delta. The slot matrices live here;
     the step's LoRABatch is read from `owner.batch` (the LoRAManager sets it around each forward)."""
 
-    def __init__(self, base: nn.Module, proj: str, layer: int, in_features: int, width: int,
-                 out_features: int, num_slots: int, owner: object, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, base: nn.Module, proj: str, layer: int, in_features: int, sub_out: tuple[int, ...],
+                 rank: int, num_slots: int, owner: object, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.base, self.proj, self.layer = base, proj, layer
         self.owner = owner
+        # (A columns, output columns) of each sub-projection (q, k, v / gate, up / the one)
+        starts = [sum(sub_out[:i]) for i in range(len(sub_out))]
+        self.subs = tuple((i * rank, (i + 1) * rank, starts[i], starts[i] + width)
+                          for i, width in enumerate(sub_out))
         # Plain attributes, not parameters or buffers: never part of the model's state dict.
-        self.lora_a = torch.zeros(num_slots, in_features, width, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(num_slots, width, out_features, dtype=dtype, device=device)
+        self.lora_a = torch.zeros(num_slots, in_features, len(sub_out) * rank, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(num_slots, rank, sum(sub_out), dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
@@ -139,9 +158,9 @@ class LoRALinear(nn.Module):
             start, groups, length, first = batch.block
             rows, slots = slice(start, start + groups * length), slice(first, first + groups)
             shrunk = torch.bmm(x[rows].reshape(groups, length, -1), self.lora_a[slots])  # [G, L, W]
-            y[rows].view(groups, length, -1).baddbmm_(shrunk, self.lora_b[slots])
+            expand_into(y[rows].view(groups, length, -1), shrunk, self.lora_b[slots], self.subs)
             return y
-        return y.index_add_(0, batch.rows, segmented_lora_delta(x, self.lora_a, self.lora_b, batch))
+        return y.index_add_(0, batch.rows, segmented_lora_delta(x, self.lora_a, self.lora_b, batch, self.subs))
 
     def extra_repr(self) -> str:
         return f"proj={self.proj}, layer={self.layer}, slots={self.lora_a.shape[0]}"

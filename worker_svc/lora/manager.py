@@ -64,9 +64,8 @@ class LoRAManager:
             for parent_name, attr, proj in _PROJECTIONS:
                 parent = getattr(layer, parent_name)
                 shape = shapes[proj]
-                module = LoRALinear(getattr(parent, attr), proj, index, shape.in_features,
-                                    len(shape.sub_out) * self.max_lora_rank, shape.out_features,
-                                    self.max_loras, self, self.dtype, self.device)
+                module = LoRALinear(getattr(parent, attr), proj, index, shape.in_features, shape.sub_out,
+                                    self.max_lora_rank, self.max_loras, self, self.dtype, self.device)
                 setattr(parent, attr, module)
                 wrapped.append(module)
         return wrapped

@@ -3,9 +3,15 @@
 PEFT stores, per target module, lora_A [r, in] and lora_B [out, r]; its delta is
 `x @ A.T @ B.T * scaling`. Pagoda fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, so
 one fused projection carries up to three sub-adapters. They are laid side by side: A_fused
-[in, n_sub * R] (sub i in columns [i*R, i*R + r_i]), B_fused [n_sub * R, out] block-diagonal (sub i's
-rows map only onto its own output columns). One pair of matmuls then gives every sub-delta at once,
-and the zero padding (ranks below R, untargeted subs) adds exact zeros. Scaling is folded into B.
+[in, n_sub * R] (sub i in columns [i*R, i*R + r_i]) and B_fused [R, out] (sub i's B in its own
+output columns, rows [0, r_i)): one matmul shrinks for every sub at once, and each sub expands into
+its own columns only (layers.expand_into), so B holds no zero blocks to stream. The zero padding
+(ranks below R, untargeted subs) adds exact zeros. Scaling is folded into B.
+
+Tensor parallelism splits the adapters like the base weights: for the column-parallel qkv and
+gate_up each rank keeps all of A and its own output columns of B (its heads' / MLP columns'); for
+the row-parallel o and down it keeps its rows of A (its slice of the input) and all of B, so its
+delta is a partial product that the layer's all-reduce sums with the base one.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ def fused_shapes(cfg: ModelConfig, tp_size: int = 1) -> dict[str, FusedShape]:
 class AdapterWeights:
     """An adapter on the host, ready to copy into a device slot."""
 
-    # (layer index, fused projection) -> (A [in, n_sub * R], B [n_sub * R, out]), scaling in B
+    # (layer index, fused projection) -> (A [in, n_sub * R], B [R, out]), scaling in B
     matrices: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
     @property
@@ -87,13 +93,12 @@ def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, dtype: torch
         else:  # b: [out, r] -> this rank's output rows
             b = b[tp_rank * shape.sub_out[sub]:(tp_rank + 1) * shape.sub_out[sub]]
         if (layer, proj) not in matrices:
-            width = len(shape.sub_out) * max_rank
-            matrices[layer, proj] = (torch.zeros(shape.in_features, width),
-                                     torch.zeros(width, shape.out_features))
+            matrices[layer, proj] = (torch.zeros(shape.in_features, len(shape.sub_out) * max_rank),
+                                     torch.zeros(max_rank, shape.out_features))
         fused_a, fused_b = matrices[layer, proj]
         rank, rows, cols = a.shape[0], sub * max_rank, sum(shape.sub_out[:sub])
         fused_a[:, rows:rows + rank] = a.float().T
-        fused_b[rows:rows + rank, cols:cols + b.shape[0]] = b.float().T * config.scaling(rank)
+        fused_b[:rank, cols:cols + b.shape[0]] = b.float().T * config.scaling(rank)
     return AdapterWeights({k: (a.to(dtype), b.to(dtype)) for k, (a, b) in matrices.items()})
 
 
