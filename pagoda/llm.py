@@ -10,6 +10,7 @@ exit) stops them and leaves the group, so a new `LLM` can form its own.
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,16 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """When the request arrived, got its first token and finished (time.time(), vLLM's names):
+    per-request TTFT and decode speed for offline runs."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -47,6 +58,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = False
+    metrics: RequestMetrics | None = None
 
 
 class LLM:
@@ -145,7 +157,7 @@ class LLM:
                 outputs[request_id] = RequestOutput(
                     request_id, text, list(token_ids),
                     [CompletionOutput(i, logprobs=[] if sampling.logprobs is not None else None)
-                     for i in range(sampling.n)])
+                     for i in range(sampling.n)], metrics=RequestMetrics(time.time()))
         except Exception:
             for request_id in outputs:  # one bad prompt rejects the batch: leave nothing queued
                 self.scheduler.abort(request_id)
@@ -233,6 +245,10 @@ def _apply_delta(outputs: dict[RequestId, RequestOutput], delta: SequenceDelta) 
     output = outputs[delta.request_id]
     completion = output.outputs[delta.seq_index]
     completion.token_ids.extend(delta.new_token_ids)
+    now = time.time()
+    if delta.new_token_ids and output.metrics.first_token_time is None:
+        output.metrics.first_token_time = now
+    output.metrics.finished_time = now  # the last delta's time once every sequence has finished
     if completion.logprobs is not None:
         completion.logprobs.extend(delta.new_logprobs)
     output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)

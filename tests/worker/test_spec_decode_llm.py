@@ -33,8 +33,10 @@ def test_greedy_with_speculation_matches_without(tiny_model_dir: str, num_blocks
     for spec in (None, SPEC):
         llm = LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks_override=num_blocks,
                   max_num_batched_tokens=64, long_prefill_token_threshold=16, speculative_config=spec)
-        outputs[spec is not None] = [r.outputs[0].token_ids for r in llm.generate(mixed_prompts(), params,
-                                                                                   use_tqdm=False)]
+        results = llm.generate(mixed_prompts(), params, use_tqdm=False)
+        outputs[spec is not None] = [r.outputs[0].token_ids for r in results]
+        for r in results:  # vLLM's RequestOutput.metrics: what per-request TTFT / TPOT are read from
+            assert r.metrics.arrival_time <= r.metrics.first_token_time <= r.metrics.finished_time
         stats[spec is not None] = llm.scheduler
         llm.close()
     assert outputs[True] == outputs[False]
