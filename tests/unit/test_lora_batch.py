@@ -54,6 +54,7 @@ class _Owner:
     [0, 0, 0, 1, 1, 1],
     [-1, 0, 0, 2, 2],  # a slot missing in between: the general path
     [0, 1, 0, 1, -1],  # not grouped (the runner groups them, but any order must work)
+    [-1] * 3 + [0] * 40 + [2] * 35,  # long groups (prefill): one matmul per adapter
 ])
 def test_lora_linear_adds_each_rows_delta_on_top_of_the_base(token_slots):
     from worker_svc.lora.layers import LoRALinear
@@ -77,3 +78,4 @@ def test_lora_linear_adds_each_rows_delta_on_top_of_the_base(token_slots):
         got = layer(x)
     torch.testing.assert_close(got, expected)
     assert (owner.batch.block is not None) == (token_slots in ([-1, -1, 0, 0, 1, 1, 2, 2], [0, 0, 0, 1, 1, 1]))
+    assert (owner.batch.segments is not None) == (len(token_slots) == 78)

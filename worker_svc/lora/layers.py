@@ -20,6 +20,10 @@ import numpy as np
 import torch
 from torch import nn
 
+# Mean rows per adapter from which one matmul per adapter beats one padded batched matmul: below it
+# (decode steps) the fixed cost of each op dominates; above it (prefill) padding and copies do.
+SEGMENT_MIN_ROWS = 32
+
 
 @dataclass(slots=True)
 class LoRABatch:
@@ -43,6 +47,9 @@ class LoRABatch:
     # equal groups of consecutive slots (a balanced step, the batch grouped by adapter): then x and
     # y are read and written through views, with no gather and no scatter.
     block: tuple[int, int, int, int] | None = None
+    # (first row, end row, slot) per adapter when the adapter rows are contiguous and the groups long
+    # (a prefill step): one matmul per adapter over its own rows, no padding, gather or scatter.
+    segments: tuple[tuple[int, int, int], ...] | None = None
 
 
 def build_lora_batch(token_slots: np.ndarray, targets: frozenset[str],
@@ -79,7 +86,15 @@ def build_lora_batch(token_slots: np.ndarray, targets: frozenset[str],
     return LoRABatch(to_device(rows), to_device(gather_rows),
                      None if valid.size == gather.size else to_device(valid), targets,
                      None if chunk_slots is None else to_device(chunk_slots), first,
-                     _block(rows, slots[starts], ends - starts))
+                     _block(rows, slots[starts], ends - starts), _segments(rows, slots, starts, ends))
+
+
+def _segments(rows: np.ndarray, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray
+              ) -> tuple[tuple[int, int, int], ...] | None:
+    contiguous = rows[-1] - rows[0] + 1 == rows.size
+    if not contiguous or rows.size < SEGMENT_MIN_ROWS * starts.size:
+        return None
+    return tuple((int(rows[s]), int(rows[s]) + int(e - s), int(slots[s])) for s, e in zip(starts, ends, strict=True))
 
 
 def _block(rows: np.ndarray, group_slots: np.ndarray, group_lens: np.ndarray) -> tuple[int, int, int, int] | None:
@@ -96,11 +111,12 @@ def expand_into(out: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor,
     """out[..., c0:c1] += shrunk[..., r0:r1] @ lora_b[..., c0:c1] for each sub-projection
     (r0, r1, c0, c1): B is stored compact ([R, out], no zero blocks between q, k and v), so each
     sub-adapter multiplies only its own output columns. Strided views, no copies."""
+    add_product = torch.Tensor.addmm_ if out.dim() == 2 else torch.Tensor.baddbmm_
     if len(subs) == 1:
-        out.baddbmm_(shrunk, lora_b)
+        add_product(out, shrunk, lora_b)
         return
     for r0, r1, c0, c1 in subs:
-        out[..., c0:c1].baddbmm_(shrunk[..., r0:r1], lora_b[..., c0:c1])
+        add_product(out[..., c0:c1], shrunk[..., r0:r1], lora_b[..., c0:c1])
 
 
 def segmented_lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, batch: LoRABatch,
@@ -153,6 +169,10 @@ class LoRALinear(nn.Module):
     def _add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batch: LoRABatch | None = self.owner.batch  # type: ignore[attr-defined]
         if batch is None or self.proj not in batch.targets:
+            return y
+        if batch.segments is not None:  # prefill: one matmul per adapter over its own rows (views)
+            for start, end, slot in batch.segments:
+                expand_into(y[start:end], x[start:end] @ self.lora_a[slot], self.lora_b[slot], self.subs)
             return y
         if batch.block is not None:  # two ops over views: [G, L, in] @ A -> y += (.) @ B, in place
             start, groups, length, first = batch.block
