@@ -7,7 +7,7 @@ runs every prompt on the base model; the LoRA one (max_loras 4) runs prompt i un
 so every step mixes the four. The adapters are random PEFT directories written here (rank `--rank`,
 all seven target modules unless `--targets` says otherwise: the most LoRA work per token). Random
 token prompts, greedy, `ignore_eos` and prefix caching off, so both engines compute exactly the same
-number of tokens. Output tokens/s, best of `--repeats` interleaved runs after one warm-up each; the
+number of tokens. Output tokens/s, best of `--repeats` (3) interleaved runs after one warm-up each; the
 goal is LoRA >= 80% of base. Writes benchmarks/results/lora.json.
 """
 
@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results/lora.json")
     return p.parse_args(argv)
 
