@@ -2,17 +2,20 @@
 
     python -m benchmarks.spec_decode [--model models/smollm2-135m-instruct] [--k 4]
 
-Two workloads, greedy, `ignore_eos`, prefix caching off (every run computes the same thing):
+Two workloads, greedy, prefix caching off (every run computes the same thing):
 - copy-heavy: chat prompts asking the model to repeat a passage that is in the prompt (what RAG,
-  summaries and code edits look like to prompt lookup), at batch 1 and batch 8;
-- ShareGPT-like: random-token prompts with lognormal lengths (benchmarks/datasets.py), where
-  lookups mostly miss: speculation must not cost much there.
+  summaries and code edits look like to prompt lookup), at batch 1 and batch 8; each answer ends
+  where the model ends it (EOS, or the --max-tokens cap); `--ignore-eos` forces --max-tokens
+  tokens, i.e. also what the model makes up once the passage is done;
+- ShareGPT-like (`ignore_eos`): random-token prompts with lognormal lengths
+  (benchmarks/datasets.py), where lookups should mostly miss: speculation must not cost much there.
 Per-request decode tokens/s: each request's tokens after its first over the time from its first
 token to its last (1 / its TPOT, from `RequestOutput.metrics`), averaged over the batch. Also
-printed, the batch-completion rate: (max_tokens - 1) / (time of the full run - time of a 1-token
-run of the same batch), i.e. the slowest request's, which at batch > 1 speculation moves only as
-far as the request that copies worst. Best of `--repeats` interleaved off/on runs; ShareGPT-like
-reports output tokens/s of the whole batch. Also checks that greedy outputs are identical with and without.
+printed, the batch-completion rate: (longest output - 1) / (time of the full run - time of a
+1-token run of the same batch), i.e. the slowest request's, which at batch > 1 speculation moves
+only as far as the request that copies worst. Best of `--repeats` interleaved off/on runs;
+ShareGPT-like reports output tokens/s of the whole batch. Also checks that greedy outputs are
+identical with and without.
 Prints a table and writes benchmarks/results/spec_decode.json.
 """
 
@@ -68,11 +71,12 @@ def copy_prompts(tokenizer, batch: int) -> list[dict]:
     return prompts
 
 
-def timed(llm: LLM, prompts: list[dict], max_tokens: int | list[int]) -> tuple[float, list[list[int]], float]:
+def timed(llm: LLM, prompts: list[dict], max_tokens: int | list[int],
+          ignore_eos: bool = True) -> tuple[float, list[list[int]], float]:
     """(seconds, outputs, mean per-request decode tok/s: each request's own tokens after its first
     over the time from its first token to its last, i.e. 1 / its TPOT)."""
     lens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos) for n in lens]
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
@@ -81,13 +85,14 @@ def timed(llm: LLM, prompts: list[dict], max_tokens: int | list[int]) -> tuple[f
     return seconds, [o.outputs[0].token_ids for o in outputs], statistics.fmean(rates) if rates else 0.0
 
 
-def measure(engines: dict[str, LLM], prompts: list[dict], max_tokens, repeats: int, *, decode_only: bool):
+def measure(engines: dict[str, LLM], prompts: list[dict], max_tokens, repeats: int, *, decode_only: bool,
+            ignore_eos: bool = True):
     """{engine: (best seconds, outputs, its per-request decode tok/s)}; decode_only subtracts a
     1-token run (the prefill) from the seconds."""
     best: dict[str, tuple[float, list, float]] = {}
     for _ in range(repeats):
         for name, llm in engines.items():  # interleaved: drift hits both alike
-            seconds, outputs, rate = timed(llm, prompts, max_tokens)
+            seconds, outputs, rate = timed(llm, prompts, max_tokens, ignore_eos)
             if decode_only:
                 seconds -= timed(llm, prompts, 1)[0]
             if name not in best or seconds < best[name][0]:
@@ -120,13 +125,15 @@ def main(argv: list[str] | None = None) -> dict:
     warm = copy_prompts(on.tokenizer, 2)
     for llm in engines.values():
         timed(llm, warm, 8)
-    rows, results = [], {"model": args.model, "dtype": args.dtype, "k": args.k, "max_tokens": args.max_tokens}
+    rows, results = [], {"model": args.model, "dtype": args.dtype, "k": args.k, "max_tokens": args.max_tokens,
+                         "copy_ignore_eos": args.ignore_eos}
     for batch in args.batch_sizes:
         prompts = copy_prompts(on.tokenizer, batch)
         before = counters(on)
-        best = measure(engines, prompts, args.max_tokens, args.repeats, decode_only=True)
-        # the batch's: every request's tokens over the whole run's decode time (the slowest request's)
-        batch_tps = {name: (args.max_tokens - 1) / seconds for name, (seconds, _, _) in best.items()}
+        best = measure(engines, prompts, args.max_tokens, args.repeats, decode_only=True,
+                       ignore_eos=args.ignore_eos)
+        # the batch's: the longest output over the whole run's decode time (the slowest request's)
+        batch_tps = {name: (max(map(len, outputs)) - 1) / seconds for name, (seconds, outputs, _) in best.items()}
         off_tps, on_tps = best["off"][2], best[f"ngram k={args.k}"][2]
         same = best["off"][1] == best[f"ngram k={args.k}"][1]
         off_batch, on_batch = batch_tps["off"], batch_tps[f"ngram k={args.k}"]
@@ -136,7 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
                                          "batch_decode_tok_s_off": round(off_batch, 1),
                                          "batch_decode_tok_s_on": round(on_batch, 1),
                                          "batch_speedup": round(on_batch / off_batch, 2),
-                                         "identical_outputs": same, **acceptance(on, before)}
+                                         "identical_outputs": same,
+                                         "mean_output_tokens": statistics.fmean(map(len, best["off"][1])),
+                                         **acceptance(on, before)}
         rows.append((f"copy-heavy, batch {batch}", off_tps, on_tps, same, results[f"copy_batch{batch}"]))
         rows.append((f"  (batch completion, {batch})", off_batch, on_batch, same, {"acceptance_rate": None}))
     work = make_workload(WorkloadSpec("sharegpt-like", num_prompts=args.sharegpt_prompts, vocab_size=49152,
@@ -170,7 +179,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=str(DEFAULT_OUT))
     p.add_argument("--dtype", default="float32")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="copy-heavy: the cap (the model stops at EOS once the passage is repeated)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="copy-heavy: generate exactly --max-tokens, past the end of the passage")
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     p.add_argument("--sharegpt-prompts", type=int, default=16)
     p.add_argument("--length-scale", type=float, default=0.25)
