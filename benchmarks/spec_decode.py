@@ -119,6 +119,20 @@ def counters(llm: LLM) -> tuple[int, int, int]:
     return core.spec_num_drafts, core.spec_num_draft_tokens, core.spec_num_accepted_tokens
 
 
+def whole_batch_row(engines: dict[str, LLM], args: argparse.Namespace, prompts: list[dict], max_tokens,
+                    ignore_eos: bool, key: str, label: str, results: dict, rows: list) -> None:
+    """Output tokens/s of the whole batch, off and on (a workload measured end to end)."""
+    on_name = f"ngram k={args.k}"
+    before = counters(engines[on_name])
+    best = measure(engines, prompts, max_tokens, args.repeats, decode_only=False, ignore_eos=ignore_eos)
+    tps = {name: sum(map(len, outputs)) / seconds for name, (seconds, outputs, _) in best.items()}
+    same = best["off"][1] == best[on_name][1]
+    results[key] = {"output_tok_s_off": round(tps["off"], 1), "output_tok_s_on": round(tps[on_name], 1),
+                    "ratio": round(tps[on_name] / tps["off"], 3), "identical_outputs": same,
+                    **acceptance(engines[on_name], before)}
+    rows.append((label, tps["off"], tps[on_name], same, results[key]))
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -155,29 +169,12 @@ def main(argv: list[str] | None = None) -> dict:
     work = make_workload(WorkloadSpec("sharegpt-like", num_prompts=args.sharegpt_prompts, vocab_size=49152,
                                       length_scale=args.length_scale, max_model_len=2048, seed=1))
     prompts = [{"prompt_token_ids": w.prompt_token_ids} for w in work]
-    lens = [w.max_tokens for w in work]
-    before = counters(on)
-    best = measure(engines, prompts, lens, args.repeats, decode_only=False)
-    tps = {name: sum(lens) / seconds for name, (seconds, _, _) in best.items()}
-    same = best["off"][1] == best[f"ngram k={args.k}"][1]
-    results["sharegpt_like"] = {"output_tok_s_off": round(tps["off"], 1),
-                                "output_tok_s_on": round(tps[f"ngram k={args.k}"], 1),
-                                "ratio": round(tps[f"ngram k={args.k}"] / tps["off"], 3),
-                                "identical_outputs": same, **acceptance(on, before)}
-    rows.append((f"ShareGPT-like, {len(work)} prompts", tps["off"], tps[f"ngram k={args.k}"], same,
-                 results["sharegpt_like"]))
+    whole_batch_row(engines, args, prompts, [w.max_tokens for w in work], True, "sharegpt_like",
+                    f"ShareGPT-like, {len(work)} prompts", results, rows)
     # New text: "explain X" chat answers, where little of the answer is in the prompt or in itself.
     prompts = chat_prompts(on.tokenizer, args.sharegpt_prompts)
-    before = counters(on)
-    best = measure(engines, prompts, 64, args.repeats, decode_only=False, ignore_eos=False)
-    tps = {name: sum(map(len, outputs)) / seconds for name, (seconds, outputs, _) in best.items()}
-    same = best["off"][1] == best[f"ngram k={args.k}"][1]
-    results["chat_new_text"] = {"output_tok_s_off": round(tps["off"], 1),
-                                "output_tok_s_on": round(tps[f"ngram k={args.k}"], 1),
-                                "ratio": round(tps[f"ngram k={args.k}"] / tps["off"], 3),
-                                "identical_outputs": same, **acceptance(on, before)}
-    rows.append((f"chat, new text, {len(prompts)}", tps["off"], tps[f"ngram k={args.k}"], same,
-                 results["chat_new_text"]))
+    whole_batch_row(engines, args, prompts, 64, False, "chat_new_text", f"chat, new text, {len(prompts)}",
+                    results, rows)
     print(f"\nn-gram speculative decoding (k={args.k}), {args.model}, {args.dtype}, greedy")
     print(f"{'workload':<28}{'off tok/s':>11}{'on tok/s':>11}{'ratio':>8}{'accept':>9}  identical")
     for name, off_tps, on_tps, same, extra in rows:
