@@ -114,9 +114,9 @@ class SpeculationMixin:
     def _schedule_drafts(self, draft: StepDraft, seq: Sequence, drafts: list[int], budget: int) -> int:
         """Give `seq` (one `_plan_drafts` chose) its drafts, as many as fit in the budget and the
         pool without preempting. Returns the tokens it took from the budget (0: none)."""
-        drafts = drafts[:budget - 1]
-        if not drafts:
+        if budget < 2:  # its own token and at least one draft
             return 0
+        drafts = drafts[:budget - 1]
         num_new = 1 + len(drafts)
         kv = self._kv
         if not kv.pool.can_allocate(kv.blocks_needed(seq, num_new)):

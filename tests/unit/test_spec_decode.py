@@ -118,3 +118,20 @@ def test_the_scheduler_flag_parses_vllms_json_and_refuses_bad_json(capsys) -> No
     with pytest.raises(SystemExit):
         parse_args(["--speculative-config", "{not json"])
     assert "bad --speculative-config" in capsys.readouterr().err
+
+
+def test_drafts_never_take_a_step_past_its_token_budget() -> None:
+    # Three drafting sequences and a budget of 4 tokens: the first takes 1 + up to 3, the others
+    # must then decode plainly or wait (a regression: an exhausted budget once meant "all drafts").
+    config = SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=4,
+                             max_num_batched_tokens=4, long_prefill_token_threshold=4, speculative=SPEC)
+    run = Run(config, lambda plan, result: False)
+    run.sampler = dataclasses.replace(run.sampler, vocab_size=3)
+    run.worker.sampler = run.sampler
+    requests = [repeating(f"r{i}", 24) for i in range(3)]
+    run.go([(0, r) for r in requests], max_steps=400)
+    for request in requests:
+        assert run.streams[(request.request_id, 0)] == expected(run.sampler, request, 0)
+    for plan, result, _ in run.steps:
+        drafts = sum(map(len, plan.draft_token_ids.values()))
+        assert len(result.request_ids) - drafts <= 4 and drafts <= 3, plan
