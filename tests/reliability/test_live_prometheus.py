@@ -118,7 +118,7 @@ async def test_a_forced_overload_fires_the_queue_depth_alert_in_a_real_prometheu
     stop = asyncio.Event()
     load = asyncio.create_task(_overload(gateway.http_url, stop))
     try:
-        end = time.monotonic() + 60
+        end = time.monotonic() + 150  # scrapes and rule evaluations slow down on a loaded CI machine
         while (alert := _alert(url)) is None or alert["state"] != "firing":
             assert time.monotonic() < end, f"{ALERT} never fired: {alert}"
             assert not load.done(), "the overload ended before the alert fired"
