@@ -52,6 +52,14 @@ def test_speculative_config_is_parsed_as_vllm_spells_it() -> None:
         SpeculativeConfig.parse({"draft_model": "x"})
 
 
+def small_vocab_run(config: SchedulerConfig, fails, vocab_size: int, eos_probability: float = 0.0) -> Run:
+    """A scheduler + fake worker whose sampler draws from `vocab_size` tokens (drafts often hit)."""
+    run = Run(config, fails, eos_probability)
+    run.sampler = dataclasses.replace(run.sampler, vocab_size=vocab_size)
+    run.worker.sampler = run.sampler
+    return run
+
+
 def repeating(rid: str, max_tokens: int) -> EngineRequest:
     prompt = [3, 1, 2, 3, 1, 2, 3, 1]
     return EngineRequest(RequestId(rid), tuple(prompt),
@@ -61,9 +69,7 @@ def repeating(rid: str, max_tokens: int) -> EngineRequest:
 def test_drafts_are_accepted_on_a_small_vocabulary_and_streams_stay_exact() -> None:
     config = SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8,
                              max_num_batched_tokens=64, speculative=SPEC)
-    run = Run(config, lambda plan, result: False)
-    run.sampler = dataclasses.replace(run.sampler, vocab_size=3)
-    run.worker.sampler = run.sampler
+    run = small_vocab_run(config, lambda plan, result: False, 3)
     requests = [repeating(f"r{i}", 40) for i in range(3)]
     run.go([(0, r) for r in requests])
     for request in requests:
@@ -93,9 +99,7 @@ def test_random_traces_with_speculation_keep_invariants_and_streams(trace, vocab
             return True
         return False
 
-    run = Run(config, loses_worker, eos_probability)
-    run.sampler = dataclasses.replace(run.sampler, vocab_size=vocab)
-    run.worker.sampler = run.sampler
+    run = small_vocab_run(config, loses_worker, vocab, eos_probability)
     run.go(requests, [(at, requests[i][1].request_id) for at, i in aborts])
     for _, request in requests:
         for index in range(request.sampling.n):
@@ -125,9 +129,7 @@ def test_drafts_never_take_a_step_past_its_token_budget() -> None:
     # must then decode plainly or wait (a regression: an exhausted budget once meant "all drafts").
     config = SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=4,
                              max_num_batched_tokens=4, long_prefill_token_threshold=4, speculative=SPEC)
-    run = Run(config, lambda plan, result: False)
-    run.sampler = dataclasses.replace(run.sampler, vocab_size=3)
-    run.worker.sampler = run.sampler
+    run = small_vocab_run(config, lambda plan, result: False, 3)
     requests = [repeating(f"r{i}", 24) for i in range(3)]
     run.go([(0, r) for r in requests], max_steps=400)
     for request in requests:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from scheduler_svc.core import SchedulerConfig
@@ -15,8 +13,7 @@ from scheduler_svc.core.spec_policy import (
     record_outcome,
 )
 from tests.unit.test_fake_worker_property import expected
-from tests.unit.test_poison_isolation import Run
-from tests.unit.test_spec_decode import repeating
+from tests.unit.test_spec_decode import repeating, small_vocab_run
 
 
 def test_cost_model_recovers_a_line_and_waits_until_sizes_vary() -> None:
@@ -68,9 +65,7 @@ def test_the_policy_drafts_less_when_tokens_are_dear_and_streams_stay_exact() ->
             result.forward_seconds = a + b * tokens if a or b else 0.0
             return False
 
-        run = Run(config, timed)
-        run.sampler = dataclasses.replace(run.sampler, vocab_size=4)
-        run.worker.sampler = run.sampler
+        run = small_vocab_run(config, timed, 4)
         requests = [repeating(f"r{i}", 48) for i in range(6)]
         run.go([(0, r) for r in requests])
         for request in requests:
