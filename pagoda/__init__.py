@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pagoda.beam_search import BeamSearchParams
     from pagoda.contract.lora import LoRARequest
     from pagoda.contract.params import SamplingParams
     from pagoda.contract.structured import StructuredOutputsParams
@@ -20,9 +21,10 @@ _EXPORTS = {
     "SamplingParams": "pagoda.contract.params",
     "LoRARequest": "pagoda.contract.lora",
     "StructuredOutputsParams": "pagoda.contract.structured",
+    "BeamSearchParams": "pagoda.beam_search",
 }
 
-__all__ = ["CompletionOutput", "LLM", "LoRARequest", "RequestOutput", "SamplingParams",
+__all__ = ["BeamSearchParams", "CompletionOutput", "LLM", "LoRARequest", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams"]
 
 

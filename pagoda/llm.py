@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagoda.contract.ids import RequestId
 from pagoda.contract.lora import LoRARequest, read_adapter_config
 from pagoda.contract.params import SamplingParams, check_vocab, with_bad_words_tokenized
@@ -38,6 +39,7 @@ class CompletionOutput:
     text: str = ""
     finish_reason: str | None = None  # "stop" / "length"
     logprobs: list[TokenLogprobs] | None = None  # one per token when asked for; raw-model logprobs
+    cumulative_logprob: float | None = None  # beam search: the beam's summed logprobs
 
 
 @dataclass(slots=True)
@@ -173,6 +175,15 @@ class LLM:
                 completion.text = self._detokenize(completion.token_ids)
         return list(outputs.values())
 
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: per prompt, `beam_width` finished beams, best first."""
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        return [BeamSearchOutput([
+            BeamSearchSequence(out.prompt_token_ids + c.token_ids, c.cumulative_logprob or 0.0,
+                               c.text, c.finish_reason)
+            for c in out.outputs]) for out in outputs]
+
     def _run_to_completion(self, outputs: dict[RequestId, RequestOutput], use_tqdm: bool) -> None:
         from tqdm.auto import tqdm
 
@@ -251,6 +262,8 @@ def _apply_delta(outputs: dict[RequestId, RequestOutput], delta: SequenceDelta) 
     output.metrics.finished_time = now  # the last delta's time once every sequence has finished
     if completion.logprobs is not None:
         completion.logprobs.extend(delta.new_logprobs)
+    if delta.cumulative_logprob is not None:
+        completion.cumulative_logprob = delta.cumulative_logprob
     output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
     if delta.finish_reason is None:
         return False

@@ -15,6 +15,8 @@ from worker_svc.input_batch import CachedRequestState
 
 def validate_plan(plan: StepPlan, resident: Mapping[RequestId, CachedRequestState], num_blocks: int,
                   block_size: int) -> None:
+    if plan.beam_updates:  # applied first: the rest of the plan sees the re-pointed beams
+        resident = _after_beam_updates(plan, resident)
     dropped = _check_dropped(plan, resident)
     new = _check_new_requests(plan.new_requests, resident, dropped, num_blocks)
 
@@ -45,6 +47,24 @@ def _check_dropped(plan: StepPlan, resident: Mapping[RequestId, CachedRequestSta
             raise PlanError(f"{request_id!r} is dropped twice in one plan")
         dropped.add(request_id)
     return dropped
+
+
+def _after_beam_updates(plan: StepPlan, resident: Mapping[RequestId, CachedRequestState]
+                        ) -> dict[RequestId, CachedRequestState]:
+    """The resident view the rest of the plan sees: each updated beam has its parent's lengths."""
+    view = dict(resident)
+    targets: set[RequestId] = set()
+    for update in plan.beam_updates:
+        parent = resident.get(update.parent_id)
+        if parent is None:
+            raise PlanError(f"beam update from {update.parent_id!r}, which is not resident")
+        if parent.num_computed_tokens != len(parent.token_ids) - 1:
+            raise PlanError(f"beam update from {update.parent_id!r}, which has not just sampled")
+        if update.request_id in targets:
+            raise PlanError(f"beam {update.request_id!r} is updated twice in one plan")
+        targets.add(update.request_id)
+        view[update.request_id] = parent
+    return view
 
 
 def _check_new_requests(new_requests: list[NewRequestData],

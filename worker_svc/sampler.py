@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagoda.contract.params import SamplingParams
+from pagoda.contract.params import SamplingParams, num_beam_candidates
 from pagoda.contract.step import TokenLogprobs
 from worker_svc.structured_output import GrammarMasks, GrammarState, apply_grammar_masks
 from worker_svc.token_constraints import apply_token_constraints
@@ -74,7 +74,7 @@ class Sampler:
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         if not rows:
             return SamplerOutput(token_ids=[])
-        wants_logprobs = any(r.params.logprobs is not None for r in rows)
+        wants_logprobs = any(r.params.logprobs is not None or r.params.beam_width for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # [N, V]
         masks = None
         if any(r.grammar is not None for r in rows):  # random rows now, greedy ones only if refused
@@ -211,21 +211,29 @@ class Sampler:
     def _gather_logprobs(self, raw_logprobs: torch.Tensor, tokens: torch.Tensor,
                          rows: Sequence[SamplingRow]) -> list[TokenLogprobs | None]:
         chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()  # [N]
-        max_k = max(r.params.logprobs or 0 for r in rows)
+        row_k = [self._num_top(r.params) for r in rows]
+        max_k = max(k or 0 for k in row_k)
         top_values: list[list[float]] = [[] for _ in rows]
         top_ids: list[list[int]] = [[] for _ in rows]
         if max_k > 0:
-            values, ids = raw_logprobs.topk(max_k, dim=-1)  # [N, k], best first
+            values, ids = raw_logprobs.topk(min(max_k, raw_logprobs.shape[1]), dim=-1)  # [N, k], best first
             top_values, top_ids = values.tolist(), ids.tolist()
         result: list[TokenLogprobs | None] = []
-        for i, row in enumerate(rows):
-            k = row.params.logprobs
+        for i, k in enumerate(row_k):
             if k is None:
                 result.append(None)
                 continue
             top = list(zip(top_ids[i][:k], top_values[i][:k], strict=True))
             result.append(TokenLogprobs(logprob=chosen[i], top=top))
         return result
+
+    def _num_top(self, params: SamplingParams) -> int | None:
+        """Top logprobs a row returns: its `logprobs`, or a beam's candidates for the scheduler."""
+        if not params.beam_width:
+            return params.logprobs
+        stops = set(params.stop_token_ids) if params.ignore_eos else {*params.stop_token_ids,
+                                                                       *self.eos_token_ids}
+        return num_beam_candidates(params.beam_width, len(stops))
 
     def _long(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -55,6 +55,11 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # text; the offline API and the gateway tokenize them into:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # what travels: never completed
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar
+    # Beam search inside the engine (scheduler_svc/core/beam_search.py): 0 = off; W >= 1 keeps the
+    # W best sequences by cumulative raw logprob and returns the n best finished ones, ranked by
+    # cumulative logprob / (output length ** length_penalty) as HF transformers does.
+    beam_width: int = 0
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -74,7 +79,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5 or self.top_k == 1
+        # A beam's sampled token is replaced by the scheduler's choice: the argmax is the cheapest.
+        return self.temperature < 1e-5 or self.top_k == 1 or self.beam_width > 0
 
     def validate(self, max_n: int = 64, max_logprobs: int = 20) -> None:
         def bad(msg: str) -> None:
@@ -112,12 +118,37 @@ class SamplingParams:
         if any(not 0 <= t <= _UINT32_MAX for t in self.stop_token_ids):
             bad("stop_token_ids must be token ids (non-negative 32-bit integers)")
         self._validate_token_constraints(bad)
+        if self.beam_width:
+            self._validate_beam_search(bad)
         # Integers must also fit their wire types (common.proto), or encoding fails mid-request.
         for name, low, high in _INTEGER_RANGES:
             value = getattr(self, name)
             if value is not None and not low <= value <= high:
                 bad(f"{name} must be between {low} and {high}, got {value}")
 
+
+    def _validate_beam_search(self, bad) -> None:
+        """Beam search ranks by the raw model logprobs: settings that would change the
+        distribution, or sample, have no meaning for it and are refused rather than ignored."""
+        if not 1 <= self.beam_width <= 64:
+            bad(f"beam_width must be between 1 and 64, got {self.beam_width}")
+        if self.n > self.beam_width:
+            bad(f"n ({self.n}) must not exceed the beam width ({self.beam_width})")
+        if not math.isfinite(self.length_penalty):
+            bad(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        refused = [name for name, off in (
+            ("logprobs", self.logprobs is None), ("min_tokens", self.min_tokens == 0),
+            ("structured_outputs", self.structured_outputs is None),
+            ("presence_penalty", self.presence_penalty == 0.0),
+            ("frequency_penalty", self.frequency_penalty == 0.0),
+            ("repetition_penalty", self.repetition_penalty == 1.0),
+            ("logit_bias", not self.logit_bias), ("allowed_token_ids", self.allowed_token_ids is None),
+            ("bad_words", not self.bad_words and not self.bad_words_token_ids),
+            ("top_p", self.top_p == 1.0), ("top_k", self.top_k in (0, -1)), ("min_p", self.min_p == 0.0),
+        ) if not off]
+        if refused:
+            bad(f"beam search ranks by the model's own logprobs and cannot be combined with "
+                f"{', '.join(refused)}")
 
     def _validate_token_constraints(self, bad) -> None:
         for token, bias in (self.logit_bias or {}).items():
@@ -136,6 +167,13 @@ class SamplingParams:
         if self.structured_outputs is not None and self.min_tokens:
             bad("min_tokens cannot be combined with structured outputs: the grammar decides where "
                 "the output ends (EOS would be both required and forbidden)")
+
+
+def num_beam_candidates(beam_width: int, num_stop_tokens: int) -> int:
+    """Candidates a beam step ranks: HF's max(2, 1 + stop tokens) x width, enough that `width`
+    of them continue even when every beam's best candidates are stop tokens. The worker returns
+    this many top logprobs per beam; the scheduler picks from the union."""
+    return max(2, 1 + num_stop_tokens) * beam_width
 
 
 def check_vocab(params: SamplingParams, vocab_size: int) -> None:

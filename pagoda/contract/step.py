@@ -67,6 +67,22 @@ class Fork:
 
 
 @dataclass(slots=True)
+class BeamUpdate:
+    """Beam search: after the step that reported its beams' candidates, `request_id` becomes a copy
+    of `parent_id`'s state as that step left it (tokens, num_computed, table — shared blocks,
+    ref-counted by the scheduler) with its last, not yet computed token replaced by `token_id`.
+
+    All of a plan's updates read the states from before any of them applies (a parent may be
+    overwritten by another update); an id not resident yet becomes resident (the beams' first
+    fork). Applied before `table_updates`, which then refer to the new tables.
+    """
+
+    request_id: RequestId
+    parent_id: RequestId
+    token_id: int
+
+
+@dataclass(slots=True)
 class StepPlan:
     step_id: int  # +1 per plan on a stream; a gap is an error
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -81,12 +97,13 @@ class StepPlan:
     # is 1 + len(drafts); the worker computes them all, keeps the longest accepted prefix plus one
     # token of its own, and rolls back the rest (its num_computed and its table: see StepResult).
     draft_token_ids: dict[RequestId, list[int]] = field(default_factory=dict)
+    beam_updates: list[BeamUpdate] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not (self.new_requests or self.finished_ids or self.preempted_ids
                     or self.table_updates or self.num_scheduled_tokens or self.block_copies
-                    or self.forks or self.draft_token_ids)
+                    or self.forks or self.draft_token_ids or self.beam_updates)
 
 
 @dataclass(slots=True)
@@ -100,7 +117,8 @@ class TokenLogprobs:
 @dataclass(slots=True)
 class StepResult:
     """One sampled token per request that sampled in this step (forks included), in entries of
-    request_ids / token_ids. A request with drafts has one entry per token it gained, back to back:
+    request_ids / token_ids. A beam-search request's entry carries its candidates in `logprobs`
+    (`top`: the num_beam_candidates best tokens by raw logprob); the scheduler picks the beams. A request with drafts has one entry per token it gained, back to back:
     the accepted drafts, then its own sampled token. Both sides then cut the request's block table
     to the blocks covering positions <= its num_computed_tokens (the rejected drafts' blocks)."""
 

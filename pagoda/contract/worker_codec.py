@@ -17,6 +17,7 @@ from pagoda.contract.common_codec import (
 )
 from pagoda.contract.ids import BlockId, RequestId
 from pagoda.contract.step import (
+    BeamUpdate,
     BlockCopy,
     Fork,
     NewRequestData,
@@ -40,7 +41,9 @@ def plan_to_pb(plan: StepPlan, epoch: int) -> worker_pb2.StepPlan:
         block_copies=[worker_pb2.BlockCopy(src=c.src, dst=c.dst) for c in plan.block_copies],
         forks=[worker_pb2.Fork(parent_id=f.parent_id, child_ids=f.child_ids) for f in plan.forks],
         traceparent=plan.traceparent,
-        draft_token_ids={rid: worker_pb2.DraftTokens(token_ids=ids) for rid, ids in plan.draft_token_ids.items()})
+        draft_token_ids={rid: worker_pb2.DraftTokens(token_ids=ids) for rid, ids in plan.draft_token_ids.items()},
+        beam_updates=[worker_pb2.BeamUpdate(request_id=u.request_id, parent_id=u.parent_id,
+                                            token_id=u.token_id) for u in plan.beam_updates])
 
 
 def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
@@ -56,7 +59,9 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
         block_copies=[BlockCopy(BlockId(c.src), BlockId(c.dst)) for c in pb.block_copies],
         forks=[Fork(RequestId(f.parent_id), [RequestId(c) for c in f.child_ids]) for f in pb.forks],
         traceparent=pb.traceparent,
-        draft_token_ids={RequestId(k): list(v.token_ids) for k, v in pb.draft_token_ids.items()})
+        draft_token_ids={RequestId(k): list(v.token_ids) for k, v in pb.draft_token_ids.items()},
+        beam_updates=[BeamUpdate(RequestId(u.request_id), RequestId(u.parent_id), u.token_id)
+                      for u in pb.beam_updates])
     return pb.epoch, plan
 
 

@@ -21,6 +21,7 @@ class SequenceDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # with FinishReason.ERROR: why this request alone failed (poison.py)
+    cumulative_logprob: float | None = None  # beam search: the finished beam's summed logprobs
 
     @property
     def finished(self) -> bool:

@@ -11,10 +11,14 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from pagoda.contract.ids import BlockId, RequestId
 from pagoda.contract.lora import LoRARequest
 from pagoda.contract.params import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler_svc.core.beam_group import BeamGroup
 
 
 class SeqStatus(Enum):
@@ -59,6 +63,7 @@ class Request:
     # Tokens that may end this request (its stop ids, plus EOS unless ignore_eos): the scheduler
     # sets it in add_request, so a step calls stop_reason() only for such a token or at the limit.
     stop_token_set: frozenset[int] = frozenset()
+    beam: BeamGroup | None = None  # beam search (beam_group.py); None: n independent sequences
     # Fields, not properties: read for every sequence on every step.
     num_prompt_tokens: int = field(init=False)
     max_num_tokens: int = field(init=False)  # prompt + max_tokens: no token is sampled beyond it
@@ -72,7 +77,13 @@ class Request:
 
     @property
     def n(self) -> int:
+        """Outputs returned."""
         return self.sampling.n
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences it runs at most: its beams, else its n samples."""
+        return self.sampling.beam_width or self.sampling.n
 
 
 @dataclass(slots=True, eq=False)
@@ -105,7 +116,7 @@ class Sequence:
     @property
     def num_slots(self) -> int:
         """Running slots this sequence takes against max_num_seqs (children included, once forked)."""
-        return self.request.n if self.pending_fork else 1
+        return self.request.num_seqs if self.pending_fork else 1
 
     def may_sample(self) -> bool:
         """Whether one more sampled token (beyond those in flight) stays within max_tokens."""

@@ -12,6 +12,9 @@ Policy, in a few lines:
   each starting after its verified prefix-cache hit. The first that does not fit stops admission.
 - n>1: the prompt is prefilled once; the step that samples its first token forks n-1 children that
   share every block by ref count; the first write into a shared block copies it (copy-on-write).
+- Beam search (beam_group.py): a request's beams are scheduled, preempted and admitted as one
+  group; their candidates are ranked when all have reported, and the beams re-pointed at their
+  parents' blocks (shared, copy-on-write) with BeamUpdates in the next plan.
 - Pipelining: up to `max_inflight_steps` plans may be out; a token sampled by an in-flight step is a
   placeholder, blocks a finished/preempted sequence held return to the pool only after the last
   in-flight step reports, and prefix blocks are registered only when their writing step reported.
@@ -25,6 +28,7 @@ from collections import deque
 
 from pagoda.contract.ids import BlockId, RequestId
 from pagoda.contract.step import Fork, NewRequestData, StepPlan, StepResult, TableUpdate
+from scheduler_svc.core.beam_group import BeamSearchMixin
 from scheduler_svc.core.brownout import BrownoutMixin
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
@@ -41,7 +45,7 @@ __all__ = ["Scheduler", "SchedulerStats"]
 
 
 class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin, PinningMixin,
-                BrownoutMixin):
+                BrownoutMixin, BeamSearchMixin):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self._kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -60,6 +64,7 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
         self._init_speculation()
         self._init_pinning()
         self._init_brownout()
+        self._init_beam_search()
         self.max_inflight_steps = 1 if config.speculative else config.max_inflight_steps
 
     # -- scheduling ---------------------------------------------------------------------------
@@ -72,13 +77,15 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
             self._brownout_tick()
         if self._suspects:  # a step failed: run the suspects one by one first (poison.py)
             return self._schedule_probe()
-        plan = StepPlan(step_id=self._next_step_id, finished_ids=self._finished_resident)
+        plan = StepPlan(step_id=self._next_step_id, finished_ids=self._finished_resident,
+                        beam_updates=self._beam_updates)
         self._finished_resident = []
+        self._beam_updates = []
         draft = StepDraft(plan, self._step_budget)
         self._schedule_running(draft)
-        if not plan.preempted_ids:
+        if not plan.preempted_ids and not draft.blocks_short:
             self._admit_waiting(draft)
-        if not draft.num_scheduled and not plan.finished_ids and not plan.preempted_ids:
+        if not (draft.num_scheduled or plan.finished_ids or plan.preempted_ids or plan.beam_updates):
             return None
         return self._seal(plan, draft)
 
@@ -111,6 +118,9 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
             start = seq.num_computed_tokens
             total = len(seq.token_ids) + seq.num_placeholders
             req = seq.request
+            if req.beam is not None:  # the whole group at its first beam (beam_group.py)
+                budget -= self._schedule_beams(draft, seq, budget)
+                continue
             if seq.seq_id in drafts:
                 used = self._schedule_drafts(draft, seq, drafts[seq.seq_id], budget)
                 if used:
@@ -200,6 +210,10 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
                 return  # its last tokens are still in flight / no room: keep the order, try later
             if seq.request.lora is not None and not lora_fits(seq, self._running, cfg.max_loras):
                 return  # max_loras other adapters run: it waits (in order) until one drains
+            if seq.request.beam is not None and len(seq.request.beam.beams) > 1:
+                if not self._admit_beams(draft, seq):
+                    return  # the group enters whole, or waits (in order)
+                continue
             hits, last_serial = kv.find_cached_prefix(seq)
             num_hit = len(hits) * cfg.block_size
             num_new = min(len(seq.token_ids) - num_hit, self._threshold, draft.budget)
@@ -224,6 +238,8 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
 
     def _fork(self, parent: Sequence, plan: StepPlan) -> None:
         req = parent.request
+        if req.beam is not None:  # beams fork when their candidates are ranked (beam_group.py)
+            return
         parent.pending_fork = False
         self._running_slots -= req.n - 1  # the children take the slots reserved for them
         children = []
@@ -248,6 +264,16 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
         else:
             self._running.append(seq)
 
+    def _insert_running_after(self, seq: Sequence, after: Sequence) -> None:
+        """Running, right behind `after` (a beam group stays contiguous)."""
+        if self.config.policy == "priority":
+            self._add_running(seq)  # the order key keeps a request's sequences together
+            return
+        seq.status = SeqStatus.RUNNING
+        self._running_slots += seq.num_slots
+        index = len(self._running) - 1 if self._running[-1] is after else self._running.index(after)
+        self._running.insert(index + 1, seq)
+
     def _remove_running(self, seq: Sequence) -> None:
         if self._running and self._running[-1] is seq:
             self._running.pop()
@@ -264,6 +290,12 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
         seq.generation += 1
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        if seq.request.beam is not None:
+            self._preempt_beams(seq, plan)
+        else:
+            self._preempt_one(seq, plan)
+
+    def _preempt_one(self, seq: Sequence, plan: StepPlan) -> None:
         self._remove_running(seq)
         self._drop_blocks(seq)
         if seq.resident:
@@ -300,6 +332,7 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
         live, eos = self._live, self.config.eos_token_ids
         token_ids, logprobs = result.token_ids, result.logprobs
         num_accepted, previous = 0, None
+        beam_requests: list[Request] = []
         for i, seq_id in enumerate(result.request_ids):
             seq = live.get(seq_id)
             if seq is None:  # finished (e.g. EOS seen while its next token was in flight): discard
@@ -308,10 +341,15 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
             if seq_id != previous:  # the next entries of a drafted sequence are its other tokens
                 seq.num_placeholders -= 1
                 previous = seq_id
+            req = seq.request
+            if req.beam is not None:  # candidates, not a token: ranked once the group reported
+                if seq.status is SeqStatus.RUNNING:  # (a preempted beam recomputes them)
+                    req.beam.candidates[seq.seq_index] = logprobs[i].top
+                    beam_requests.append(req)
+                continue
             tokens = seq.token_ids
             tokens.append(token)
             num_accepted += 1
-            req = seq.request
             delta = SequenceDelta(req.request_id, seq.seq_index, [token],
                                   [logprobs[i]] if logprobs and logprobs[i] is not None else [],
                                   None, req.num_prompt_tokens, req.num_cached_tokens)
@@ -322,5 +360,8 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
                     delta.finish_reason = reason
                     self._finish(seq)
             deltas.append(delta)
+        for req in dict.fromkeys(beam_requests):
+            if req.request_id in self._requests:
+                self._advance_beams(req, deltas)
         self.generation_tokens += num_accepted
         return deltas

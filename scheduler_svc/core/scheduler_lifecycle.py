@@ -13,6 +13,7 @@ from pagoda.contract.errors import InvalidRequestError, QueueFullError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason, check_context_length
 from pagoda.contract.step import StepPlan
+from scheduler_svc.core.beam_group import new_beam_group
 from scheduler_svc.core.lora_admission import adapter_names
 from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.request import EngineRequest, Request, SeqStatus, Sequence
@@ -87,9 +88,13 @@ class SchedulerLifecycleMixin:
             raise InvalidRequestError("the prompt is empty: at least one token is required")
         check_context_length(cfg.max_model_len, len(prompt), sampling.max_tokens)
         max_tokens = cfg.max_model_len - len(prompt) if sampling.max_tokens is None else sampling.max_tokens
-        if sampling.n > cfg.max_num_seqs:
-            raise InvalidRequestError(f"n={sampling.n} exceeds max_num_seqs={cfg.max_num_seqs}")
+        num_seqs = sampling.beam_width or sampling.n
+        if num_seqs > cfg.max_num_seqs:
+            what = f"beam width {num_seqs}" if sampling.beam_width else f"n={num_seqs}"
+            raise InvalidRequestError(f"{what} exceeds max_num_seqs={cfg.max_num_seqs}")
         blocks = -(-(len(prompt) + max_tokens - 1) // cfg.block_size)
+        if sampling.beam_width:  # a group runs whole: every beam at full length, at worst unshared
+            blocks *= sampling.beam_width
         if blocks > cfg.num_blocks:
             raise InvalidRequestError(f"the request needs {blocks} KV blocks but the cache has only "
                                       f"{cfg.num_blocks}")
@@ -106,10 +111,12 @@ class SchedulerLifecycleMixin:
         stop_set = frozenset(sampling.stop_token_ids if sampling.ignore_eos
                              else (*sampling.stop_token_ids, *cfg.eos_token_ids))
         req = Request(rid, tuple(prompt), sampling, max_tokens, request.priority, request.arrival_time,
-                      next(self._arrivals), request.cache_salt, request.lora, num_unfinished=sampling.n,
+                      next(self._arrivals), request.cache_salt, request.lora, num_unfinished=num_seqs,
                       stop_token_set=stop_set)
-        seq = Sequence(rid, 0, req, list(prompt), pending_fork=sampling.n > 1)
+        seq = Sequence(rid, 0, req, list(prompt), pending_fork=num_seqs > 1)
         req.seqs.append(seq)
+        if sampling.beam_width:
+            req.beam = new_beam_group(seq, stop_set)
         self._requests[rid] = req
         self._live[rid] = seq
         self._waiting.push_back(seq)
@@ -165,6 +172,7 @@ class SchedulerLifecycleMixin:
             deltas += self._end_request(req, FinishReason.ERROR)
         self._inflight.clear()
         self._finished_resident = []
+        self._reset_beams()
         self._kv.reset()
         self._next_step_id = 1
         self._reset_isolation()
@@ -176,7 +184,7 @@ class SchedulerLifecycleMixin:
         deltas = []
         for index in range(req.n):
             seq = born.get(index)
-            if seq is not None and seq.status is SeqStatus.FINISHED:
+            if req.beam is None and seq is not None and seq.status is SeqStatus.FINISHED:
                 continue  # (seq None: a child not forked yet, which ends with its parent)
             deltas.append(SequenceDelta(req.request_id, index, finish_reason=reason,
                                         num_prompt_tokens=req.num_prompt_tokens,
@@ -204,7 +212,7 @@ class SchedulerLifecycleMixin:
         req = seq.request
         req.num_unfinished -= 1
         if seq.pending_fork:  # ended before forking: its unborn children end with it
-            req.num_unfinished -= req.n - 1
+            req.num_unfinished -= req.num_seqs - 1
         if req.num_unfinished == 0:
             del self._requests[req.request_id]
 
@@ -231,6 +239,7 @@ class SchedulerLifecycleMixin:
         self._inflight.clear()
         self._probe = None  # discarded with the other in-flight steps; its suspect stays one
         self._finished_resident = []
+        self._reset_beams()
         self._kv.reset()
         self._next_step_id = 1
         self._requeue_pins()

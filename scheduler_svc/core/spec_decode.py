@@ -81,7 +81,7 @@ class SpeculationMixin:
         """Decoding, its last token known, nothing in flight, no logprobs asked (drafts carry none)."""
         req = seq.request
         return total - seq.num_computed_tokens == 1 and not seq.num_placeholders \
-            and total > req.num_prompt_tokens and req.sampling.logprobs is None
+            and total > req.num_prompt_tokens and req.sampling.logprobs is None and req.beam is None
 
     def _plan_drafts(self, running: list[Sequence]) -> dict[RequestId, list[int]]:
         """The proposer's drafts for the sequences of `running` that may draft, each cut to the

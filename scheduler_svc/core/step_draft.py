@@ -31,3 +31,4 @@ class StepDraft:
     num_scheduled: int = 0  # sequences
     num_prefill: int = 0  # tokens
     num_decode: int = 0  # sequences (one token each)
+    blocks_short: bool = False  # a running beam group waits for deferred frees: admit nothing

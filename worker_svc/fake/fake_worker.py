@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
-from pagoda.contract.step import StepPlan, StepResult
+from pagoda.contract.step import StepPlan, StepResult, TokenLogprobs
 
 _MASK = (1 << 64) - 1
 
@@ -52,6 +52,21 @@ class FakeSampler:
         while token in banned:
             token = (token + 1) % self.vocab_size
         return token
+
+    def beam_candidates(self, token_ids: list[int], count: int) -> list[tuple[int, float]]:
+        """A beam's candidates after `token_ids`: `count` distinct tokens (at most the vocabulary)
+        with made-up logprobs < 0, best first; a pure function of the history."""
+        top: list[tuple[int, float]] = []
+        seen: set[int] = set()
+        x = history_hash(token_ids)
+        while len(top) < min(count, self.vocab_size):
+            x = _mix(x)
+            token = x % self.vocab_size
+            if token not in seen:
+                seen.add(token)
+                top.append((token, -0.5 * len(top) - (x >> 40) / 2.0**24))
+        top.sort(key=lambda c: -c[1])
+        return top
 
     def reference_stream(self, prompt: list[int], seq_index: int, sampling: SamplingParams,
                          max_tokens: int, stop_ids: set[int]) -> list[int]:
@@ -92,6 +107,7 @@ class FakeWorker:
     def execute(self, plan: StepPlan) -> StepResult:
         assert plan.step_id == self.next_step_id, f"step {plan.step_id}, expected {self.next_step_id}"
         self.next_step_id += 1
+        self._apply_beam_updates(plan)  # before the drops, as the real worker: parents may go
         self._drop(plan)
         self._add_new(plan)
         self._apply_tables(plan)
@@ -102,6 +118,17 @@ class FakeWorker:
             self.resident[rid].token_ids.extend(drafts)
         samplers = self._forward(counts)
         return self._sample(plan, samplers)
+
+    def _apply_beam_updates(self, plan: StepPlan) -> None:
+        parents = {u.parent_id: self.resident[u.parent_id] for u in plan.beam_updates}
+        for update in plan.beam_updates:
+            parent = parents[update.parent_id]
+            assert parent.num_computed == len(parent.token_ids) - 1, "beam parent has not just sampled"
+            tokens = [*parent.token_ids[:-1], update.token_id]
+            current = self.resident.get(update.request_id)
+            self.resident[update.request_id] = _Resident(
+                tokens, parent.num_prompt_tokens, parent.num_computed, list(parent.block_table),
+                current.seq_index if current else parent.seq_index, parent.sampling, history_hash(tokens))
 
     def _drop(self, plan: StepPlan) -> None:
         for rid in (*plan.finished_ids, *plan.preempted_ids):
@@ -180,7 +207,18 @@ class FakeWorker:
                 self._sample_one(child, result)
             self._sample_one(rid, result)
         assert not forks, f"forks of requests that did not sample: {list(forks)}"
+        if any(self.resident[rid].sampling.beam_width for rid in result.request_ids):
+            result.logprobs = [self._beam_candidates(rid) for rid in result.request_ids]
         return result
+
+    def _beam_candidates(self, rid: RequestId) -> TokenLogprobs | None:
+        state = self.resident[rid]
+        sampling = state.sampling
+        if not sampling.beam_width:
+            return None
+        count = 2 * sampling.beam_width + len(sampling.stop_token_ids) + 1
+        top = self.sampler.beam_candidates(state.token_ids[:-1], count)  # before the sampled token
+        return TokenLogprobs(top[0][1], top)
 
     def _verify_drafts(self, rid: RequestId, drafts: list[int], result: StepResult) -> None:
         """Greedy verification: keep the drafts the sampler would have produced, then sample one.
