@@ -6,7 +6,6 @@ other; beams share their blocks; the scheduler's invariant holds after every ste
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -138,7 +137,7 @@ def test_llm_beam_search_api(model, prompts):
     llm = LLM(model_dir, block_size=BLOCK_SIZE)
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts[:4]],
                               BeamSearchParams(beam_width=2, max_tokens=MAX_TOKENS))
-    for prompt, output in zip(prompts, outputs):
+    for prompt, output in zip(prompts[:4], outputs, strict=True):
         theirs = hf_beams(hf, prompt, 2, [EOS])
         assert [s.tokens for s in output.sequences] == [prompt + tokens for tokens, _ in theirs]
         assert output.sequences[0].cum_logprob == pytest.approx(theirs[0][1], abs=1e-4)
