@@ -41,6 +41,9 @@ def build_sampling(request: _GenerationFields, max_tokens: int | None, logprobs:
     """Validate through the core SamplingParams (one set of rules); token ids against the vocab."""
     optional = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING
                 if getattr(request, name) is not None}
+    if request.beam_width:  # ranked by the raw logprobs, as vLLM's beam search: no temperature
+        optional.pop("temperature", None)
+        optional.update(beam_width=request.beam_width, length_penalty=request.length_penalty)
     sampling = SamplingParams(
         n=request.n, seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens,
         stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,

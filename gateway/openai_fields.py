@@ -32,8 +32,6 @@ def _unsupported(why: str) -> tuple[Callable[[Any], bool], str]:
 CONDITIONAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     # completions
     "suffix": _unsupported("Pagoda serves no fill-in-the-middle"),
-    "best_of": (lambda v: v is None or v == 1,
-                "best_of > 1 is not supported (it needs beam search); use n for several samples"),
     # chat
     "audio": _unsupported("text output only"),
     "modalities": (lambda v: _absent(v) or list(v) == ["text"], "only [\"text\"] is supported"),
@@ -50,6 +48,7 @@ CONDITIONAL: dict[str, tuple[Callable[[Any], bool], str]] = {
 # Accepted and used (both endpoints share most of them; vLLM's extras are listed in the models).
 HONOURED_COMPLETION = frozenset({
     "model", "prompt", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+    "best_of",  # the beam width with vLLM's use_beam_search (a 400 otherwise: see the model)
     "presence_penalty", "seed", "stop", "stream", "stream_options", "temperature", "top_p",
 }) - CONDITIONAL.keys()
 HONOURED_CHAT = frozenset({

@@ -74,6 +74,8 @@ class _GenerationFields(StructuredFields):
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # int32 on the wire
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    use_beam_search: bool = False  # beam search in the engine: n beams returned, best first
+    length_penalty: float = 1.0  # beam ranking: cumulative logprob / output length ** this
 
     @field_validator(*CONDITIONAL, mode="before", check_fields=False)
     @classmethod
@@ -115,9 +117,26 @@ class CompletionRequest(_GenerationFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
+    best_of: int | None = None  # with use_beam_search: the beam width (>= n); else only 1
     # accepted only with their defaults (openai_fields.CONDITIONAL)
     suffix: Any = None
-    best_of: Any = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_a_beam_width(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is None:
+            return None
+        if not info.data.get("use_beam_search") and best_of != 1:
+            raise ValueError("best_of > 1 is served as beam search only: set use_beam_search "
+                             "(sampling best_of candidates is not supported; use n for several samples)")
+        n = info.data.get("n", 1)
+        if best_of < n:
+            raise ValueError(f"best_of ({best_of}) must be at least n ({n})")
+        return best_of
+
+    @property
+    def beam_width(self) -> int:
+        return (self.best_of or self.n) if self.use_beam_search else 0
 
 
 class ChatCompletionRequest(_GenerationFields):
@@ -148,6 +167,10 @@ class ChatCompletionRequest(_GenerationFields):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @property
+    def beam_width(self) -> int:
+        return self.n if self.use_beam_search else 0
 
     @property
     def effective_max_tokens(self) -> int | None:

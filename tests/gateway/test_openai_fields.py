@@ -18,7 +18,7 @@ CHAT_FIELDS = set(typing.get_type_hints(chat_create_params.CompletionCreateParam
 
 # A value other than the default for every CONDITIONAL field (each must be a 400 naming it).
 NON_DEFAULT = {
-    "suffix": " and then", "best_of": 2, "audio": {"voice": "alloy", "format": "wav"},
+    "suffix": " and then", "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
@@ -67,9 +67,9 @@ async def test_defaults_and_informational_fields_are_accepted(gateway, endpoint)
 @pytest.mark.parametrize("endpoint", ["completion", "chat"])
 async def test_unknown_field_is_400_naming_it(gateway, endpoint):
     path, base = BASES[endpoint]
-    reply = await gateway.http.post(path, json={**base, "use_beam_search": True})
+    reply = await gateway.http.post(path, json={**base, "use_fancy_search": True})
     assert reply.status_code == 400
-    assert reply.json()["error"]["param"] == "use_beam_search"
+    assert reply.json()["error"]["param"] == "use_fancy_search"
     reply = await gateway.http.post(path, json={**base, "stream": True,
                                                 "stream_options": {"include_usage": True, "x": 1}})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream_options.x"
@@ -122,3 +122,28 @@ async def test_bad_token_constraints_are_400(gateway, upstream, fields):
     reply = await gateway.http.post("/v1/completions", json={"prompt": "Hi", **fields})
     assert reply.status_code == 400 and next(iter(fields)) in reply.json()["error"]["message"]
     assert not upstream.engine.requests
+
+
+async def test_best_of_is_the_beam_width_of_vllms_use_beam_search(gateway, upstream):
+    """best_of > 1 is beam search only (sampling best_of candidates is not served): a 400 without
+    use_beam_search; with it, n beams of width best_of reach the engine, ranked by raw logprobs."""
+    reply = await gateway.http.post("/v1/completions", json={"prompt": "Hi", "best_of": 3})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "best_of"
+    reply = await gateway.http.post("/v1/completions", json={"prompt": "Hi", "n": 3, "best_of": 2,
+                                                             "use_beam_search": True})
+    assert reply.status_code == 400 and "best_of (2) must be at least n (3)" in reply.text
+    reply = await gateway.http.post("/v1/completions", json={"prompt": "Hi", "n": 2, "best_of": 3,
+                                                             "use_beam_search": True, "logprobs": 2})
+    assert reply.status_code == 400 and "logprobs" in reply.json()["error"]["message"]
+    assert not upstream.engine.requests
+    reply = await gateway.http.post("/v1/completions", json={
+        "prompt": "Hi", "n": 2, "best_of": 3, "use_beam_search": True, "length_penalty": 0.5,
+        "temperature": 0.7})
+    assert reply.status_code == 200, reply.text
+    reply = await gateway.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "n": 2, "use_beam_search": True})
+    assert reply.status_code == 200, reply.text
+    completion, chat = (r.sampling for r in upstream.engine.requests)
+    assert (completion.n, completion.beam_width, completion.length_penalty) == (2, 3, 0.5)
+    assert completion.temperature == 1.0  # 0.7 dropped: beams rank by the raw logprobs
+    assert (chat.n, chat.beam_width, chat.length_penalty) == (2, 2, 1.0)
