@@ -55,6 +55,9 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # text; the offline API and the gateway tokenize them into:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # what travels: never completed
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar
+    # Logprobs of the prompt's tokens (vLLM's): None: none; k: each prompt token's logprob, its rank
+    # and the top k. The first token has none. Disables the prefix-cache hit for the request.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -109,6 +112,8 @@ class SamplingParams:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             bad(f"logprobs must be between 0 and {max_logprobs}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
+            bad(f"prompt_logprobs must be between 0 and {max_logprobs}, got {self.prompt_logprobs}")
         if any(not 0 <= t <= _UINT32_MAX for t in self.stop_token_ids):
             bad("stop_token_ids must be token ids (non-negative 32-bit integers)")
         self._validate_token_constraints(bad)
