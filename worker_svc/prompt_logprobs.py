@@ -44,7 +44,7 @@ def plan_prompt_rows(seqs: Sequence[ScheduledSeq], last_rows: np.ndarray) -> lis
     """Before the step advances num_computed_tokens: the prompt tokens each asking sequence's
     chunk covers. `last_rows[i]` is the flat row of sequence i's last scheduled token."""
     plans: list[PromptRows] = []
-    for seq, last in zip(seqs, last_rows, strict=True):
+    for i, seq in enumerate(seqs):  # every step, every sequence: the common case stays cheap
         state = seq.state
         top_k = state.sampling.prompt_logprobs
         if top_k is None:
@@ -53,7 +53,7 @@ def plan_prompt_rows(seqs: Sequence[ScheduledSeq], last_rows: np.ndarray) -> lis
         end = min(start + seq.num_tokens, state.num_prompt_tokens - 1)  # positions [start, end)
         if end <= start:
             continue  # decoding, or a chunk whose only prompt position is the sampling one
-        first_row = int(last) - seq.num_tokens + 1
+        first_row = int(last_rows[i]) - seq.num_tokens + 1
         plans.append(PromptRows(state.request_id, start + 1, range(first_row, first_row + end - start),
                                 state.token_ids[start + 1:end + 1], top_k))
     return plans
