@@ -121,9 +121,11 @@ class FakeWorker:
         for rid, count in counts.items():
             state = self.resident[rid]
             top_k = state.sampling.prompt_logprobs
+            if top_k is None:
+                continue
             start = state.num_computed
             end = min(start + count, state.num_prompt_tokens - 1)
-            if top_k is not None and end > start:
+            if end > start:
                 reports.append(PromptLogprobs(rid, start + 1, [
                     fake_prompt_logprob(state.token_ids, i, top_k) for i in range(start + 1, end + 1)]))
         return reports
