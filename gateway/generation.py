@@ -58,6 +58,9 @@ class SequenceChunk:
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)  # parallel to token_ids
     finish_reason: str | None = None  # "stop" / "length" / "abort" once finished
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # With sampling.prompt_logprobs: the prompt's tokens 1.. (the first has none), on the
+    # sequence's first chunk only.
+    prompt_logprobs: list[common_pb2.TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +84,7 @@ class GenerationStep:
 class _Sequence:
     """Per-sequence state: detokenizer, stop matcher, counters."""
 
-    __slots__ = ("detokenizer", "matcher", "num_tokens", "finish_reason")
+    __slots__ = ("detokenizer", "matcher", "num_tokens", "finish_reason", "prompt_logprobs")
 
     def __init__(self, tokenizer: Tokenizer, request: GenerationInput) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
@@ -89,13 +92,15 @@ class _Sequence:
         self.matcher = StopStringMatcher(request.stop, request.include_stop_str_in_output)
         self.num_tokens = 0
         self.finish_reason: str | None = None
+        self.prompt_logprobs: list[common_pb2.TokenLogprobs] | None = None  # until its next chunk
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def apply(self, delta: engine_pb2.SequenceDelta, stop_token_ids: tuple[int, ...]) -> SequenceChunk:
-        chunk = SequenceChunk(index=delta.index)
+        chunk = SequenceChunk(index=delta.index, prompt_logprobs=self.prompt_logprobs)
+        self.prompt_logprobs = None
         has_logprobs = len(delta.logprobs) == len(delta.token_ids)
         for position, token_id in enumerate(delta.token_ids):
             if self.finished:
@@ -188,6 +193,9 @@ async def generate(client: EngineClient, tokenizer: Tokenizer, request: Generati
             if response.num_prompt_tokens:
                 num_prompt_tokens = response.num_prompt_tokens
                 num_cached_tokens = response.num_cached_tokens
+            if response.prompt_logprobs:  # once per request: every sequence's next chunk shows them
+                for sequence in sequences:
+                    sequence.prompt_logprobs = list(response.prompt_logprobs)
             chunks = [sequences[d.index].apply(d, request.sampling.stop_token_ids)
                       for d in response.sequences if d.index < len(sequences)]
             if lease is not None:

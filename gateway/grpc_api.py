@@ -105,7 +105,8 @@ def to_chunks(request_id: str, step: GenerationStep, model: str = "") -> list[ga
     rides on the step's last chunk."""
     chunks = [gateway_pb2.GenerationChunk(
         request_id=request_id, index=c.index, text=c.text, token_ids=c.token_ids, logprobs=c.logprobs,
-        finish_reason=finish_reason_to_pb(c.finish_reason), model=model)
+        finish_reason=finish_reason_to_pb(c.finish_reason), model=model,
+        prompt_logprobs=c.prompt_logprobs or ())
         for c in step.chunks if c.text or c.token_ids or c.finish_reason]
     if step.usage is not None:
         if not chunks:

@@ -21,6 +21,7 @@ from gateway.openai_common import (
     until_disconnected,
     usage_info,
 )
+from gateway.openai_prompt_logprobs import vllm_prompt_logprobs
 from gateway.openai_protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -78,7 +79,8 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
 
     async def start(pool: ModelPool, _attempt: int):  # the request prepared for `pool`'s model
         tokenizer, info = pool.require_ready()
-        sampling = build_sampling(body, body.effective_max_tokens, logprobs, tokenizer, info.vocab_size)
+        sampling = build_sampling(body, body.effective_max_tokens, logprobs, tokenizer, info.vocab_size,
+                                  body.prompt_logprobs)
         sampling = with_forced_call(sampling, plan)
         await check_structured_outputs(sampling)
         request = build_generation_input(body, request_id, chat_prompt_ids(body, tokenizer, plan), sampling,
@@ -86,29 +88,37 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
         request, lease = admit_once(request, info.max_model_len)
         span = start_request_span("chat", pool.name, context_from_headers(http.headers), request,
                                   lease.tenant.name, route.fallback_from(pool))
-        return generate(pool.client, tokenizer, request, span, lease, model=pool.name), tokenizer
+        return (generate(pool.client, tokenizer, request, span, lease, model=pool.name),
+                (tokenizer, request.prompt_token_ids))
 
     # Upstream errors before the first step keep their HTTP status (and may move to the fallback).
     answer = await first_answer(route, start, lambda first: until_disconnected(http, first))
-    model, tokenizer = answer.pool.name, answer.context
+    model, (tokenizer, prompt_ids) = answer.pool.name, answer.context
     if not body.stream:
         choices = [ChatChoice(index=i, message=ChatResponseMessage(content=""),
                               logprobs=ChatLogprobs(content=[]) if body.logprobs else None)
                    for i in range(body.n)]
         steps = prepend(answer.first, answer.steps)
-        usage = await until_disconnected(http, _collect(steps, choices, tokenizer))
+        prompt_logprobs: list = []
+        usage = await until_disconnected(http, _collect(steps, choices, tokenizer, prompt_logprobs))
         for choice in choices:
             finish_choice(choice, plan, body.parallel_tool_calls)
-        return JSONResponse(ChatCompletionResponse(id=request_id, model=model, choices=choices,
-                                                   usage=usage_info(usage)).model_dump())
+        return JSONResponse(ChatCompletionResponse(
+            id=request_id, model=model, choices=choices, usage=usage_info(usage),
+            prompt_logprobs=(vllm_prompt_logprobs(tokenizer, prompt_ids, prompt_logprobs)
+                             if body.prompt_logprobs is not None else None)).model_dump())
     events = _stream(answer.first, answer.steps, body, tokenizer, request_id, model,
                      ToolDeltas(body.n, plan, body.parallel_tool_calls))
     return StreamingResponse(sse_stream(events), media_type="text/event-stream")
 
 
-async def _collect(steps: AsyncIterator[GenerationStep], choices: list[ChatChoice], tokenizer: Tokenizer):
+async def _collect(steps: AsyncIterator[GenerationStep], choices: list[ChatChoice], tokenizer: Tokenizer,
+                   prompt_logprobs: list):
+    """Fold the steps into `choices` (and the request's prompt logprobs into `prompt_logprobs`)."""
     async for step in steps:
         for chunk in step.chunks:
+            if chunk.prompt_logprobs and not prompt_logprobs:
+                prompt_logprobs.extend(chunk.prompt_logprobs)
             choice = choices[chunk.index]
             choice.message.content += chunk.text
             if choice.logprobs is not None:

@@ -37,7 +37,8 @@ def new_request_id(prefix: str) -> str:
 
 
 def build_sampling(request: _GenerationFields, max_tokens: int | None, logprobs: int | None,
-                   tokenizer: Tokenizer, vocab_size: int) -> SamplingParams:
+                   tokenizer: Tokenizer, vocab_size: int,
+                   prompt_logprobs: int | None = None) -> SamplingParams:
     """Validate through the core SamplingParams (one set of rules); token ids against the vocab."""
     optional = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING
                 if getattr(request, name) is not None}
@@ -50,7 +51,8 @@ def build_sampling(request: _GenerationFields, max_tokens: int | None, logprobs:
         logprobs=logprobs, presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias,
         allowed_token_ids=request.allowed_token_ids, bad_words=tuple(request.bad_words or ()),
-        structured_outputs=request.structured_outputs_params(), **optional)
+        structured_outputs=request.structured_outputs_params(), prompt_logprobs=prompt_logprobs,
+        **optional)
     sampling = with_bad_words_tokenized(
         sampling, lambda text: tokenizer.encode(text, add_special_tokens=False))
     check_vocab(sampling, vocab_size)

@@ -22,6 +22,7 @@ from gateway.openai_common import (
     until_disconnected,
     usage_info,
 )
+from gateway.openai_prompt_logprobs import add_echo_logprobs, vllm_prompt_logprobs
 from gateway.openai_protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -46,13 +47,23 @@ def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: 
 
 
 class CompletionChoices:
-    """Accumulates every choice (prompts × n): text, logprobs with their text offsets, finish."""
+    """Accumulates every choice (prompts × n): text, logprobs with their text offsets, finish.
 
-    def __init__(self, echo_texts: list[str], tokenizer: Tokenizer, with_logprobs: bool) -> None:
+    Each choice's first delta carries what goes before its completion: with echo, the prompt's
+    text and (with logprobs) its tokens' logprobs; `prompt_logprobs` (vLLM's field) lands on the
+    accumulated choice only (never streamed)."""
+
+    def __init__(self, echo_texts: list[str], tokenizer: Tokenizer, with_logprobs: bool,
+                 prompt_ids: list[list[int]] | None = None, echo_logprobs: int | None = None,
+                 return_prompt_logprobs: bool = False) -> None:
         self._tokenizer = tokenizer
         self._with_logprobs = with_logprobs
         self._pending_echo = list(echo_texts)  # one per choice: sent with its first delta
         self._offsets = [0] * len(echo_texts)  # length of the text each choice has so far
+        self._prompt_ids = prompt_ids or [[] for _ in echo_texts]  # per choice
+        self._echo_logprobs = echo_logprobs  # echo + logprobs: the prompt's top k
+        self._return_prompt_logprobs = return_prompt_logprobs
+        self._started = [False] * len(echo_texts)
         self.choices = [CompletionChoice(index=i, text="", logprobs=self._empty_logprobs())
                         for i in range(len(echo_texts))]
 
@@ -65,6 +76,8 @@ class CompletionChoices:
                                  logprobs=self._empty_logprobs(), finish_reason=chunk.finish_reason,
                                  stop_reason=chunk.stop_reason)
         self._pending_echo[chunk.index] = ""
+        if not self._started[chunk.index]:
+            self._start(chunk, delta)
         if delta.logprobs is not None:
             self._add_logprobs(delta.logprobs, chunk, self._offsets[chunk.index] + len(delta.text) - len(chunk.text))
         self._offsets[chunk.index] += len(delta.text)
@@ -76,6 +89,17 @@ class CompletionChoices:
         if chunk.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = chunk.finish_reason, chunk.stop_reason
         return delta
+
+    def _start(self, chunk: SequenceChunk, delta: CompletionChoice) -> None:
+        """The choice's first delta: the echoed prompt's logprobs, vLLM's prompt_logprobs."""
+        self._started[chunk.index] = True
+        prompt_ids, prompt_logprobs = self._prompt_ids[chunk.index], chunk.prompt_logprobs or []
+        if self._echo_logprobs is not None and delta.logprobs is not None:
+            add_echo_logprobs(delta.logprobs, self._tokenizer, prompt_ids, prompt_logprobs,
+                              self._echo_logprobs)
+        if self._return_prompt_logprobs:
+            self.choices[chunk.index].prompt_logprobs = vllm_prompt_logprobs(
+                self._tokenizer, prompt_ids, prompt_logprobs)
 
     def _add_logprobs(self, out: CompletionLogprobs, chunk: SequenceChunk, offset: int) -> None:
         for token_id, logprob in zip(chunk.token_ids, chunk.logprobs, strict=False):
@@ -91,8 +115,9 @@ class CompletionChoices:
 
 async def create_completion(body: CompletionRequest, http: Request, state: GatewayState) -> Response:
     route = state.route(body.model)
-    if body.echo and body.logprobs is not None:
-        raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)")
+    # vLLM's rule: echo with logprobs scores the prompt too, unless prompt_logprobs says otherwise.
+    prompt_logprobs = body.prompt_logprobs if body.prompt_logprobs is not None else (
+        body.logprobs if body.echo else None)
     request_id = new_request_id("cmpl")
     admit_once = AdmitOnce(lambda r, max_model_len: admit(http, r, max_model_len))
     parent = context_from_headers(http.headers)
@@ -100,13 +125,17 @@ async def create_completion(body: CompletionRequest, http: Request, state: Gatew
     async def start(pool: ModelPool, _attempt: int):  # the request prepared for `pool`'s model
         tokenizer, info = pool.require_ready()
         prompts = [prompt_token_ids(p, tokenizer, info.vocab_size) for p in split_prompts(body.prompt)]
-        sampling = build_sampling(body, body.max_tokens, body.logprobs, tokenizer, info.vocab_size)
+        sampling = build_sampling(body, body.max_tokens, body.logprobs, tokenizer, info.vocab_size,
+                                  prompt_logprobs)
         await check_structured_outputs(sampling)
         requests = [build_generation_input(body, request_id if len(prompts) == 1 else f"{request_id}-{k}",
                                            ids, sampling, info.max_model_len)
                     for k, (ids, _) in enumerate(prompts)]
-        choices = CompletionChoices([text if body.echo else "" for _, text in prompts for _ in range(body.n)],
-                                    tokenizer, body.logprobs is not None)
+        choices = CompletionChoices(
+            [text if body.echo else "" for _, text in prompts for _ in range(body.n)],
+            tokenizer, body.logprobs is not None, [ids for ids, _ in prompts for _ in range(body.n)],
+            body.logprobs if body.echo else None,
+            return_prompt_logprobs=prompt_logprobs is not None and not body.stream)
         requests, leases = admit_batch(admit_once, requests, info.max_model_len)
         steps = merge_steps([
             generate(pool.client, tokenizer, r, start_request_span(

@@ -76,6 +76,7 @@ class _GenerationFields(StructuredFields):
     bad_words: list[str] | None = None
     use_beam_search: bool = False  # beam search in the engine: n beams returned, best first
     length_penalty: float = 1.0  # beam ranking: cumulative logprob / output length ** this
+    prompt_logprobs: int | None = None  # each prompt token's logprob + top k (non-streaming)
 
     @field_validator(*CONDITIONAL, mode="before", check_fields=False)
     @classmethod
@@ -95,6 +96,8 @@ class _GenerationFields(StructuredFields):
     def _stream_options_need_stream(self) -> _GenerationFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM)")
         return self
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -195,12 +198,37 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one entry of a prompt position's {token id: Logprob} map."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs`: per prompt token, None for the first, then {token id: Logprob} holding
+# the prompt token and the top k.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class _OmitNoPromptLogprobs(BaseModel):
+    """`prompt_logprobs` (vLLM's extra) appears only when the request asked for it."""
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompt_logprobs") is None:
+            data.pop("prompt_logprobs", None)
+        return data
+
+
+class CompletionChoice(_OmitNoPromptLogprobs):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -251,13 +279,14 @@ class ChatChoice(BaseModel):
     stop_reason: str | int | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_OmitNoPromptLogprobs):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(_OmitNoToolCalls):

@@ -61,6 +61,10 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # predicts it); each TokenLogprobs holds the prompt token's raw-model logprob, its rank and the
+    # top k. None when not asked.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -159,7 +163,8 @@ class LLM:
                 outputs[request_id] = RequestOutput(
                     request_id, text, list(token_ids),
                     [CompletionOutput(i, logprobs=[] if sampling.logprobs is not None else None)
-                     for i in range(sampling.n)], metrics=RequestMetrics(time.time()))
+                     for i in range(sampling.n)], metrics=RequestMetrics(time.time()),
+                    prompt_logprobs=[None] if sampling.prompt_logprobs is not None else None)
         except Exception:
             for request_id in outputs:  # one bad prompt rejects the batch: leave nothing queued
                 self.scheduler.abort(request_id)
@@ -264,6 +269,8 @@ def _apply_delta(outputs: dict[RequestId, RequestOutput], delta: SequenceDelta) 
         completion.logprobs.extend(delta.new_logprobs)
     if delta.cumulative_logprob is not None:
         completion.cumulative_logprob = delta.cumulative_logprob
+    if delta.prompt_logprobs and output.prompt_logprobs is not None:
+        output.prompt_logprobs.extend(delta.prompt_logprobs)
     output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
     if delta.finish_reason is None:
         return False

@@ -68,11 +68,13 @@ def response_to_pb(request_id: str, deltas: Iterable[SequenceDelta], finished: b
                    queue_seconds: float = 0.0) -> engine_pb2.GenerateResponse:
     deltas = list(deltas)
     first = deltas[0] if deltas else None
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), ())
     return engine_pb2.GenerateResponse(
         request_id=request_id, sequences=[delta_to_pb(d) for d in deltas],
         num_prompt_tokens=first.num_prompt_tokens if first else 0,
         num_cached_tokens=first.num_cached_tokens if first else 0,
-        queue_seconds=queue_seconds, finished=finished)
+        queue_seconds=queue_seconds, finished=finished,
+        prompt_logprobs=[logprobs_to_pb(lp) for lp in prompt_logprobs])
 
 
 def finish_reason_name(reason: FinishReason | None) -> str:

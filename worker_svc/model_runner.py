@@ -21,7 +21,7 @@ from kernels.kv_cache_dtype import is_fp8, resolve_cache_dtype
 from pagoda.contract.errors import NotInitializedError, PlanError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
-from pagoda.contract.step import BeamUpdate, Fork, StepPlan, StepResult, WorkerInfo
+from pagoda.contract.step import BeamUpdate, Fork, PromptLogprobs, StepPlan, StepResult, WorkerInfo
 from worker_svc import fault_injection
 from worker_svc.config import WorkerConfig
 from worker_svc.distributed import SINGLE, TensorParallel
@@ -32,6 +32,7 @@ from worker_svc.lora.manager import LoRAManager
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.packed_linear import can_pack, pack_linear_weights
 from worker_svc.plan_validation import validate_plan
+from worker_svc.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows
 from worker_svc.sampler import Sampler, SamplingRow
 from worker_svc.spec_verify import DraftVerifier
 from worker_svc.structured_output import GrammarCompiler, GrammarState
@@ -147,7 +148,8 @@ class ModelRunner:
         fault_injection.check(seq.state.request_id for seq in seqs)  # no-op unless a test set it
         forks = {fork.parent_id: fork for fork in plan.forks}
         started = time.perf_counter()
-        logits, rows, states, drafted = self._forward(seqs, forks, plan.draft_token_ids)
+        logits, rows, states, drafted, prompt_logprobs = self._forward(seqs, forks, plan.draft_token_ids)
+        result.prompt_logprobs = prompt_logprobs
         if logits is None:  # a TP follower: rank 0 samples and sends the tokens with the next plan
             self.unsampled = states
             return result
@@ -233,10 +235,11 @@ class ModelRunner:
     def _forward(self, seqs: list[ScheduledSeq], forks: dict[RequestId, Fork],
                  drafts: dict[RequestId, list[int]]
                  ) -> tuple[torch.Tensor | None, list[SamplingRow], list[CachedRequestState],
-                            list[tuple[CachedRequestState, list[int]]]]:
+                            list[tuple[CachedRequestState, list[int]]], list[PromptLogprobs]]:
         """Forward every scheduled token. Logits [N, V] (None on a TP follower, which never
         samples): first one row per sampling sequence (`rows`, `states`), then, per sequence with
-        drafts (`drafted`), its K+1 rows: after its last token and after each draft.
+        drafts (`drafted`), its K+1 rows: after its last token and after each draft. Last, the
+        prompt logprobs of the prefill chunks that ask for them (prompt_logprobs.py; rank 0 only).
 
         A fork's children sample from the parent's final-prompt logits row (repeated), each with
         its own seq_index; they become resident here as copies of the parent before its token.
@@ -250,6 +253,7 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.finish_step()
+        prompt_rows = plan_prompt_rows(seqs, inputs.last_rows) if self.tp.is_driver else []
         logit_rows: list[int] = []
         rows: list[SamplingRow] = []
         states: list[CachedRequestState] = []
@@ -276,12 +280,13 @@ class ModelRunner:
                 rows.append(member.sampling_row())
                 states.append(member)
         if not self.tp.is_driver:
-            return None, rows, states, drafted
+            return None, rows, states, drafted, []
         index = inputs.logits_indices[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
         if draft_rows:
             index = torch.cat([index, torch.tensor(draft_rows, dtype=torch.long, device=self.device)])
         logits = self.model.compute_logits(hidden[index]).float()  # [N, V]
-        return logits, rows, states, drafted
+        prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
+        return logits, rows, states, drafted, prompt_logprobs
 
     # -- helpers --------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from pagoda.v1 import common_pb2
 # proto3 `optional` fields: absent on the wire means the dataclass default (not zero), e.g. no seed,
 # max_tokens up to the context length, temperature 1.0.
 _OPTIONAL_SAMPLING = ("n", "temperature", "top_p", "seed", "max_tokens", "logprobs",
-                      "repetition_penalty", "length_penalty")
+                      "repetition_penalty", "length_penalty", "prompt_logprobs")
 
 _FINISH_TO_PB = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -36,7 +36,7 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         logit_bias=params.logit_bias or {}, allowed_token_ids=params.allowed_token_ids or (),
         bad_words=[common_pb2.TokenIds(token_ids=word) for word in params.bad_words_token_ids],
         beam_width=params.beam_width, length_penalty=params.length_penalty)
-    for name in ("seed", "max_tokens", "logprobs"):
+    for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None:
             setattr(pb, name, value)
@@ -64,11 +64,13 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
 
 def logprobs_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
     return common_pb2.TokenLogprobs(
-        logprob=lp.logprob, top=[common_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+        logprob=lp.logprob, top=[common_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
+        rank=lp.rank)
 
 
 def logprobs_from_pb(pb: common_pb2.TokenLogprobs) -> TokenLogprobs:
-    return TokenLogprobs(logprob=pb.logprob, top=[(t.token_id, t.logprob) for t in pb.top])
+    return TokenLogprobs(logprob=pb.logprob, top=[(t.token_id, t.logprob) for t in pb.top],
+                         rank=pb.rank if pb.HasField("rank") else None)
 
 
 def finish_reason_to_pb(reason: FinishReason | str | None) -> int:

@@ -60,6 +60,9 @@ class SamplingParams:
     # cumulative logprob / (output length ** length_penalty) as HF transformers does.
     beam_width: int = 0
     length_penalty: float = 1.0
+    # Logprobs of the prompt's tokens (vLLM's): None: none; k: each prompt token's logprob, its rank
+    # and the top k. The first token has none. Disables the prefix-cache hit for the request.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -115,6 +118,8 @@ class SamplingParams:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             bad(f"logprobs must be between 0 and {max_logprobs}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
+            bad(f"prompt_logprobs must be between 0 and {max_logprobs}, got {self.prompt_logprobs}")
         if any(not 0 <= t <= _UINT32_MAX for t in self.stop_token_ids):
             bad("stop_token_ids must be token ids (non-negative 32-bit integers)")
         self._validate_token_constraints(bad)
@@ -137,7 +142,8 @@ class SamplingParams:
         if not math.isfinite(self.length_penalty):
             bad(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         refused = [name for name, off in (
-            ("logprobs", self.logprobs is None), ("min_tokens", self.min_tokens == 0),
+            ("logprobs", self.logprobs is None), ("prompt_logprobs", self.prompt_logprobs is None),
+            ("min_tokens", self.min_tokens == 0),
             ("structured_outputs", self.structured_outputs is None),
             ("presence_penalty", self.presence_penalty == 0.0),
             ("frequency_penalty", self.frequency_penalty == 0.0),

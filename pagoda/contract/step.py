@@ -112,6 +112,17 @@ class TokenLogprobs:
 
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 + tokens more likely than this one (set for prompt tokens)
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of consecutive prompt tokens computed by one step: the tokens at indices
+    start .. start+len(logprobs)-1 of the prompt (start >= 1: the first token has none)."""
+
+    request_id: RequestId
+    start: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -128,6 +139,8 @@ class StepResult:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # empty when none asked
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
+    # Requests with prompt_logprobs: what this step's prefill chunk covered (worker_svc/prompt_logprobs.py)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from pagoda.contract.step import (
     BlockCopy,
     Fork,
     NewRequestData,
+    PromptLogprobs,
     StepPlan,
     StepResult,
     TableUpdate,
@@ -90,7 +91,10 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
     return worker_pb2.StepResult(
         step_id=result.step_id, request_ids=result.request_ids, token_ids=result.token_ids,
         logprobs=logprobs, forward_seconds=result.forward_seconds,
-        sample_seconds=result.sample_seconds)
+        sample_seconds=result.sample_seconds,
+        prompt_logprobs=[worker_pb2.PromptLogprobs(
+            request_id=p.request_id, start=p.start, logprobs=[logprobs_to_pb(lp) for lp in p.logprobs])
+            for p in result.prompt_logprobs])
 
 
 def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
@@ -98,7 +102,10 @@ def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
     return StepResult(
         step_id=pb.step_id, request_ids=[RequestId(i) for i in pb.request_ids],
         token_ids=list(pb.token_ids), logprobs=[logprobs_from_pb(lp) for lp in pb.logprobs],
-        forward_seconds=pb.forward_seconds, sample_seconds=pb.sample_seconds)
+        forward_seconds=pb.forward_seconds, sample_seconds=pb.sample_seconds,
+        prompt_logprobs=[PromptLogprobs(RequestId(p.request_id), p.start,
+                                        [logprobs_from_pb(lp) for lp in p.logprobs])
+                         for p in pb.prompt_logprobs])
 
 
 def error_result_pb(step_id: int, code: int, message: str) -> worker_pb2.StepResult:

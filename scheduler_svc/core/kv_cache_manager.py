@@ -43,8 +43,10 @@ class KVCacheManager:
                                                   block_extra_keys(i, salt, lora_key)))
 
     def find_cached_prefix(self, seq: Sequence) -> tuple[list[BlockId], int]:
-        """Verified cached full blocks of a waiting sequence, leaving >= 1 token to compute."""
-        if self.index is None:
+        """Verified cached full blocks of a waiting sequence, leaving >= 1 token to compute. None
+        for a request still owed prompt logprobs: they need the logits of every prompt position
+        (vLLM also skips the hit for such requests)."""
+        if self.index is None or seq.request.needs_prompt_logprobs:
             return [], 0
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
         self._ensure_hashes(seq, max_blocks)

@@ -22,6 +22,9 @@ class SequenceDelta:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # with FinishReason.ERROR: why this request alone failed (poison.py)
     cumulative_logprob: float | None = None  # beam search: the finished beam's summed logprobs
+    # With prompt_logprobs: the logprobs of prompt tokens 1.. (the first has none), once per
+    # request, on sequence 0's delta that carries its first token.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

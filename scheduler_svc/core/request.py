@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from pagoda.contract.ids import BlockId, RequestId
 from pagoda.contract.lora import LoRARequest
 from pagoda.contract.params import FinishReason, SamplingParams
+from pagoda.contract.step import TokenLogprobs
 
 if TYPE_CHECKING:
     from scheduler_svc.core.beam_group import BeamGroup
@@ -69,11 +70,21 @@ class Request:
     max_num_tokens: int = field(init=False)  # prompt + max_tokens: no token is sampled beyond it
 
     lora_key: str | None = field(init=False)  # part of its prefix-cache keys
+    # With sampling.prompt_logprobs: those of prompt tokens 1.. received so far (the worker reports
+    # them chunk by chunk); handed out whole with sequence 0's first token. None: not asked.
+    prompt_logprobs: list[TokenLogprobs] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.max_num_tokens = self.num_prompt_tokens + self.max_tokens
         self.lora_key = self.lora.cache_key if self.lora is not None else None
+        self.prompt_logprobs = [] if self.sampling.prompt_logprobs is not None else None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked and not all received: its prompt must be computed from token 0
+        (a prefix-cache hit would skip the logits of the cached positions)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def n(self) -> int:

@@ -36,6 +36,7 @@ from scheduler_svc.core.lora_admission import lora_fits
 from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.pinning import PinningMixin
 from scheduler_svc.core.poison import PoisonIsolationMixin
+from scheduler_svc.core.prompt_logprobs import attach_prompt_logprobs, fold_prompt_logprobs
 from scheduler_svc.core.request import Request, SeqStatus, Sequence, WaitingQueue, child_seq_id, priority_key
 from scheduler_svc.core.scheduler_lifecycle import SchedulerLifecycleMixin, SchedulerStats
 from scheduler_svc.core.spec_decode import SpeculationMixin
@@ -59,6 +60,7 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
         self._next_step_id = 1
         self._finished_resident: list[RequestId] = []  # ended since the last plan; the worker drops them
         self._arrivals = itertools.count()
+        self._prompt_logprobs_ready: dict[RequestId, Request] = {}  # complete, not handed out yet
         self._init_counters()
         self._init_isolation()
         self._init_speculation()
@@ -319,7 +321,11 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
                         and seq.status is SeqStatus.RUNNING:
                     kv.register_computed(seq, num_computed)
         self._observe_step_cost(step.num_tokens, result.forward_seconds + result.sample_seconds)
+        if result.prompt_logprobs:
+            fold_prompt_logprobs(self._live, result.prompt_logprobs, self._prompt_logprobs_ready)
         deltas = self._append_tokens(result)
+        if self._prompt_logprobs_ready:
+            attach_prompt_logprobs(deltas, self._prompt_logprobs_ready, self._requests)
         if step.spec:
             self._settle_drafts(step.spec, result.request_ids)
         if self._probe is not None:

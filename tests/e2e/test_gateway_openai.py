@@ -186,3 +186,33 @@ async def test_penalties_and_min_tokens_work_through_the_services(async_client, 
     for reply in penalised:
         assert reply.usage.completion_tokens >= 8 or reply.choices[0].finish_reason == "stop"
     assert penalised[3].usage.completion_tokens >= 8  # min_tokens
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_offline_llm(client, gateway_stack):
+    from pagoda.contract.params import SamplingParams
+    from pagoda.llm import LLM
+
+    offline = LLM(model=gateway_stack.model_dir, device=ENGINE_WORKER_FLAGS["device"],
+                  dtype=ENGINE_WORKER_FLAGS["dtype"])
+    expected = offline.generate([PROMPT], SamplingParams(prompt_logprobs=2, max_tokens=1), use_tqdm=False)[0]
+    num_prompt = len(expected.prompt_token_ids)
+    for _ in range(2):  # the second time its blocks are cached: the logprobs must not be lost
+        reply = client.completions.create(model=gateway_stack.model_dir, prompt=PROMPT, max_tokens=3,
+                                          temperature=0, echo=True, logprobs=2)
+        choice = reply.choices[0]
+        assert choice.text.startswith(PROMPT) and len(choice.logprobs.tokens) == num_prompt + 3
+        assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+        for got, want in zip(choice.logprobs.token_logprobs[1:num_prompt], expected.prompt_logprobs[1:],
+                             strict=True):
+            assert abs(got - want.logprob) < 1e-4
+        assert all(len(top) in (2, 3) for top in choice.logprobs.top_logprobs[1:])
+    stream = client.completions.create(model=gateway_stack.model_dir, prompt=PROMPT, max_tokens=3,
+                                       temperature=0, echo=True, logprobs=1, stream=True)
+    first = next(iter(stream)).choices[0]
+    assert first.text.startswith(PROMPT) and first.logprobs.token_logprobs[0] is None
+    assert abs(first.logprobs.token_logprobs[1] - expected.prompt_logprobs[1].logprob) < 1e-4
+    chat = client.chat.completions.create(model=gateway_stack.model_dir, messages=CHAT, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 1})
+    prompt_logprobs = chat.model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == chat.usage.prompt_tokens
+    assert all(entry["logprob"] <= 0 and entry["rank"] >= 1 for pos in prompt_logprobs[1:] for entry in pos.values())

@@ -64,10 +64,14 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         for start in range(0, total, self.tokens_per_response):
             deltas = [self._delta(i, tokens, start, limit, sampling) for i, tokens in enumerate(outputs)]
             deltas = [d for d in deltas if d is not None]
-            yield engine_pb2.GenerateResponse(
+            response = engine_pb2.GenerateResponse(
                 request_id=request.request_id, sequences=deltas,
                 num_prompt_tokens=len(request.prompt_token_ids) if start == 0 else 0,
                 num_cached_tokens=0, finished=start + self.tokens_per_response >= total)
+            if start == 0 and sampling.HasField("prompt_logprobs"):  # with the first tokens, once
+                response.prompt_logprobs.extend(fake_prompt_logprobs(request.prompt_token_ids,
+                                                                     sampling.prompt_logprobs))
+            yield response
             await asyncio.sleep(0)  # let the caller run between responses, like a real engine
 
     def _delta(self, index, tokens, start, limit, sampling):
@@ -101,3 +105,13 @@ def fake_logprobs(token_id: int, position: int, num_top: int) -> common_pb2.Toke
     chosen = -0.5 - 0.1 * position
     top = [common_pb2.TopLogprob(token_id=token_id + j, logprob=chosen - j) for j in range(num_top)]
     return common_pb2.TokenLogprobs(logprob=chosen, top=top)
+
+
+def fake_prompt_logprobs(prompt_ids, num_top: int) -> list[common_pb2.TokenLogprobs]:
+    """Prompt token i (from 1): logprob -1 - 0.01*i, rank i; top k: the token itself, then +1, ..."""
+    out = []
+    for i, token_id in enumerate(prompt_ids[1:], start=1):
+        chosen = -1.0 - 0.01 * i
+        top = [common_pb2.TopLogprob(token_id=token_id + j, logprob=chosen - j) for j in range(num_top)]
+        out.append(common_pb2.TokenLogprobs(logprob=chosen, top=top, rank=i))
+    return out

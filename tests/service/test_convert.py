@@ -11,6 +11,7 @@ from pagoda.contract.step import (
     BlockCopy,
     Fork,
     NewRequestData,
+    PromptLogprobs,
     StepPlan,
     StepResult,
     TableUpdate,
@@ -28,7 +29,8 @@ FULL_SAMPLING = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=5, min_p=0
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=None), SamplingParams(), FULL_SAMPLING,
-                                    SamplingParams(temperature=0.0, seed=0, logprobs=0)])
+                                    SamplingParams(temperature=0.0, seed=0, logprobs=0),
+                                    SamplingParams(prompt_logprobs=0), SamplingParams(prompt_logprobs=20)])
 def test_sampling_round_trip(params):
     assert convert.sampling_from_pb(convert.sampling_to_pb(params)) == params
 
@@ -95,3 +97,19 @@ def test_response_carries_prompt_and_cache_counts_of_the_deltas():
     pb = engine_convert.response_to_pb("r", [delta], finished=True, queue_seconds=0.5)
     assert (pb.num_prompt_tokens, pb.num_cached_tokens, pb.finished, pb.queue_seconds) == (7, 4, True, 0.5)
     assert pb.sequences[0].finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_result_round_trip_with_prompt_logprobs():
+    result = StepResult(5, ["a"], [10], prompt_logprobs=[
+        PromptLogprobs("a", 1, [TokenLogprobs(-0.5, [(3, -0.25)], rank=2), TokenLogprobs(-0.1, rank=1)]),
+        PromptLogprobs("b", 17, [TokenLogprobs(-3.0, rank=40)])])
+    pb = worker_pb2.StepResult.FromString(convert.result_to_pb(result).SerializeToString())
+    assert convert.result_from_pb(pb) == result
+
+
+def test_response_carries_the_prompt_logprobs_of_its_first_sequence():
+    prompt = [TokenLogprobs(-1.5, [(4, -1.0)], rank=3), TokenLogprobs(-0.5, rank=1)]
+    deltas = [SequenceDelta("r", 0, [5], prompt_logprobs=prompt), SequenceDelta("r", 1, [6])]
+    pb = engine_convert.response_to_pb("r", deltas, finished=False)
+    assert [engine_convert.logprobs_from_pb(lp) for lp in pb.prompt_logprobs] == prompt
+    assert not engine_convert.response_to_pb("r", deltas[1:], finished=False).prompt_logprobs

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason, SamplingParams
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
-from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
+from worker_svc.fake.fake_worker import FakeSampler, FakeWorker, fake_prompt_logprob
 
 EOS = 0
 MAX_MODEL_LEN = 40
@@ -43,7 +43,8 @@ def traces(draw):
         sampling = SamplingParams(
             n=draw(st.integers(1, 3)), max_tokens=draw(st.sampled_from([max_tokens, None])),
             min_tokens=draw(st.integers(0, 2)) if max_tokens >= 2 else 0,
-            ignore_eos=draw(st.booleans()), stop_token_ids=tuple(draw(st.sets(st.integers(1, 40), max_size=2))))
+            ignore_eos=draw(st.booleans()), stop_token_ids=tuple(draw(st.sets(st.integers(1, 40), max_size=2))),
+            prompt_logprobs=draw(st.sampled_from([None, None, 0, 2])))
         request = EngineRequest(RequestId(f"r{i}"), tuple(prompt), sampling, priority=draw(st.integers(0, 2)),
                                 cache_salt=draw(st.sampled_from([None, None, "tenant"])))
         requests.append((draw(st.integers(0, 12)), request))  # (arrival step, request)
@@ -65,11 +66,17 @@ def run(config, requests, aborts, eos_probability, worker_loss_step):
     worker = FakeWorker(config.num_blocks, config.block_size, sampler)
     streams: dict[tuple[str, int], list] = {}
     ended: dict[tuple[str, int], FinishReason] = {}
+    prompt_logprobs: dict[str, list] = {}
 
     def record(deltas):
         for delta in deltas:
             key = (delta.request_id, delta.seq_index)
             assert key not in ended, f"{key} got a delta after it ended"
+            if delta.prompt_logprobs is not None:
+                assert delta.request_id not in prompt_logprobs, f"{key}: prompt logprobs twice"
+                assert delta.seq_index == 0 and delta.new_token_ids and key not in streams, \
+                    f"{key}: prompt logprobs not with the first token of sequence 0"
+                prompt_logprobs[delta.request_id] = delta.prompt_logprobs
             streams.setdefault(key, []).extend(delta.new_token_ids)
             if delta.finish_reason is not None:
                 ended[key] = delta.finish_reason
@@ -101,15 +108,16 @@ def run(config, requests, aborts, eos_probability, worker_loss_step):
     scheduler.check_invariants()
     stats = scheduler.stats()
     assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
-    return sampler, streams, ended
+    return sampler, streams, ended, prompt_logprobs
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces())
 def test_random_traces_keep_invariants_and_streams(trace):
-    sampler, streams, ended = run(*trace)
+    sampler, streams, ended, prompt_logprobs = run(*trace)
     requests = trace[1]
     for _, request in requests:
+        check_prompt_logprobs(request, prompt_logprobs.get(request.request_id), streams)
         for index in range(request.sampling.n):
             key = (request.request_id, index)
             assert key in ended, f"{key} never ended"
@@ -124,3 +132,13 @@ def test_random_traces_keep_invariants_and_streams(trace):
                     last == EOS and not request.sampling.ignore_eos)
                 assert ended[key] is (FinishReason.STOP if stop and len(got) >= request.sampling.min_tokens
                                       else FinishReason.LENGTH)
+
+
+def check_prompt_logprobs(request: EngineRequest, got: list | None, streams: dict) -> None:
+    """Asked for and sequence 0 sampled: each prompt token from the second on, exactly once, in
+    order, whatever the chunking, preemption, pipelining or worker loss (prefix hits skipped)."""
+    prompt, top_k = list(request.prompt_token_ids), request.sampling.prompt_logprobs
+    if top_k is None or len(prompt) == 1 or not streams.get((request.request_id, 0)):
+        assert got is None, f"{request.request_id}: prompt logprobs it should not have"
+        return
+    assert got == [fake_prompt_logprob(prompt, i, top_k) for i in range(1, len(prompt))], request.request_id

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
-from pagoda.contract.step import StepPlan, StepResult, TokenLogprobs
+from pagoda.contract.step import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 
 _MASK = (1 << 64) - 1
 
@@ -31,6 +31,14 @@ def history_hash(token_ids: list[int]) -> int:
     for token in token_ids:
         h = _mix(h ^ (token + 1))
     return h
+
+
+def fake_prompt_logprob(prompt: list[int], index: int, top_k: int) -> TokenLogprobs:
+    """Prompt token `index`'s (>= 1) fake logprob: a function of it, its position and the token
+    before it; its top k: itself, then the next ids."""
+    token = prompt[index]
+    logprob = -((token * 31 + index * 7 + prompt[index - 1]) % 1000) / 100
+    return TokenLogprobs(logprob, [(token + j, logprob - j) for j in range(top_k)], rank=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +124,27 @@ class FakeWorker:
         for rid, drafts in plan.draft_token_ids.items():  # computed after the request's tokens
             assert counts[rid] == 1 + len(drafts), f"{rid!r}: drafts need a count of 1 + {len(drafts)}"
             self.resident[rid].token_ids.extend(drafts)
+        prompt_logprobs = self._prompt_logprobs(counts)  # before the step advances num_computed
         samplers = self._forward(counts)
-        return self._sample(plan, samplers)
+        result = self._sample(plan, samplers)
+        result.prompt_logprobs = prompt_logprobs
+        return result
+
+    def _prompt_logprobs(self, counts: dict[RequestId, int]) -> list[PromptLogprobs]:
+        """As the real worker: a chunk computing positions [start, end) reports prompt tokens
+        start+1 .. min(end, num_prompt - 1)."""
+        reports = []
+        for rid, count in counts.items():
+            state = self.resident[rid]
+            top_k = state.sampling.prompt_logprobs
+            if top_k is None:
+                continue
+            start = state.num_computed
+            end = min(start + count, state.num_prompt_tokens - 1)
+            if end > start:
+                reports.append(PromptLogprobs(rid, start + 1, [
+                    fake_prompt_logprob(state.token_ids, i, top_k) for i in range(start + 1, end + 1)]))
+        return reports
 
     def _apply_beam_updates(self, plan: StepPlan) -> None:
         parents = {u.parent_id: self.resident[u.parent_id] for u in plan.beam_updates}
