@@ -119,9 +119,10 @@ class CupyBackend:
         decode = nvrtc.decode_kernel_name(shape.ctype, shape.head_dim, shape.block_size, shape.group_size,
                                           shape.cache_ctype)
         reduce = nvrtc.reduce_kernel_name(shape.ctype, shape.head_dim)
-        if shape not in self._modules:
+        key = (decode, reduce)  # not the shape: cache_dtype None and == dtype are the same kernels
+        if key not in self._modules:
             log.info("kernel_compiling", kernel="paged_decode", shape=str(shape))
-        kernels = self._modules.kernels(shape, nvrtc.DECODE_SOURCE, [decode, reduce])
+        kernels = self._modules.kernels(key, nvrtc.DECODE_SOURCE, [decode, reduce])
         return kernels[decode], kernels[reduce]
 
     def _cache_write_kernel(self, dtype: torch.dtype, cache_dtype: torch.dtype):
