@@ -121,6 +121,14 @@ struct E5m2 {
     }
 };
 
+// x * inv_scale, the value an FP8 cache stores, keeping a NaN's bits: a GPU multiply returns the
+// canonical (positive) NaN, while torch keeps the sign, and torch's fp32 -> bf16 makes NaNs negative
+// (0xffff), so a NaN row would otherwise be stored as 0x7f where torch stores 0xff. Integer test:
+// it survives --use_fast_math.
+PAGODA_HD float scaled_for_encode(float x, float inv_scale) {
+    return (bits_of(x) & 0x7fffffffu) > 0x7f800000u ? x : x * inv_scale;
+}
+
 // Exact decode of one code to fp32 (the value torch's float8 -> float gives).
 template <typename Format>
 PAGODA_HD float decode(u32 b) {

@@ -26,7 +26,7 @@ template <typename T, typename C> struct Fp8CacheStore {
     static __device__ __forceinline__ unsigned encode4(const float* f, float inv_scale) {
         unsigned w = 0u;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) w |= Format::from_float(f[j] * inv_scale) << (8 * j);
+        for (int j = 0; j < 4; ++j) w |= Format::from_float(fp8::scaled_for_encode(f[j], inv_scale)) << (8 * j);
         return w;
     }
     static __device__ __forceinline__ void store(C* dst, const uint4& src, float inv_scale) {

@@ -96,7 +96,8 @@ def test_fp8_cache_write_bytes_equal_torch(dtype, cache_dtype, scales):
                      _special_rows(num_tokens, 2 * NUM_KV_HEADS, head_dim, dtype, gen).flatten(1)], 1)
     key = qkv[:, 4 * head_dim : (4 + NUM_KV_HEADS) * head_dim].view(num_tokens, NUM_KV_HEADS, head_dim)
     value = qkv[:, (4 + NUM_KV_HEADS) * head_dim :].view(num_tokens, NUM_KV_HEADS, head_dim)
-    key[0, 0, :20] = _special_rows(1, 1, 20, dtype, gen).view(-1)  # the edges in K too
+    key[0, 0, :20] = _special_rows(1, 1, 20, dtype, gen).view(-1)  # the edges in K and V
+    value[1, 1, :20] = _special_rows(1, 1, 20, dtype, gen).view(-1)
     slots = torch.randperm(20 * block_size, generator=gen)[:num_tokens]
     slots[::5] = -1  # padding tokens
     k_cache = torch.randn(20, block_size, NUM_KV_HEADS, head_dim, generator=gen).to(cache_dtype)

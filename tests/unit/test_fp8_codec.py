@@ -33,6 +33,7 @@ void decode_e4m3(float* out) { decode_all<E4m3>(out); }
 void decode_e5m2(float* out) { decode_all<E5m2>(out); }
 void encode_e4m3(const float* in, unsigned char* out, long n) { encode_all<E4m3>(in, out, n); }
 void encode_e5m2(const float* in, unsigned char* out, long n) { encode_all<E5m2>(in, out, n); }
+unsigned scaled_bits(unsigned x, float inv_scale) { return bits_of(scaled_for_encode(float_of(x), inv_scale)); }
 void half_bits_to_float_all(float* out) {
     for (unsigned h = 0; h < 65536; ++h) out[h] = half_bits_to_float(h);
 }
@@ -57,6 +58,7 @@ def codec(tmp_path_factory):
     lib = ctypes.CDLL(str(library))
     for name in ("encode_e4m3", "encode_e5m2"):
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    lib.scaled_bits.argtypes, lib.scaled_bits.restype = [ctypes.c_uint, ctypes.c_float], ctypes.c_uint
     return lib
 
 
@@ -159,6 +161,17 @@ def test_fp32_denormal_inputs_encode_as_zero(codec, fmt):
     denormals = np.array([1e-45, 1e-40, 1.1754942e-38], dtype=np.float32)
     assert np.array_equal(_encode(codec, fmt, denormals), np.zeros(3, dtype=np.uint8))
     assert np.array_equal(_encode(codec, fmt, -denormals), np.full(3, 0x80, dtype=np.uint8))
+
+
+def test_scaling_keeps_a_nans_bits(codec):
+    # torch's fp32 -> bf16 makes NaN 0xffff (negative) and `.to(float8)` keeps the sign (0xff); the
+    # cache write must not let a multiply canonicalise it. The host multiply would keep it anyway:
+    # this checks the select the device needs is there and leaves numbers alone.
+    bf16_nan = torch.tensor([float("nan")]).to(torch.bfloat16).float().view(torch.int32).item() & 0xFFFFFFFF
+    for bits in (bf16_nan, 0x7FC00000, 0xFFC00001, 0x7F800001):
+        assert codec.scaled_bits(bits, 0.5) == bits
+    assert codec.scaled_bits(0x40400000, 0.5) == 0x3FC00000  # 3.0 * 0.5
+    assert codec.scaled_bits(0xFF800000, 0.25) == 0xFF800000  # -inf stays -inf
 
 
 def test_nvrtc_sources_paste_the_header_in():
