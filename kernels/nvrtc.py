@@ -22,6 +22,9 @@ CACHE_WRITE_SOURCE = "cache_write/kv_cache_write.cu"
 
 # Compiled variants (kernels.md §2). CTYPES maps the torch dtype name to the CUDA type.
 CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+# FP8 cache element types (--kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2): one byte each, decoded on
+# load by kernels/fp8.cuh. The query and output keep CTYPES' types.
+FP8_CTYPES = {"float8_e4m3fn": "pagoda::fp8_e4m3", "float8_e5m2": "pagoda::fp8_e5m2"}
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (16, 32)
 GROUP_SIZES = (1, 2, 4, 8)
@@ -30,24 +33,49 @@ DECODE_THREADS = 128
 BASE_OPTIONS = ("-std=c++17", "--use_fast_math")
 
 
+_QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
+
+
 def load_source(relative_path: str) -> str:
-    return (KERNELS_DIR / relative_path).read_text()
+    """The source with its quoted #includes pasted in (recursively, each file once).
+
+    NVRTC would find them through -I too, but CuPy's disk cache keys on the source text only:
+    pasting the headers in makes a header change a cache miss instead of a stale kernel.
+    """
+    return _expand_includes(KERNELS_DIR / relative_path, set())
 
 
-def decode_kernel_name(ctype: str, head_dim: int, block_size: int, group: int) -> str:
-    return f"pagoda::paged_decode<{ctype}, {head_dim}, {block_size}, {group}, {DECODE_THREADS}>"
+def _expand_includes(path: Path, seen: set[Path]) -> str:
+    path = path.resolve()
+    if path in seen:
+        return ""
+    seen.add(path)
+
+    def paste(match: re.Match) -> str:
+        header = path.parent / match.group(1)
+        text = _expand_includes(header, seen).replace("#pragma once\n", "")
+        return f"// ---- {match.group(1)} ----\n{text}"
+
+    return _QUOTED_INCLUDE.sub(paste, path.read_text())
+
+
+def decode_kernel_name(ctype: str, head_dim: int, block_size: int, group: int,
+                       cache_ctype: str | None = None) -> str:
+    """cache_ctype: the K/V cache element type; None = the query's (no FP8)."""
+    cache = cache_ctype or ctype
+    return f"pagoda::paged_decode<{ctype}, {cache}, {head_dim}, {block_size}, {group}, {DECODE_THREADS}>"
 
 
 def reduce_kernel_name(ctype: str, head_dim: int) -> str:
     return f"pagoda::paged_decode_reduce<{ctype}, {head_dim}>"
 
 
-def cache_write_kernel_name(ctype: str) -> str:
-    return f"pagoda::kv_cache_write<{ctype}>"
+def cache_write_kernel_name(ctype: str, cache_ctype: str | None = None) -> str:
+    return f"pagoda::kv_cache_write<{ctype}, {cache_ctype or ctype}>"
 
 
 def all_decode_names() -> list[str]:
-    """Every decode and reduce instantiation the backend can launch."""
+    """Every decode and reduce instantiation the backend can launch on a same-dtype cache."""
     names = []
     for ctype in CTYPES.values():
         for head_dim in HEAD_DIMS:
@@ -55,6 +83,18 @@ def all_decode_names() -> list[str]:
             for block_size in BLOCK_SIZES:
                 names += [decode_kernel_name(ctype, head_dim, block_size, g) for g in GROUP_SIZES]
     return names
+
+
+def all_fp8_decode_names() -> list[str]:
+    """Every decode instantiation over an FP8 cache (their reduce kernels are all_decode_names')."""
+    return [decode_kernel_name(ctype, head_dim, block_size, g, cache_ctype)
+            for ctype in CTYPES.values() for cache_ctype in FP8_CTYPES.values()
+            for head_dim in HEAD_DIMS for block_size in BLOCK_SIZES for g in GROUP_SIZES]
+
+
+def all_cache_write_names() -> list[str]:
+    return [cache_write_kernel_name(ctype, cache_ctype) for ctype in CTYPES.values()
+            for cache_ctype in (ctype, *FP8_CTYPES.values())]
 
 
 def cuda_include_dir() -> str | None:

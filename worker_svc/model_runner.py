@@ -17,7 +17,7 @@ import time
 import torch
 
 from kernels import default_backend_name, get_backend
-from kernels.kv_cache_dtype import is_fp8, resolve_cache_dtype
+from kernels.kv_cache_dtype import resolve_cache_dtype
 from pagoda.contract.errors import NotInitializedError, PlanError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
@@ -70,9 +70,12 @@ class ModelRunner:
         self.backend = get_backend(default_backend_name(self.device) if backend == "auto" else backend)
         self.max_model_len = self._resolve_max_model_len()
         self.cache_dtype = resolve_cache_dtype(config.kv_cache_dtype, self.dtype)
-        if is_fp8(self.cache_dtype) and self.backend.name == "cupy":
-            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} is not implemented in the CuPy "
-                             "kernels yet: use auto on CUDA (the CPU and torch backends read FP8 caches)")
+        if self.backend.name == "cupy":  # refuse at start a model the kernels have no variant for
+            from kernels.paged_attention.cupy_impl import KernelShape
+
+            mc = self.model_config  # FP8 caches have variants; fp32 activations, odd head_dims do not
+            KernelShape(self.dtype, mc.head_dim, config.block_size, mc.num_heads // mc.num_kv_heads,
+                        self.cache_dtype).validate()
         self.sampler = Sampler(self.model_config.eos_token_ids, self.device, config.seed)
         # Structured outputs: only the rank that samples keeps grammars (compiled off the loop).
         self.grammars = (GrammarCompiler(config.model, self.model_config.vocab_size,

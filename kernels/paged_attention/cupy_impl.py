@@ -3,8 +3,10 @@
 Decode rows (q_len == 1) run paged_decode.cu (split-K + reduce when the grid is too small to fill
 the GPU). Prefill rows (q_len > 1: prompts, chunks over a cached prefix) run the torch reference
 (SDPA with a lower-right causal mask) until the varlen kernel lands. Kernels are compiled per
-(dtype, head_dim, block_size, group) by `warmup`, before any step or CUDA-graph capture.
-Imported only when backend "cupy" is asked for (kernels.get_backend).
+(dtype, cache dtype, head_dim, block_size, group) by `warmup`, before any step or CUDA-graph capture.
+FP8 caches (--kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2) are encoded by the cache write and decoded
+on load by the decode kernel, with per-tensor scales k_scale / v_scale (vLLM's default 1.0: the
+cache holds value / scale). Imported only when backend "cupy" is asked for (kernels.get_backend).
 """
 
 from __future__ import annotations
@@ -18,11 +20,23 @@ import torch
 
 from kernels import nvrtc
 from kernels.cache_write import check_write_args, launch_kv_cache_write
+from kernels.kv_cache_dtype import is_fp8
 from kernels.splitk_mirror import choose_num_splits, tokens_per_split
 
 log = structlog.get_logger(__name__)
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_FP8_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+
+
+def cache_ctype(dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
+    """The CUDA type of a cache element: the activations' own, or an FP8 tag type."""
+    if cache_dtype in _FP8_NAMES:
+        return nvrtc.FP8_CTYPES[_FP8_NAMES[cache_dtype]]
+    if cache_dtype != dtype:
+        raise ValueError(f"cupy backend: a {cache_dtype} cache under {dtype} activations is not supported "
+                         "(the cache dtype is the model's, or FP8)")
+    return nvrtc.CTYPES[_DTYPE_NAMES[dtype]]
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,14 +45,20 @@ class KernelShape:
     head_dim: int
     block_size: int
     group_size: int
+    cache_dtype: torch.dtype | None = None  # None: the same as dtype
 
     @property
     def ctype(self) -> str:
         return nvrtc.CTYPES[_DTYPE_NAMES[self.dtype]]
 
+    @property
+    def cache_ctype(self) -> str:
+        return cache_ctype(self.dtype, self.cache_dtype or self.dtype)
+
     def validate(self) -> None:
         if self.dtype not in _DTYPE_NAMES:
             raise ValueError(f"cupy backend supports float16/bfloat16, not {self.dtype}")
+        self.cache_ctype  # noqa: B018 -- raises for an unsupported cache dtype
         for what, value, allowed in (("head_dim", self.head_dim, nvrtc.HEAD_DIMS),
                                      ("block_size", self.block_size, nvrtc.BLOCK_SIZES),
                                      ("GQA group size", self.group_size, nvrtc.GROUP_SIZES)):
@@ -77,8 +97,13 @@ def _check_rows(name: str, tensor: torch.Tensor) -> None:
 class CupyBackend:
     name = "cupy"
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         self.num_splits = num_splits  # None: FA2 heuristic; an int forces split-K (tests, benchmarks)
+        # FP8 per-tensor scales (the cache holds value / scale); unused by same-dtype caches.
+        # 1.0 is vLLM's default; Pagoda has no --calculate-kv-scales or checkpoint scales yet.
+        if not (k_scale > 0 and v_scale > 0):
+            raise ValueError(f"k_scale and v_scale must be positive, got {k_scale}, {v_scale}")
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
         self._modules = nvrtc.ModuleCache()
         self._sm_counts: dict[int, int] = {}
 
@@ -87,21 +112,27 @@ class CupyBackend:
         """Compile every kernel these shapes need; call before serving and before graph capture."""
         for shape in shapes:
             self._decode_kernels(shape)
-            self._cache_write_kernel(shape.dtype)
+            self._cache_write_kernel(shape.dtype, shape.cache_dtype or shape.dtype)
 
     def _decode_kernels(self, shape: KernelShape) -> tuple[object, object]:
         shape.validate()
-        decode = nvrtc.decode_kernel_name(shape.ctype, shape.head_dim, shape.block_size, shape.group_size)
+        decode = nvrtc.decode_kernel_name(shape.ctype, shape.head_dim, shape.block_size, shape.group_size,
+                                          shape.cache_ctype)
         reduce = nvrtc.reduce_kernel_name(shape.ctype, shape.head_dim)
-        if shape not in self._modules:
+        key = (decode, reduce)  # not the shape: cache_dtype None and == dtype are the same kernels
+        if key not in self._modules:
             log.info("kernel_compiling", kernel="paged_decode", shape=str(shape))
-        kernels = self._modules.kernels(shape, nvrtc.DECODE_SOURCE, [decode, reduce])
+        kernels = self._modules.kernels(key, nvrtc.DECODE_SOURCE, [decode, reduce])
         return kernels[decode], kernels[reduce]
 
-    def _cache_write_kernel(self, dtype: torch.dtype):
-        ctype = KernelShape(dtype, 64, 16, 1).ctype
-        name = nvrtc.cache_write_kernel_name(ctype)
-        return self._modules.kernels(("cache_write", ctype), nvrtc.CACHE_WRITE_SOURCE, [name])[name]
+    def _cache_write_kernel(self, dtype: torch.dtype, cache_dtype: torch.dtype):
+        shape = KernelShape(dtype, 64, 16, 1, cache_dtype)
+        shape.validate()
+        name = nvrtc.cache_write_kernel_name(shape.ctype, shape.cache_ctype)
+        return self._modules.kernels(("cache_write", name), nvrtc.CACHE_WRITE_SOURCE, [name])[name]
+
+    def _scales(self, cache_dtype: torch.dtype) -> tuple[float, float]:
+        return (self.k_scale, self.v_scale) if is_fp8(cache_dtype) else (1.0, 1.0)
 
     def _sm_count(self, device: torch.device) -> int:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -115,10 +146,10 @@ class CupyBackend:
         import cupy
 
         check_write_args(key, value, k_cache, v_cache, slot_mapping)
-        kernel = self._cache_write_kernel(k_cache.dtype)
+        kernel = self._cache_write_kernel(key.dtype, k_cache.dtype)
         with cupy.cuda.Device(k_cache.device.index):
             launch_kv_cache_write(kernel, key, value, k_cache, v_cache, slot_mapping,
-                                  _cupy_stream(k_cache.device))
+                                  _cupy_stream(k_cache.device), *self._scales(k_cache.dtype))
 
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -154,10 +185,14 @@ class CupyBackend:
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in prefill_ids]).to(query.device)
             sub_starts = np.concatenate([[0], np.cumsum([q_lens[i] for i in prefill_ids])])
             ids = torch.tensor(prefill_ids, device=query.device)
-            out[rows] = TorchBackend().paged_attention(
+            # The reference decodes an FP8 cache on gather without scales: k_scale scales every
+            # score (fold it into the softmax scale), v_scale every output.
+            k_scale, v_scale = self._scales(k_cache.dtype)
+            prefill = TorchBackend().paged_attention(
                 query[rows], k_cache, v_cache, block_tables[ids], seq_lens[ids],
-                torch.tensor(sub_starts, dtype=torch.int32, device=query.device), scale,
+                torch.tensor(sub_starts, dtype=torch.int32, device=query.device), scale * k_scale,
                 max_query_len, max_seq_len)
+            out[rows] = prefill if v_scale == 1.0 else (prefill.float() * v_scale).to(prefill.dtype)
         return out
 
     def _decode(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -166,9 +201,10 @@ class CupyBackend:
 
         num_heads, head_dim = query.shape[1], query.shape[2]
         _, block_size, num_kv_heads, _ = k_cache.shape
-        shape = KernelShape(query.dtype, head_dim, block_size, num_heads // num_kv_heads)
-        if num_heads % num_kv_heads or k_cache.dtype != query.dtype or k_cache.stride() != v_cache.stride():
-            raise ValueError("query/cache mismatch: heads, dtype or K/V strides")
+        shape = KernelShape(query.dtype, head_dim, block_size, num_heads // num_kv_heads, k_cache.dtype)
+        if (num_heads % num_kv_heads or v_cache.dtype != k_cache.dtype
+                or k_cache.stride() != v_cache.stride()):
+            raise ValueError("query/cache mismatch: heads, K/V dtypes or K/V strides")
         for name, tensor in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
             _check_rows(name, tensor)
         for name, tensor in (("block_tables", block_tables), ("seq_lens", seq_lens),
@@ -192,6 +228,7 @@ class CupyBackend:
             np.float32(scale), np.int64(query.stride(0)), np.int64(query.stride(1)),
             np.int64(k_cache.stride(0)), np.int64(k_cache.stride(1)), np.int64(k_cache.stride(2)),
             np.int64(out.stride(0)), np.int64(out.stride(1)),
+            *(np.float32(s) for s in self._scales(k_cache.dtype)),
         )
         with cupy.cuda.Device(query.device.index):
             stream = _cupy_stream(query.device)

@@ -3,9 +3,15 @@
 // Cache layout (NHD): k_cache, v_cache [num_blocks, BS, Hkv, D], addressed through int64 element
 // strides (block, token, head); the last dim is contiguous and every row starts 16-byte aligned.
 //
-// paged_decode<T, D, BS, G, NT>: grid (Hkv, B, S), NT threads. One CTA serves the G query heads of
-// one KV head, so each K/V row is read from DRAM once. A token row of D elements is covered by
-// D/8 lanes with one 16-byte load each; every thread keeps UNROLL tokens (K and V) in flight.
+// paged_decode<T, C, D, BS, G, NT>: grid (Hkv, B, S), NT threads. T is the query/output type
+// (fp16/bf16), C the cache element type: T itself, or fp8_e4m3 / fp8_e5m2 (one byte per value).
+// One CTA serves the G query heads of one KV head, so each K/V row is read from DRAM once. A token
+// row of D elements is covered by D/8 lanes, each loading its 8 elements in one vector (16 bytes
+// of T, or 8 bytes of FP8: the same lanes read the same contiguous row, so coalescing is the
+// same); every thread keeps UNROLL tokens (K and V) in flight.
+// FP8 is decoded on load (fp8.cuh: exact, bit operations + one fp16->fp32 conversion). The
+// per-tensor scales never touch an element: k_scale (and the decode's 2^8 unit) is folded into q,
+// v_scale into the output. A same-dtype cache ignores them: its code is the plain kernel's.
 // Softmax is online, in fp32, in the exp2 domain (scale*log2e is folded into q). Tokens at or
 // past seq_len are never loaded (stale slots may hold NaN). Each row group keeps its own
 // (m, l, acc) state; the CTA merges them through shared memory at the end.
@@ -13,43 +19,42 @@
 // paged_decode_reduce<T, D> merges. An empty split has lse = -inf, o = 0; an empty row gives 0.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include "../cuda_elem.cuh"
 
 namespace pagoda {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr int kVec = 8;  // 2-byte elements per 16-byte load
+constexpr int kVec = 8;  // elements per lane per load
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-// Two 2-byte elements packed in a 32-bit word -> two floats.
-template <typename T> struct Elem;
-template <> struct Elem<__half> {
-    static __device__ __forceinline__ void unpack(unsigned w, float& lo, float& hi) {
-        lo = __half2float(__ushort_as_half((unsigned short)(w & 0xffffu)));
-        hi = __half2float(__ushort_as_half((unsigned short)(w >> 16)));
-    }
-    static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
-};
-template <> struct Elem<__nv_bfloat16> {
-    static __device__ __forceinline__ void unpack(unsigned w, float& lo, float& hi) {
-        lo = __uint_as_float(w << 16);  // bf16 is the top half of an fp32
-        hi = __uint_as_float(w & 0xffff0000u);
-    }
-    static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
-};
-
-template <typename T>
-__device__ __forceinline__ void to_float8(const uint4& raw, float (&f)[kVec]) {
-    Elem<T>::unpack(raw.x, f[0], f[1]);
-    Elem<T>::unpack(raw.y, f[2], f[3]);
-    Elem<T>::unpack(raw.z, f[4], f[5]);
-    Elem<T>::unpack(raw.w, f[6], f[7]);
-}
 
 __device__ __forceinline__ uint4 load16(const void* p) {
     return __ldg(reinterpret_cast<const uint4*>(p));
 }
+
+// kVec cache elements of one lane: how they are loaded and decoded. kUnit multiplies every
+// decoded value (folded into the scales by the kernel).
+template <typename C> struct CacheVec {  // C == T: fp16 / bf16
+    typedef uint4 Raw;
+    static constexpr bool kFp8 = false;  // the scales are ignored: the kernel is the plain one
+    static constexpr float kUnit = 1.0f;
+    static __device__ __forceinline__ Raw load(const C* p) { return load16(p); }
+    static __device__ __forceinline__ void decode(const Raw& raw, float (&f)[kVec]) { unpack8<C>(raw, f); }
+};
+template <typename C> struct Fp8CacheVec {
+    typedef typename Fp8Format<C>::type Format;
+    typedef uint2 Raw;  // 8 codes
+    static constexpr bool kFp8 = true;
+    static constexpr float kUnit = Format::kDecodeUnit;
+    static __device__ __forceinline__ Raw load(const C* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+    static __device__ __forceinline__ void decode(const Raw& raw, float (&f)[kVec]) {
+        fp8x4_to_float<Format>(raw.x, f);
+        fp8x4_to_float<Format>(raw.y, f + 4);
+    }
+};
+template <> struct CacheVec<fp8_e4m3> : Fp8CacheVec<fp8_e4m3> {};
+template <> struct CacheVec<fp8_e5m2> : Fp8CacheVec<fp8_e5m2> {};
 
 // Sum over the LANES lanes that share one token row (lanes are contiguous and LANES-aligned).
 template <int LANES>
@@ -61,16 +66,17 @@ __device__ __forceinline__ float row_sum(float x) {
 
 template <int G> struct Unroll { static constexpr int value = G <= 2 ? 8 : (G <= 4 ? 4 : 2); };
 
-template <typename T, int D, int BS, int G, int NT>
+template <typename T, typename C, int D, int BS, int G, int NT>
 __global__ void __launch_bounds__(NT) paged_decode(
     T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse,
-    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const T* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc, const int* __restrict__ seq_ids,
     int max_blocks, int tokens_per_split, float scale,
     long long q_tok_stride, long long q_head_stride,
     long long c_block_stride, long long c_tok_stride, long long c_head_stride,
-    long long out_tok_stride, long long out_head_stride) {
+    long long out_tok_stride, long long out_head_stride, float k_scale, float v_scale) {
+    typedef CacheVec<C> Cache;
     constexpr int LANES = D / kVec;      // lanes per token row: 8, 16 or 32
     constexpr int ROWS = NT / LANES;     // token rows per pass == number of partial states
     constexpr int UNROLL = Unroll<G>::value;
@@ -90,13 +96,17 @@ __global__ void __launch_bounds__(NT) paged_decode(
     const int end = min(seq_len, start + tokens_per_split);
     const int row = threadIdx.x / LANES, dim0 = (threadIdx.x % LANES) * kVec;
 
+    // k_scale and the cache's decode unit scale every K element: apply them once, to q; likewise
+    // v_scale and the unit for every V element, to the output.
+    const float q_mul = Cache::kFp8 ? scale * (k_scale * Cache::kUnit) * kLog2e : scale * kLog2e;
+    const float out_mul = Cache::kFp8 ? v_scale * Cache::kUnit : 1.0f;
     float qf[G][kVec];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         const long long off = q_row * q_tok_stride + (long long)(kv_head * G + g) * q_head_stride + dim0;
-        to_float8<T>(load16(q + off), qf[g]);
+        unpack8<T>(load16(q + off), qf[g]);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) qf[g][j] *= scale * kLog2e;
+        for (int j = 0; j < kVec; ++j) qf[g][j] *= q_mul;
     }
     float m[G], l[G], acc[G][kVec];
 #pragma unroll
@@ -111,26 +121,26 @@ __global__ void __launch_bounds__(NT) paged_decode(
     const long long head_off = (long long)kv_head * c_head_stride + dim0;
     // The loop bound is uniform across the CTA, so every lane reaches every shuffle.
     for (int base = start; base < end; base += CHUNK) {
-        uint4 kr[UNROLL], vr[UNROLL];
+        typename Cache::Raw kr[UNROLL], vr[UNROLL];
         bool valid[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int tok = base + u * ROWS + row;
             valid[u] = tok < end;
-            kr[u] = make_uint4(0u, 0u, 0u, 0u);
+            kr[u] = typename Cache::Raw{};  // zero bits: 0.0 in every cache type
             vr[u] = kr[u];
             if (valid[u]) {  // int64: block_id * block_stride overflows int32 on large caches
                 const long long off = (long long)table[tok / BS] * c_block_stride
                                       + (long long)(tok % BS) * c_tok_stride + head_off;
-                kr[u] = load16(k_cache + off);
-                vr[u] = load16(v_cache + off);
+                kr[u] = Cache::load(k_cache + off);
+                vr[u] = Cache::load(v_cache + off);
             }
         }
         float s[G][UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             float kf[kVec];
-            to_float8<T>(kr[u], kf);
+            Cache::decode(kr[u], kf);
 #pragma unroll
             for (int g = 0; g < G; ++g) {
                 float dot = 0.f;
@@ -165,7 +175,7 @@ __global__ void __launch_bounds__(NT) paged_decode(
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             float vf[kVec];
-            to_float8<T>(vr[u], vf);  // zeros when masked, and p == 0 there too
+            Cache::decode(vr[u], vf);  // zeros when masked, and p == 0 there too
 #pragma unroll
             for (int g = 0; g < G; ++g) {
 #pragma unroll
@@ -199,7 +209,7 @@ __global__ void __launch_bounds__(NT) paged_decode(
             l_sum = fmaf(s_l[r][g], w, l_sum);
             o_sum = fmaf(s_o[r][g][d], w, o_sum);
         }
-        const float o = l_sum > 0.f ? o_sum / l_sum : 0.f;
+        const float o = l_sum > 0.f ? o_sum / l_sum * out_mul : 0.f;
         const int head = kv_head * G + g;
         if (num_splits == 1) {
             out[q_row * out_tok_stride + (long long)head * out_head_stride + d] = Elem<T>::from_float(o);

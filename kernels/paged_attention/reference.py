@@ -27,6 +27,7 @@ import torch.nn.functional as F
 # Longest / shortest context allowed in one decode group. Measured on the offline benchmark's
 # trajectory: 1.1, 1.25 and 1.5 (less padding, more calls) were no faster than 2.
 _BUCKET_RATIO = 2.0
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -102,8 +103,11 @@ class TorchBackend:
         if slot_mapping.numel() == 0:
             return
         # view (not reshape): the write must land in the cache's own storage.
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+        for rows, cache in ((key, k_cache), (value, v_cache)):
+            rows = rows.to(cache.dtype)
+            if cache.dtype in _FP8_DTYPES:  # index_copy_ has no float8 kernels: copy the bytes
+                rows, cache = rows.view(torch.uint8), cache.view(torch.uint8)
+            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, rows)
 
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -212,13 +216,21 @@ def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
+def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    # An FP8 cache gathers as bytes: index_select over uint8 exists on every device and torch
+    # version, the float8 dtypes' coverage does not (the CuPy backend's prefill rows come here).
+    if flat.dtype in _FP8_DTYPES:
+        return flat.view(torch.uint8).index_select(0, slots).view(flat.dtype)
+    return flat.index_select(0, slots)
+
+
 def _prefill_one(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
                  mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     # query: [q_len, Hq, D]; k_flat, v_flat: [num_slots, Hkv, D] -> [q_len, Hq, D]
     dtype = _compute_dtype(query.dtype)
     q = query.transpose(0, 1).unsqueeze(0).to(dtype)  # [1, Hq, q_len, D]
-    k = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(dtype)  # [1, Hkv, ctx, D]
-    v = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(dtype)
+    k = _gather(k_flat, slots).transpose(0, 1).unsqueeze(0).to(dtype)  # [1, Hkv, ctx, D]
+    v = _gather(v_flat, slots).transpose(0, 1).unsqueeze(0).to(dtype)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                        scale=scale, enable_gqa=True)  # [1, Hq, q_len, D]
     return o[0].transpose(0, 1).to(query.dtype)
@@ -232,8 +244,8 @@ def _decode_batch(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tenso
     num_kv_heads = k_flat.shape[1]
     group_size = num_heads // num_kv_heads
     dtype = _compute_dtype(query.dtype)
-    k = k_flat.index_select(0, group.slots).view(batch, group.ctx, num_kv_heads, head_dim).to(dtype)
-    v = v_flat.index_select(0, group.slots).view(batch, group.ctx, num_kv_heads, head_dim).to(dtype)
+    k = _gather(k_flat, group.slots).view(batch, group.ctx, num_kv_heads, head_dim).to(dtype)
+    v = _gather(v_flat, group.slots).view(batch, group.ctx, num_kv_heads, head_dim).to(dtype)
     q = query.to(dtype).view(batch, num_kv_heads, group_size, head_dim)
     out = torch.empty(batch, num_kv_heads, group_size, head_dim, dtype=dtype, device=query.device)
     for h in range(num_kv_heads):

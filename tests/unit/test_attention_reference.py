@@ -121,6 +121,31 @@ def test_write_kv_cache_skips_negative_slots():
     assert int(written.sum()) == 2 and k_cache[~written].abs().sum() == 0
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_write_stores_torchs_bytes_and_reads_them_back(cache_dtype):
+    # index_copy_ has no float8 kernels: the reference writes the bytes (the CuPy GPU tests and
+    # `--attention-backend torch --kv-cache-dtype fp8` rely on this).
+    backend = get_backend("torch")
+    k_cache = torch.zeros(4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.randn(3, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) * 100
+    value = torch.randn(3, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    backend.write_kv_cache(key, value, k_cache, v_cache, torch.tensor([5, -1, BLOCK_SIZE + 2]))
+    for cache, rows in ((k_cache, key), (v_cache, value)):
+        assert torch.equal(cache[0, 5].view(torch.uint8), rows[0].to(cache_dtype).view(torch.uint8))
+        assert torch.equal(cache[1, 2].view(torch.uint8), rows[2].to(cache_dtype).view(torch.uint8))
+        assert int(cache.view(torch.uint8).count_nonzero()) == int(
+            (rows[[0, 2]].to(cache_dtype).view(torch.uint8) != 0).sum())
+    query = torch.randn(1, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    out = backend.paged_attention(query, k_cache, v_cache, torch.tensor([[1, 0]], dtype=torch.int32),
+                                  torch.tensor([BLOCK_SIZE + 3], dtype=torch.int32),
+                                  torch.tensor([0, 1], dtype=torch.int32), 0.125, 1, BLOCK_SIZE + 3)
+    keys = torch.cat([k_cache[1], k_cache[0]])[: BLOCK_SIZE + 3].double()
+    values = torch.cat([v_cache[1], v_cache[0]])[: BLOCK_SIZE + 3].double()
+    expected = dense_reference(query, keys, values, 0.125)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
 def test_metadata_changed_in_place_is_not_served_from_the_step_cache():
     """The backend reuses what it derives from the metadata across the layers of one step; the
     runner may rewrite the same tensors in place for the next step, which must not reuse it."""

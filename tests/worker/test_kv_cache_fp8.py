@@ -66,3 +66,17 @@ def test_llm_serves_from_an_fp8_cache_with_logprobs_close_to_fp32(tiny_model_dir
     assert len(same_first) >= len(prompts) // 2
     for full, fp8 in same_first:
         assert fp8.logprobs[0].logprob == pytest.approx(full.logprobs[0].logprob, abs=0.05)
+
+
+@pytest.mark.parametrize("cache", ["fp8", "fp8_e5m2"])
+def test_a_cupy_worker_takes_an_fp8_cache(tiny_model_dir: str, cache: str) -> None:
+    # Construction only (no GPU here): the CUDA kernels have FP8 variants, so nothing refuses.
+    runner = ModelRunner(WorkerConfig(model=tiny_model_dir, dtype="bfloat16", kv_cache_dtype=cache,
+                                      attention_backend="cupy", kv_cache_memory_bytes=BUDGET))
+    assert runner.backend.name == "cupy" and runner.cache_dtype.itemsize == 1
+
+
+def test_a_cupy_worker_refuses_at_start_what_has_no_kernel(tiny_model_dir: str) -> None:
+    with pytest.raises(ValueError, match="cupy backend supports float16/bfloat16, not torch.float32"):
+        ModelRunner(WorkerConfig(model=tiny_model_dir, dtype="float32", kv_cache_dtype="fp8",
+                                 attention_backend="cupy", kv_cache_memory_bytes=BUDGET))
