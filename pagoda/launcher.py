@@ -214,6 +214,8 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
     model = ["--fake", *model_dir] if args.fake else model_dir
     drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
+    swap = ["--swap-space", str(args.swap_space)] if args.swap_space else []
+    preemption = ["--preemption-mode", args.preemption_mode] if args.preemption_mode else []
     lora = ["--enable-lora", "--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank),
             *(["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras else [])
             ] if args.enable_lora or args.lora_modules else []
@@ -221,10 +223,10 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
         Child(f"worker{suffix}", ["worker_svc", *model, "--port", str(worker_port),
                                   "--tensor-parallel-size", str(args.tensor_parallel_size),
                                   "--device", args.device, "--dtype", args.dtype,
-                                  "--kv-cache-dtype", args.kv_cache_dtype, *lora], worker,
+                                  "--kv-cache-dtype", args.kv_cache_dtype, *swap, *lora], worker,
               needs_serving=False),
         Child(f"scheduler{suffix}", ["scheduler_svc", "--workers", worker, "--port", str(scheduler_port),
-                                     *drain, *spec], scheduler, needs_serving=True),
+                                     *drain, *spec, *preemption], scheduler, needs_serving=True),
     ]
 
 
@@ -281,6 +283,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the worker's compute dtype (auto: the checkpoint's, fp32 for a quantised GGUF)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the worker's KV cache: auto (the compute dtype) or FP8 (one byte per value)")
+    p.add_argument("--swap-space", type=float, default=0.0, metavar="GiB",
+                   help="the worker's host memory for KV swapped out at preemption (default 0: none)")
+    p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
+                   help="the scheduler's: recompute or swap a preempted sequence (default: by cost)")
     p.add_argument("--worker-port", type=int, default=50061)
     p.add_argument("--scheduler-port", type=int, default=50052)
     p.add_argument("--gateway-port", type=int, default=8000)

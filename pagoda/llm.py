@@ -77,10 +77,17 @@ class LLM:
                  speculative_config: dict | str | None = None,
                  pinned_prompts: Sequence[str | list[int]] | None = None, enable_lora: bool = False,
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", swap_space: float = 0.0,
+                 preemption_mode: str | None = None) -> None:
         # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
         # "prompt_lookup_min": 2} (scheduler_svc/core/spec_decode.py). Checked before loading.
         speculative = SpeculativeConfig.parse(speculative_config)
+        # Swap preemption (scheduler_svc/core/swap.py), vLLM's names: swap_space GiB of host memory,
+        # preemption_mode "recompute" / "swap" / None (by cost). Checked before loading.
+        if preemption_mode not in (None, "recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap' (or None), got {preemption_mode!r}")
+        if preemption_mode == "swap" and swap_space <= 0:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
         if speculative is not None and tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet")
         worker_config = WorkerConfig(
@@ -89,25 +96,26 @@ class LLM:
             kv_cache_memory_bytes=kv_cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
             attention_backend=attention_backend, seed=seed, tensor_parallel_size=tensor_parallel_size,
             enable_lora=enable_lora,
-            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            swap_space=swap_space)
         self.runner = create_runner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
         # Runs close()'s work when the LLM is garbage-collected (vLLM's users `del` their engine);
         # it holds the runner's bound close, never `self`, so it does not keep the LLM alive.
         runner_close = getattr(self.runner, "close", None)
         self._finalizer = weakref.finalize(self, runner_close) if runner_close is not None else None
         try:
-            self.worker_info = self.runner.initialize()
+            self.worker_info = info = self.runner.initialize()
+            scheduler_config = SchedulerConfig(  # raises if swap_space holds no block
+                num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                long_prefill_token_threshold=long_prefill_token_threshold,
+                enable_prefix_caching=enable_prefix_caching, eos_token_ids=info.eos_token_ids,
+                speculative=speculative, max_loras=info.max_loras, num_cpu_blocks=info.num_cpu_blocks,
+                preemption_mode=preemption_mode)
         except BaseException:
             self.close()
             raise
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=self.worker_info.num_blocks, block_size=self.worker_info.block_size,
-            max_model_len=self.worker_info.max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            enable_prefix_caching=enable_prefix_caching,
-            eos_token_ids=self.worker_info.eos_token_ids, speculative=speculative,
-            max_loras=self.worker_info.max_loras))
+        self.scheduler = Scheduler(scheduler_config)
         self.model_dir = model
         self._tokenizer: Any = None
         self._request_counter = itertools.count()

@@ -27,6 +27,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-waiting-requests", type=int, default=4096)
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--no-pipelining", action="store_true", help="one plan in flight at a time")
+    p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
+                   help="how a preempted sequence resumes: recompute its KV, or swap it to the worker's "
+                        "host pool and back (needs the worker's --swap-space). Default: by cost, swap "
+                        "a sequence longer than one prefill chunk when the host pool has room"),
     p.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='n-gram speculative decoding, as vLLM spells it: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
@@ -101,6 +105,7 @@ def build_config(args: argparse.Namespace) -> EngineServiceConfig:
         pipelining=not args.no_pipelining, worker_timeout_s=args.worker_timeout,
         shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_ca=args.tls_ca, speculative=args.speculative_config, brownout=brownout_config(args),
+        preemption_mode=args.preemption_mode,
         pinned_prompts=tuple(load_pinned_prompts(args.pinned_prompts)) if args.pinned_prompts else ())
 
 
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_tracing("pagoda-scheduler", args.otlp_traces_endpoint)
     try:
         asyncio.run(serve(build_config(args)))
-    except (PinnedPromptsError, InvalidRequestError) as error:  # a bad --pinned-prompts entry
+    except (PinnedPromptsError, InvalidRequestError, ValueError) as error:  # bad --pinned-prompts, no swap space
         raise SystemExit(f"scheduler: {error}") from None
     finally:
         shutdown_tracing()  # flush the drained requests' spans

@@ -106,6 +106,10 @@ _STATS_FIELDS = {
     "spec_num_accepted_tokens": "spec_num_accepted_tokens", "num_pinned_blocks": "num_pinned_blocks",
     "brownout_active": "brownout_active", "brownout_entries": "brownout_entries",
     "brownout_capped_requests": "brownout_capped_requests", "max_loras": "max_loras",
+    "num_swapped": "num_swapped", "num_swap_preemptions": "num_swap_preemptions",
+    "blocks_swapped_out": "blocks_swapped_out", "blocks_swapped_in": "blocks_swapped_in",
+    "num_cpu_blocks": "num_cpu_blocks", "cpu_kv_usage": "cpu_kv_cache_usage",
+    "prefill_tokens_computed": "prefill_tokens_computed",
 }
 
 

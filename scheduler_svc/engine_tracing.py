@@ -83,7 +83,8 @@ class EngineTracing(NoTracing):
             step_id=plan.step_id, num_running=s.num_running, num_waiting=s.num_waiting,
             prefill_tokens=s.last_step_prefill_tokens, decode_tokens=s.last_step_decode_tokens,
             num_preemptions=s.last_step_preemptions, kv_cache_usage=s.kv_usage,
-            prefix_cache_hit_tokens=max(s.prefix_hits - self._prefix_hits_seen, 0)),
+            prefix_cache_hit_tokens=max(s.prefix_hits - self._prefix_hits_seen, 0),
+            swapped_out_blocks=len(plan.swap_out), swapped_in_blocks=len(plan.swap_in)),
             served=self._requests.span_contexts(scheduler.running_request_ids(plan)))
         self._prefix_hits_seen = s.prefix_hits
         plan.traceparent = inject_traceparent(span)

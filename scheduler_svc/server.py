@@ -57,6 +57,8 @@ class EngineServiceConfig:
     speculative: SpeculativeConfig | None = None  # n-gram speculative decoding; None: off
     brownout: BrownoutConfig | None = None  # core/brownout.py; None: off
     pinned_prompts: tuple = ()  # entries of --pinned-prompts (pinned_prompts.py), pinned at start
+    # vLLM's --preemption-mode: "recompute", "swap" (needs the worker's --swap-space), None: auto
+    preemption_mode: Literal["recompute", "swap"] | None = None
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -74,7 +76,8 @@ def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> Scheduler
         enable_prefix_caching=config.enable_prefix_caching,
         max_waiting_requests=config.max_waiting_requests, eos_token_ids=info.eos_token_ids,
         policy=config.scheduling_policy, max_inflight_steps=2 if config.pipelining else 1,
-        speculative=config.speculative, brownout=config.brownout, max_loras=info.max_loras)
+        speculative=config.speculative, brownout=config.brownout, max_loras=info.max_loras,
+        num_cpu_blocks=info.num_cpu_blocks, preemption_mode=config.preemption_mode)
 
 
 @dataclass(slots=True)
@@ -116,7 +119,12 @@ async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
         await client.close()
         await server.stop(0)
         raise
-    sched_config = scheduler_config(info, config)
+    try:
+        sched_config = scheduler_config(info, config)
+    except ValueError:  # --preemption-mode swap, but the worker has no swap space
+        await client.close()
+        await server.stop(0)
+        raise
     scheduler = Scheduler(sched_config)
     try:
         for token_ids in resolve_pinned_prompts(list(config.pinned_prompts), info.model_name):
@@ -131,7 +139,8 @@ async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
     loop_task = asyncio.create_task(engine.run(), name="engine-loop")
     await health.set_serving(True)
     log.info("scheduler_serving", address=f"{config.host}:{port}", num_blocks=sched_config.num_blocks,
-             max_model_len=sched_config.max_model_len, pipelining=config.pipelining)
+             max_model_len=sched_config.max_model_len, pipelining=config.pipelining,
+             num_cpu_blocks=sched_config.num_cpu_blocks, preemption_mode=config.preemption_mode or "auto")
     return RunningEngine(server, engine, client, loop_task, port, health)
 
 

@@ -28,6 +28,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto: the model's dtype; fp8 (e4m3) / fp8_e5m2: one byte per value, 2x the "
                         "blocks of bf16 in the same memory (CPU backends; see kernels/kv_cache_dtype.py)")
+    p.add_argument("--swap-space", type=float, default=0.0, metavar="GiB",
+                   help="host memory (per rank) for KV blocks swapped out at preemption, pinned on CUDA; "
+                        "the scheduler's --preemption-mode uses it (default 0: preemption recomputes). "
+                        "--fake: 1024 host blocks per GiB")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cupy"])
     p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU: pre-pack linear weights for oneDNN at load (faster GEMMs; see "
@@ -64,7 +68,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         attention_backend=args.attention_backend, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, pack_weights=args.pack_weights,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras)
+        max_cpu_loras=args.max_cpu_loras, swap_space=args.swap_space)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,11 +93,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def build_runner(args: argparse.Namespace):
     if args.fake:
-        from worker_svc.fake.runner import FakeStepRunner, fake_vocab_size
+        from worker_svc.fake.runner import FAKE_BLOCKS_PER_GIB, FakeStepRunner, fake_vocab_size
 
         return FakeStepRunner(num_blocks=args.num_gpu_blocks_override or 4096,
                               block_size=args.block_size, max_model_len=args.max_model_len or 4096,
-                              vocab_size=args.vocab_size or fake_vocab_size(args.model), check_kv=False)
+                              vocab_size=args.vocab_size or fake_vocab_size(args.model), check_kv=False,
+                              num_cpu_blocks=int(args.swap_space * FAKE_BLOCKS_PER_GIB))
     if not args.model:
         raise SystemExit("--model is required (or --fake)")
     from worker_svc.tp_worker import create_runner  # torch import: after flags parse

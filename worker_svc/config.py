@@ -32,3 +32,6 @@ class WorkerConfig:
     max_loras: int = 1  # adapters in device slots at once (distinct adapters per step)
     max_lora_rank: int = 16  # every slot is padded to this rank; a higher-rank adapter is refused
     max_cpu_loras: int | None = None  # loaded adapters kept on the host (LRU); None: max_loras
+    # vLLM's --swap-space: GiB of host memory (per rank) for KV blocks swapped out at preemption
+    # (pinned on CUDA). 0 (the default, as vLLM v1 which only recomputes): none.
+    swap_space: float = 0.0

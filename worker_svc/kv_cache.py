@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.contract.step import BlockCopy
+
 DEFAULT_CPU_CACHE_BYTES = 1 << 30  # 1 GiB when kv_cache_memory_bytes is not set
 
 
@@ -56,6 +58,63 @@ class KVCache:
         dst_index = torch.tensor(list(dst), dtype=torch.long, device=device)
         # [L, 2, num_copies, block_size, H, D]; gathered first, so a dst that is also a src is safe.
         self.storage[:, :, dst_index] = self.storage[:, :, src_index]
+
+
+# Block copies run on a same-size integer view: index_copy_ has no CPU kernel for the FP8 dtypes.
+_RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(_RAW_DTYPES[tensor.element_size()])
+
+
+class HostKVPool:
+    """The swap space (--swap-space): swapped-out blocks in host memory, laid out as a KVCache's
+    storage [num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim], page-locked when
+    the device cache is on CUDA so the copies are DMA transfers. Block ids come from the scheduler.
+
+    A swap moves a batch of blocks with one gather and one scatter per layer: the staging tensor
+    is one layer's blocks, not all layers' (the device may be nearly full when it preempts).
+    """
+
+    def __init__(self, shape: CacheShape, num_blocks: int, pin_memory: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the host pool needs at least one block, got {num_blocks}")
+        self.shape = shape
+        self.num_blocks = num_blocks
+        # Never zeroed: a host block is always written by a swap-out before a swap-in reads it.
+        self.storage = torch.empty(
+            (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
+            dtype=shape.dtype, device="cpu", pin_memory=pin_memory)
+
+    def apply(self, cache: KVCache, swap_out: Sequence[BlockCopy], swap_in: Sequence[BlockCopy]) -> None:
+        """A plan's swaps, in the plan's order: swap-outs (device -> host), then swap-ins."""
+        if swap_out:
+            self.swap_out(cache, [c.src for c in swap_out], [c.dst for c in swap_out])
+        if swap_in:
+            self.swap_in(cache, [c.src for c in swap_in], [c.dst for c in swap_in])
+
+    def swap_out(self, cache: KVCache, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Device block src[i] -> host block dst[i], every layer's K and V."""
+        device_raw, host_raw = _raw(cache.storage), _raw(self.storage)
+        src_index = torch.tensor(list(src), dtype=torch.long, device=cache.storage.device)
+        dst_index = torch.tensor(list(dst), dtype=torch.long)
+        for layer in range(self.shape.num_layers):  # [2, n, block_size, H, D] staged per layer
+            host_raw[layer].index_copy_(1, dst_index, device_raw[layer].index_select(1, src_index).cpu())
+
+    def swap_in(self, cache: KVCache, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Host block src[i] -> device block dst[i], every layer's K and V."""
+        device = cache.storage.device
+        device_raw, host_raw = _raw(cache.storage), _raw(self.storage)
+        src_index = torch.tensor(list(src), dtype=torch.long)
+        dst_index = torch.tensor(list(dst), dtype=torch.long, device=device)
+        for layer in range(self.shape.num_layers):
+            device_raw[layer].index_copy_(1, dst_index, host_raw[layer].index_select(1, src_index).to(device))
+
+
+def num_cpu_blocks(swap_space_gib: float, shape: CacheShape) -> int:
+    """Host blocks in `swap_space_gib` GiB (per rank under tensor parallelism, as vLLM's)."""
+    return num_blocks_for_budget(int(swap_space_gib * (1 << 30)), shape)
 
 
 def num_blocks_for_budget(budget_bytes: int, shape: CacheShape) -> int:

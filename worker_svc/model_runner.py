@@ -26,7 +26,8 @@ from worker_svc import fault_injection
 from worker_svc.config import WorkerConfig
 from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.input_batch import CachedRequestState, ScheduledSeq, build_model_inputs
-from worker_svc.kv_cache import CacheShape, KVCache, cpu_num_blocks, cuda_num_blocks
+from worker_svc.kv_cache import CacheShape, HostKVPool, KVCache, cpu_num_blocks, cuda_num_blocks
+from worker_svc.kv_cache import num_cpu_blocks as num_host_blocks_for
 from worker_svc.loader import load_model, resolve_dtype
 from worker_svc.lora.manager import LoRAManager
 from worker_svc.model_config import ModelConfig
@@ -83,6 +84,7 @@ class ModelRunner:
         self.verifier = DraftVerifier(self.sampler, config.seed)
         self.requests: dict[RequestId, CachedRequestState] = {}
         self.kv_cache: KVCache | None = None
+        self.host_pool: HostKVPool | None = None  # --swap-space: swapped-out blocks
         self._last_step_id: int | None = None
         self.unsampled: list[CachedRequestState] = []  # TP follower: awaiting rank 0's tokens
 
@@ -102,15 +104,21 @@ class ModelRunner:
             num_blocks = cpu_num_blocks(self.config.kv_cache_memory_bytes, shape)
         if self.tp.size > 1:  # block ids mean the same slots on every rank
             num_blocks = self.tp.min_over_ranks(num_blocks)
-        self.kv_cache = None  # free the old cache before allocating a new one
+        num_host_blocks = num_host_blocks_for(self.config.swap_space, shape)
+        if self.tp.size > 1:
+            num_host_blocks = self.tp.min_over_ranks(num_host_blocks)
+        self.kv_cache = self.host_pool = None  # free the old caches before allocating new ones
         self.kv_cache = KVCache(shape, num_blocks, self.device)
+        if num_host_blocks:
+            self.host_pool = HostKVPool(shape, num_host_blocks, pin_memory=self.device.type == "cuda")
         self.reset()
         return WorkerInfo(num_blocks=num_blocks, block_size=self.config.block_size,
                           max_model_len=self.max_model_len,
                           eos_token_ids=tuple(self.model_config.eos_token_ids),
                           vocab_size=self.model_config.vocab_size, model_name=self.config.model,
                           max_loras=self.lora.max_loras if self.lora else 0,
-                          max_lora_rank=self.lora.max_lora_rank if self.lora else 0)
+                          max_lora_rank=self.lora.max_lora_rank if self.lora else 0,
+                          num_cpu_blocks=num_host_blocks)
 
     def reset(self) -> None:
         """Drop every resident request; the next plan may start at any step id."""
@@ -132,7 +140,8 @@ class ModelRunner:
             raise PlanError(f"step {plan.step_id} does not follow step {self._last_step_id}")
         if plan.draft_token_ids and self.tp.size > 1:
             raise PlanError("speculative decoding with tensor parallelism is not supported yet")
-        validate_plan(plan, self.requests, self.kv_cache.num_blocks, self.config.block_size)
+        validate_plan(plan, self.requests, self.kv_cache.num_blocks, self.config.block_size,
+                      self.host_pool.num_blocks if self.host_pool is not None else 0)
         if self.lora is None and any(new.lora is not None for new in plan.new_requests):
             raise PlanError("a request names a LoRA adapter but this worker runs without --enable-lora")
 
@@ -215,6 +224,9 @@ class ModelRunner:
             table[update.start:update.start + len(update.block_ids)] = update.block_ids
         for request_id, drafts in plan.draft_token_ids.items():  # computed after its own tokens
             self.requests[request_id].token_ids.extend(drafts)
+        if plan.swap_out or plan.swap_in:  # before the copies: the blocks swap-outs free may be reused
+            assert self.kv_cache is not None and self.host_pool is not None  # validate_plan checked
+            self.host_pool.apply(self.kv_cache, plan.swap_out, plan.swap_in)
         if plan.block_copies:
             assert self.kv_cache is not None
             self.kv_cache.copy_blocks([c.src for c in plan.block_copies],

@@ -14,7 +14,7 @@ from worker_svc.input_batch import CachedRequestState
 
 
 def validate_plan(plan: StepPlan, resident: Mapping[RequestId, CachedRequestState], num_blocks: int,
-                  block_size: int) -> None:
+                  block_size: int, num_cpu_blocks: int = 0) -> None:
     if plan.beam_updates:  # applied first: the rest of the plan sees the re-pointed beams
         resident = _after_beam_updates(plan, resident)
     dropped = _check_dropped(plan, resident)
@@ -36,6 +36,19 @@ def validate_plan(plan: StepPlan, resident: Mapping[RequestId, CachedRequestStat
     _check_forks(plan, is_live, samples)
     for copy in plan.block_copies:
         _check_blocks((copy.src, copy.dst), num_blocks, "block copy")
+    _check_swaps(plan, num_blocks, num_cpu_blocks)
+
+
+def _check_swaps(plan: StepPlan, num_blocks: int, num_cpu_blocks: int) -> None:
+    """Ids in range on each side, and no block written twice by one plan's swaps."""
+    for name, copies, src_blocks, dst_blocks in (("swap-out", plan.swap_out, num_blocks, num_cpu_blocks),
+                                                 ("swap-in", plan.swap_in, num_cpu_blocks, num_blocks)):
+        if copies and not num_cpu_blocks:
+            raise PlanError(f"a {name} but this worker has no swap space (start it with --swap-space)")
+        _check_blocks((c.src for c in copies), src_blocks, f"{name} source")
+        _check_blocks((c.dst for c in copies), dst_blocks, f"{name} destination")
+        if len({c.dst for c in copies}) != len(copies):
+            raise PlanError(f"a {name} writes one block twice: {[c.dst for c in copies]}")
 
 
 def _check_dropped(plan: StepPlan, resident: Mapping[RequestId, CachedRequestState]) -> set[RequestId]:

@@ -6,6 +6,9 @@ A plan carries *changes* only (DESIGN.md, "The scheduler↔worker protocol"):
 - every resident request is scheduled for exactly 1 token unless `num_scheduled_tokens` says
   otherwise (0 = resident but skipped this step; >1 = a prefill chunk);
 - block tables change only through `table_updates` (append, or replace one entry for copy-on-write);
+- swap preemption moves KV between the device cache and the worker's host pool (`swap_out`,
+  `swap_in`): a swapped-out request is preempted (dropped), and resumes as a new request whose
+  num_computed_tokens counts the tokens whose KV the swap-in brings back;
 - the worker keeps its own sampled tokens; they are never echoed back.
 
 The worker derives the rest itself: a request samples in a step when, after the step,
@@ -47,7 +50,8 @@ class TableUpdate:
 
 @dataclass(slots=True)
 class BlockCopy:
-    """Copy-on-write: copy every layer's K and V of block `src` into block `dst` before the step."""
+    """Copy every layer's K and V of block `src` into block `dst` before the step: copy-on-write
+    (both device blocks), or a swap (one device block, one host block: see StepPlan)."""
 
     src: BlockId
     dst: BlockId
@@ -98,12 +102,18 @@ class StepPlan:
     # token of its own, and rolls back the rest (its num_computed and its table: see StepResult).
     draft_token_ids: dict[RequestId, list[int]] = field(default_factory=dict)
     beam_updates: list[BeamUpdate] = field(default_factory=list)
+    # Swap preemption (scheduler_svc/core/swap.py), run before this step's block copies and forward,
+    # in this order: swap_out (device block src -> host block dst) then swap_in (host block src ->
+    # device block dst). Device blocks freed by a swap-out may thus be reused in the same step.
+    swap_out: list[BlockCopy] = field(default_factory=list)
+    swap_in: list[BlockCopy] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not (self.new_requests or self.finished_ids or self.preempted_ids
                     or self.table_updates or self.num_scheduled_tokens or self.block_copies
-                    or self.forks or self.draft_token_ids or self.beam_updates)
+                    or self.forks or self.draft_token_ids or self.beam_updates or self.swap_out
+                    or self.swap_in)
 
 
 @dataclass(slots=True)
@@ -155,3 +165,4 @@ class WorkerInfo:
     model_name: str
     max_loras: int = 0  # distinct LoRA adapters a step may use; 0: LoRA disabled
     max_lora_rank: int = 0
+    num_cpu_blocks: int = 0  # host blocks for swapped-out KV (--swap-space); 0: preemption recomputes

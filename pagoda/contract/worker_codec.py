@@ -39,12 +39,13 @@ def plan_to_pb(plan: StepPlan, epoch: int) -> worker_pb2.StepPlan:
         table_updates=[worker_pb2.TableUpdate(request_id=u.request_id, start=u.start,
                                               block_ids=u.block_ids) for u in plan.table_updates],
         num_scheduled_tokens=plan.num_scheduled_tokens,
-        block_copies=[worker_pb2.BlockCopy(src=c.src, dst=c.dst) for c in plan.block_copies],
+        block_copies=_copies_to_pb(plan.block_copies),
         forks=[worker_pb2.Fork(parent_id=f.parent_id, child_ids=f.child_ids) for f in plan.forks],
         traceparent=plan.traceparent,
         draft_token_ids={rid: worker_pb2.DraftTokens(token_ids=ids) for rid, ids in plan.draft_token_ids.items()},
         beam_updates=[worker_pb2.BeamUpdate(request_id=u.request_id, parent_id=u.parent_id,
-                                            token_id=u.token_id) for u in plan.beam_updates])
+                                            token_id=u.token_id) for u in plan.beam_updates],
+        swap_out=_copies_to_pb(plan.swap_out), swap_in=_copies_to_pb(plan.swap_in))
 
 
 def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
@@ -57,13 +58,22 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
         table_updates=[TableUpdate(RequestId(u.request_id), u.start, [BlockId(b) for b in u.block_ids])
                        for u in pb.table_updates],
         num_scheduled_tokens={RequestId(k): v for k, v in pb.num_scheduled_tokens.items()},
-        block_copies=[BlockCopy(BlockId(c.src), BlockId(c.dst)) for c in pb.block_copies],
+        block_copies=_copies_from_pb(pb.block_copies),
         forks=[Fork(RequestId(f.parent_id), [RequestId(c) for c in f.child_ids]) for f in pb.forks],
         traceparent=pb.traceparent,
         draft_token_ids={RequestId(k): list(v.token_ids) for k, v in pb.draft_token_ids.items()},
         beam_updates=[BeamUpdate(RequestId(u.request_id), RequestId(u.parent_id), u.token_id)
-                      for u in pb.beam_updates])
+                      for u in pb.beam_updates],
+        swap_out=_copies_from_pb(pb.swap_out), swap_in=_copies_from_pb(pb.swap_in))
     return pb.epoch, plan
+
+
+def _copies_to_pb(copies: list[BlockCopy]) -> list[worker_pb2.BlockCopy]:
+    return [worker_pb2.BlockCopy(src=c.src, dst=c.dst) for c in copies]
+
+
+def _copies_from_pb(copies) -> list[BlockCopy]:
+    return [BlockCopy(BlockId(c.src), BlockId(c.dst)) for c in copies]
 
 
 def _new_request_to_pb(r: NewRequestData) -> worker_pb2.NewRequest:
@@ -119,7 +129,8 @@ def info_to_pb(info: WorkerInfo, epoch: int) -> worker_pb2.InitResponse:
     return worker_pb2.InitResponse(
         num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
         eos_token_ids=info.eos_token_ids, epoch=epoch, vocab_size=info.vocab_size,
-        model_name=info.model_name, max_loras=info.max_loras, max_lora_rank=info.max_lora_rank)
+        model_name=info.model_name, max_loras=info.max_loras, max_lora_rank=info.max_lora_rank,
+        num_cpu_blocks=info.num_cpu_blocks)
 
 
 def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
@@ -127,4 +138,4 @@ def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
     return pb.epoch, WorkerInfo(
         num_blocks=pb.num_blocks, block_size=pb.block_size, max_model_len=pb.max_model_len,
         eos_token_ids=tuple(pb.eos_token_ids), vocab_size=pb.vocab_size, model_name=pb.model_name,
-        max_loras=pb.max_loras, max_lora_rank=pb.max_lora_rank)
+        max_loras=pb.max_loras, max_lora_rank=pb.max_lora_rank, num_cpu_blocks=pb.num_cpu_blocks)

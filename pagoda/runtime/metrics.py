@@ -53,6 +53,10 @@ _GAUGES = (
     ("pagoda:num_total_blocks", "num_total_blocks", "KV blocks in the pool."),
     ("pagoda:worker_connected", "worker_connected", "1 when the scheduler has a worker stream."),
     ("pagoda:num_pinned_blocks", "num_pinned_blocks", "KV blocks held for --pinned-prompts."),
+    ("vllm:num_requests_swapped", "num_swapped",
+     "Waiting requests whose KV is swapped out to host memory (counted in num_requests_waiting too)."),
+    ("vllm:cpu_cache_usage_perc", "cpu_kv_cache_usage", "Host (swap space) KV-cache usage, 0..1."),
+    ("pagoda:num_cpu_blocks", "num_cpu_blocks", "KV blocks in the host swap space."),
     ("pagoda:brownout_active", "brownout_active",
      "1 while the scheduler is in brownout (memory pressure: smaller steps, new requests' max_tokens capped)."),
 )
@@ -71,6 +75,11 @@ _COUNTERS = (
     ("vllm:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens proposed."),
     ("vllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted."),
     ("pagoda:brownout_entries", "brownout_entries", "Times the scheduler entered brownout."),
+    ("pagoda:swap_preemptions", "num_swap_preemptions", "Preemptions that swapped the KV out (not recomputed)."),
+    ("pagoda:swapped_out_blocks", "blocks_swapped_out", "KV blocks copied from the device to host memory."),
+    ("pagoda:swapped_in_blocks", "blocks_swapped_in", "KV blocks copied from host memory back to the device."),
+    ("pagoda:prefill_tokens_computed", "prefill_tokens_computed",
+     "Prefill tokens computed, recomputation after preemption included."),
     ("pagoda:brownout_capped_requests", "brownout_capped_requests",
      "Requests whose max_tokens brownout lowered at admission."),
 )

@@ -163,6 +163,8 @@ class StepSpanStats:
     num_preemptions: int  # in this step
     kv_cache_usage: float  # 0..1
     prefix_cache_hit_tokens: int  # in this step
+    swapped_out_blocks: int = 0  # KV blocks this step copies to host memory (swap preemption)
+    swapped_in_blocks: int = 0  # and back
 
     def attributes(self) -> dict[str, int | float]:
         return {f"pagoda.step.{name}": getattr(self, name) for name in self.__slots__}

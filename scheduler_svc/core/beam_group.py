@@ -129,10 +129,10 @@ class BeamSearchMixin:
         need, left = 0, draft.budget
         for k, beam in enumerate(beams):
             hits, _ = kv.find_cached_prefix(beam)
-            num_hit = len(hits) * cfg.block_size
-            num_new = min(len(beam.token_ids) - num_hit, self._threshold, left - (len(beams) - k - 1))
+            start = self._resume_point(beam, len(hits) * cfg.block_size)  # its hit or swapped KV
+            num_new = min(len(beam.token_ids) - start, self._threshold, left - (len(beams) - k - 1))
             left -= num_new
-            need += kv.blocks_to_admit(hits, num_hit + num_new)
+            need += kv.blocks_to_admit(hits, start + num_new)
         if not kv.pool.can_allocate(need):
             return False
         # Each beam's hits are looked up again just before it is admitted: the blocks the beams
@@ -141,7 +141,7 @@ class BeamSearchMixin:
         for k, beam in enumerate(beams):
             hits, last_serial = kv.find_cached_prefix(beam)
             num_hit = len(hits) * cfg.block_size
-            num_new = min(len(beam.token_ids) - num_hit, self._threshold,
+            num_new = min(len(beam.token_ids) - self._resume_point(beam, num_hit), self._threshold,
                           draft.budget - (len(beams) - k - 1))
             waiting.remove(beam)
             self._admit(draft, beam, hits, last_serial, num_hit, num_new)

@@ -65,3 +65,16 @@ class SchedulerConfig:
     brownout: BrownoutConfig | None = None
     # Distinct LoRA adapters running at once (the worker's --max-loras, from its Init); 0: LoRA off.
     max_loras: int = 0
+    # Swap preemption (core/swap.py): host blocks of the worker's swap space (from its Init; 0: none),
+    # and vLLM's --preemption-mode: "recompute", "swap", or None (auto: swap a sequence whose computed
+    # tokens exceed one prefill chunk, long_prefill_token_threshold, when the host pool has room).
+    num_cpu_blocks: int = 0
+    preemption_mode: Literal["recompute", "swap"] | None = None
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in (None, "recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap' (or None: auto), got "
+                             f"{self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.num_cpu_blocks < 1:
+            raise ValueError("preemption_mode 'swap' needs a host block pool: give the worker swap "
+                             "space (--swap-space GiB, LLM(swap_space=...)) large enough for a block")

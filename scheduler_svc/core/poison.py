@@ -99,8 +99,9 @@ class PoisonIsolationMixin:
         while True:
             hits, last_serial = kv.find_cached_prefix(target)
             num_hit = len(hits) * bs
-            num_new = min(len(target.token_ids) - num_hit, self._threshold, draft.budget)
-            if kv.pool.can_allocate(kv.blocks_to_admit(hits, num_hit + num_new)) and \
+            start = self._resume_point(target, num_hit)  # past its hit, or its swapped KV
+            num_new = min(len(target.token_ids) - start, self._threshold, draft.budget)
+            if kv.pool.can_allocate(kv.blocks_to_admit(hits, start + num_new)) and \
                     self._running_slots + target.num_slots <= self.config.max_num_seqs and \
                     lora_fits(target, self._running, self.config.max_loras):  # the worker's slots
                 break

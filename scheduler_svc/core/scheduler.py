@@ -6,8 +6,9 @@ Policy, in a few lines:
   prefill, prefix hits and decode are that one rule; a full prefix hit still computes one token.
 - Running sequences go first, in order (FCFS: admission order; "priority": lower value, then
   arrival). When the pool cannot give a sequence its blocks, the newest (lowest-priority) running
-  sequence is preempted by recompute: all blocks freed, to the front of the waiting queue, resent as
-  a new request when resumed. Nothing is admitted in a step that preempted.
+  sequence is preempted: all blocks freed, to the front of the waiting queue, resent as a new
+  request when resumed, which recomputes its tokens, or, swapped (swap.py), gets its KV back from
+  the worker's host pool. Nothing is admitted in a step that preempted.
 - Then waiting sequences are admitted in order while `max_num_seqs`, the budget and the pool allow,
   each starting after its verified prefix-cache hit. The first that does not fit stops admission.
 - n>1: the prompt is prefilled once; the step that samples its first token forks n-1 children that
@@ -41,12 +42,13 @@ from scheduler_svc.core.request import Request, SeqStatus, Sequence, WaitingQueu
 from scheduler_svc.core.scheduler_lifecycle import SchedulerLifecycleMixin, SchedulerStats
 from scheduler_svc.core.spec_decode import SpeculationMixin
 from scheduler_svc.core.step_draft import InflightStep, StepDraft
+from scheduler_svc.core.swap import SwapMixin
 
 __all__ = ["Scheduler", "SchedulerStats"]
 
 
 class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin, PinningMixin,
-                BrownoutMixin, BeamSearchMixin):
+                BrownoutMixin, BeamSearchMixin, SwapMixin):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self._kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -67,6 +69,7 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
         self._init_pinning()
         self._init_brownout()
         self._init_beam_search()
+        self._init_swap()
         self.max_inflight_steps = 1 if config.speculative else config.max_inflight_steps
 
     # -- scheduling ---------------------------------------------------------------------------
@@ -218,21 +221,26 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
                 continue
             hits, last_serial = kv.find_cached_prefix(seq)
             num_hit = len(hits) * cfg.block_size
-            num_new = min(len(seq.token_ids) - num_hit, self._threshold, draft.budget)
-            if not kv.pool.can_allocate(kv.blocks_to_admit(hits, num_hit + num_new)):
+            start = self._resume_point(seq, num_hit)  # past the hit, or past its swapped KV
+            num_new = min(len(seq.token_ids) - start, self._threshold, draft.budget)
+            if not kv.pool.can_allocate(kv.blocks_to_admit(hits, start + num_new)):
                 return
             waiting.pop()
             self._admit(draft, seq, hits, last_serial, num_hit, num_new)
 
     def _admit(self, draft: StepDraft, seq: Sequence, hits: list[BlockId], last_serial: int, num_hit: int,
                num_new: int) -> None:
-        """Make `seq` (just taken off the waiting queue) resident: blocks, plan entry, running."""
-        self._kv.admit(seq, hits, last_serial, num_hit + num_new)
-        seq.num_computed_tokens = num_hit
+        """Make `seq` (just taken off the waiting queue) resident: blocks, plan entry, running.
+        `num_new` tokens are computed from its resume point (its hit, or its swapped tokens)."""
+        start = self._resume_point(seq, num_hit)
+        self._kv.admit(seq, hits, last_serial, start + num_new)
+        seq.num_computed_tokens = start
         self._note_admission(seq, num_hit)
+        if seq.host_blocks:  # swapped out: its KV comes back from the host
+            self._swap_in(seq, len(hits), draft.plan)
         draft.plan.new_requests.append(NewRequestData(
             seq.seq_id, list(seq.token_ids), seq.request.num_prompt_tokens, list(seq.block_table),
-            num_hit, num_new, seq.request.sampling, seq.seq_index, seq.request.lora))
+            start, num_new, seq.request.sampling, seq.seq_index, seq.request.lora))
         seq.resident = True
         self._add_running(seq)
         self._commit_seq(draft, seq, num_new)
@@ -299,6 +307,7 @@ class Scheduler(SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
 
     def _preempt_one(self, seq: Sequence, plan: StepPlan) -> None:
         self._remove_running(seq)
+        self._swap_out(seq, plan)  # copies its KV to host blocks if the mode and the host pool allow
         self._drop_blocks(seq)
         if seq.resident:
             plan.preempted_ids.append(seq.seq_id)

@@ -52,6 +52,15 @@ class SchedulerStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_loras: int = 0  # 0: LoRA off
+    # Swap preemption (swap.py)
+    num_swapped: int = 0  # waiting sequences (counted in num_waiting) whose KV is in host blocks
+    num_swap_preemptions: int = 0  # preemptions that swapped (of num_preemptions)
+    blocks_swapped_out: int = 0  # total
+    blocks_swapped_in: int = 0  # total
+    num_cpu_blocks: int = 0  # the host pool; 0: none
+    cpu_kv_usage: float = 0.0  # used / total host blocks, 0..1
+    # Tokens computed in prefill chunks, recomputation after preemption included (what swapping saves)
+    prefill_tokens_computed: int = 0
 
 
 class SchedulerLifecycleMixin:
@@ -61,6 +70,7 @@ class SchedulerLifecycleMixin:
         self.generation_tokens = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.prefill_tokens_computed = 0
         self._last_step = (0, 0, 0)
 
     def _note_admission(self, seq: Sequence, num_hit: int) -> None:
@@ -76,6 +86,7 @@ class SchedulerLifecycleMixin:
 
     def _note_step(self, num_prefill: int, num_decode: int, num_preempted: int) -> None:
         self._last_step = (num_prefill, num_decode, num_preempted)
+        self.prefill_tokens_computed += num_prefill
 
     # -- admission (validation; the per-step path is in scheduler.py) ----------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -147,7 +158,10 @@ class SchedulerLifecycleMixin:
             len(self._pinned_blocks), brownout_active=self.brownout_active,
             brownout_entries=self.brownout_entries, brownout_capped_requests=self.brownout_capped_requests,
             running_lora_adapters=adapter_names(self._running), waiting_lora_adapters=adapter_names(self._waiting),
-            max_loras=self.config.max_loras)
+            max_loras=self.config.max_loras, num_swapped=self.num_swapped,
+            num_swap_preemptions=self.num_swap_preemptions, blocks_swapped_out=self.blocks_swapped_out,
+            blocks_swapped_in=self.blocks_swapped_in, num_cpu_blocks=self.config.num_cpu_blocks,
+            cpu_kv_usage=self.cpu_kv_usage, prefill_tokens_computed=self.prefill_tokens_computed)
 
     def running_request_ids(self, plan: StepPlan) -> list[RequestId]:
         """The caller-level ids of the requests `plan` (just returned by schedule(), nothing changed
@@ -174,6 +188,7 @@ class SchedulerLifecycleMixin:
         self._finished_resident = []
         self._reset_beams()
         self._kv.reset()
+        self._reset_swap()
         self._next_step_id = 1
         self._reset_isolation()
         self._requeue_pins()  # they run again when a worker is back
@@ -205,6 +220,7 @@ class SchedulerLifecycleMixin:
             self._drop_blocks(seq)
         elif seq.status is SeqStatus.WAITING:
             self._waiting.remove(seq)
+            self._release_host(seq)  # swapped out: nothing will read its host blocks
         if seq.resident:
             self._finished_resident.append(seq.seq_id)
             seq.resident = False
@@ -241,6 +257,7 @@ class SchedulerLifecycleMixin:
         self._finished_resident = []
         self._reset_beams()
         self._kv.reset()
+        self._reset_swap()  # the host pool's contents went with the worker: they recompute
         self._next_step_id = 1
         self._requeue_pins()
 
@@ -275,6 +292,7 @@ class SchedulerLifecycleMixin:
         if len(self._running) + len(self._waiting) != len(self._live):
             raise AssertionError(f"{len(self._live)} live sequences but {len(self._running)} running + "
                                  f"{len(self._waiting)} waiting")
+        self._check_swap_invariants()
         slots = sum(seq.num_slots for seq in self._running)
         if slots != self._running_slots or slots > self.config.max_num_seqs:
             raise AssertionError(f"running slots {self._running_slots} (recount {slots}) vs "

@@ -52,7 +52,8 @@ def make_plan() -> StepPlan:
         finished_ids=["f1", "f2"], preempted_ids=["p"],
         table_updates=[TableUpdate("r", 3, [9]), TableUpdate("s", 0, [1, 2])],
         num_scheduled_tokens={"r": 0, "s": 5}, block_copies=[BlockCopy(4, 5)],
-        forks=[Fork("a", ["a#1", "a#2"])], traceparent="00-abc-def-01")
+        forks=[Fork("a", ["a#1", "a#2"])], traceparent="00-abc-def-01",
+        swap_out=[BlockCopy(3, 0), BlockCopy(6, 1)], swap_in=[BlockCopy(2, 11)])
 
 
 def test_plan_round_trip_carries_the_epoch():
@@ -70,7 +71,7 @@ def test_result_round_trip_with_and_without_logprobs():
 
 
 def test_worker_info_round_trip():
-    info = WorkerInfo(100, 16, 2048, (2, 3), 32000, "tiny")
+    info = WorkerInfo(100, 16, 2048, (2, 3), 32000, "tiny", num_cpu_blocks=40)
     assert convert.info_from_pb(convert.info_to_pb(info, epoch=5)) == (5, info)
 
 

@@ -1,6 +1,6 @@
 """Beam search in the scheduler core (beam_group.py) over the fake worker: exact block ids of the
 first fork and of a re-pointing step, and random traces (pools that preempt, pipelining, prefix
-caching, aborts, plain requests beside beam groups) where the invariant holds after every step,
+caching, swap preemption, aborts, plain requests beside beam groups) where the invariant holds after every step,
 the fake worker's KV check passes (each beam attends to its own tokens: copy-on-write is right)
 and every group returns the beams a plain, unscheduled beam search returns."""
 
@@ -80,7 +80,10 @@ def reference_beams(sampler: FakeSampler, request: EngineRequest) -> list[list[i
 def traces(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     per_seq = -(-MAX_MODEL_LEN // block_size)
+    num_cpu_blocks = draw(st.sampled_from([0, 2, per_seq * 4]))  # swap preemption: 2 is often full
     config = SchedulerConfig(
+        num_cpu_blocks=num_cpu_blocks,
+        preemption_mode=draw(st.sampled_from([None, "recompute", "swap"] if num_cpu_blocks else [None])),
         num_blocks=draw(st.integers(per_seq, per_seq * 6)), block_size=block_size,
         max_model_len=MAX_MODEL_LEN, max_num_seqs=draw(st.integers(4, 10)),
         max_num_batched_tokens=draw(st.integers(8, 32)),
@@ -117,7 +120,7 @@ def test_random_traces_keep_the_invariant_and_return_the_reference_beams(trace):
     config, requests, aborts = trace
     sampler = FakeSampler(vocab_size=40, eos_token_id=EOS, eos_probability=0.05)
     scheduler = Scheduler(config)
-    worker = FakeWorker(config.num_blocks, config.block_size, sampler)
+    worker = FakeWorker(config.num_blocks, config.block_size, sampler, num_cpu_blocks=config.num_cpu_blocks)
     outputs: dict[tuple[str, int], list[int]] = {}
     finished: set[tuple[str, int]] = set()
     aborted: set[str] = set()

@@ -142,3 +142,24 @@ def test_tracing_off_gives_the_noop_hooks(monkeypatch):
     plan = sched.schedule()
     hooks.plan_sent(plan, sched)
     assert plan.traceparent == ""
+
+
+def test_step_spans_count_the_blocks_a_plan_swaps(traced):
+    tracing, exporter = traced
+    # a and b (3-token prompts) in 4 blocks of 2: b is swapped out at step 3, back in at step 5.
+    config = SchedulerConfig(num_blocks=4, block_size=2, max_model_len=16, eos_token_ids=(0,), num_cpu_blocks=4,
+                             preemption_mode="swap", enable_prefix_caching=False, max_inflight_steps=1)
+    sched, worker = Scheduler(config), FakeWorker(4, 2, FakeSampler(vocab_size=50), num_cpu_blocks=4)
+    for rid in ("a", "b"):
+        sched.add_request(req(rid, 3, max_tokens=4))
+    swaps = []
+    while (plan := sched.schedule()) is not None:
+        tracing.plan_sent(plan, sched)
+        swaps.append((len(plan.swap_out), len(plan.swap_in)))
+        sched.update(worker.execute(plan))
+        tracing.step_reported(plan.step_id)
+    assert swaps[2] == (2, 0) and swaps[4] == (0, 2)
+    steps = sorted((s for s in exporter.get_finished_spans() if s.name == "scheduler.step"),
+                   key=lambda s: s.attributes["pagoda.step.step_id"])
+    assert [(s.attributes["pagoda.step.swapped_out_blocks"], s.attributes["pagoda.step.swapped_in_blocks"])
+            for s in steps] == swaps

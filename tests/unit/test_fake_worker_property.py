@@ -2,8 +2,9 @@
 
 After every step the block accounting holds; every sequence ends exactly once; each finished
 sequence's tokens equal what the deterministic fake sampler must produce for it whatever the
-scheduling (prefix hits, chunking, preemption, forks, pipelining); the fake worker's KV check
-(every attended slot holds the right token) passes on every step.
+scheduling (prefix hits, chunking, preemption by recompute or swap, forks, pipelining); the fake
+worker's KV check (every attended slot holds the right token, swapped-in ones included) passes on
+every step; the host pool is empty at the end.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ MAX_MODEL_LEN = 40
 def traces(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     per_seq = -(-MAX_MODEL_LEN // block_size)
+    num_cpu_blocks = draw(st.sampled_from([0, 2, per_seq, per_seq * 4]))  # 2: often full
+    modes = [None, "recompute", "swap"] if num_cpu_blocks else [None, "recompute"]
     config = SchedulerConfig(
         num_blocks=draw(st.integers(per_seq, per_seq * 4)), block_size=block_size,
         max_model_len=MAX_MODEL_LEN, max_num_seqs=draw(st.integers(3, 8)),
@@ -33,7 +36,8 @@ def traces(draw):
         long_prefill_token_threshold=draw(st.sampled_from([0, 3, 7])),
         enable_prefix_caching=draw(st.booleans()), eos_token_ids=(EOS,),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
-        max_inflight_steps=draw(st.sampled_from([1, 2, 3])))
+        max_inflight_steps=draw(st.sampled_from([1, 2, 3])), num_cpu_blocks=num_cpu_blocks,
+        preemption_mode=draw(st.sampled_from(modes)))
     bases = draw(st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=20), min_size=1, max_size=3))
     requests = []
     for i in range(draw(st.integers(1, 8))):
@@ -63,7 +67,7 @@ def expected(sampler: FakeSampler, request: EngineRequest, seq_index: int) -> li
 def run(config, requests, aborts, eos_probability, worker_loss_step):
     sampler = FakeSampler(vocab_size=40, eos_token_id=EOS, eos_probability=eos_probability)
     scheduler = Scheduler(config)
-    worker = FakeWorker(config.num_blocks, config.block_size, sampler)
+    worker = FakeWorker(config.num_blocks, config.block_size, sampler, num_cpu_blocks=config.num_cpu_blocks)
     streams: dict[tuple[str, int], list] = {}
     ended: dict[tuple[str, int], FinishReason] = {}
     prompt_logprobs: dict[str, list] = {}
@@ -92,7 +96,8 @@ def run(config, requests, aborts, eos_probability, worker_loss_step):
         if step == worker_loss_step:  # in-flight results are lost with the worker
             scheduler.reset_after_worker_loss()
             pending.clear()
-            worker = FakeWorker(config.num_blocks, config.block_size, sampler)
+            worker = FakeWorker(config.num_blocks, config.block_size, sampler,
+                                num_cpu_blocks=config.num_cpu_blocks)
         scheduler.check_invariants()
         if step > 12 and not scheduler.has_unfinished_requests() and not pending:
             break
@@ -108,6 +113,7 @@ def run(config, requests, aborts, eos_probability, worker_loss_step):
     scheduler.check_invariants()
     stats = scheduler.stats()
     assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
+    assert stats.num_swapped == 0 and stats.cpu_kv_usage == 0.0
     return sampler, streams, ended, prompt_logprobs
 
 

@@ -22,7 +22,9 @@ def fake_stats() -> engine_pb2.EngineStats:
         num_steps=50, step_seconds_sum=1.5, blocks_allocated=70, blocks_freed=38,
         num_step_failures=3, num_requests_isolated=1, spec_num_drafts=5, spec_num_draft_tokens=18,
         spec_num_accepted_tokens=11, spec_accepted_per_pos=[5, 4, 2], num_pinned_blocks=3, request_success={"stop": 4, "length": 2}, worker_connected=True,
-        brownout_active=True, brownout_entries=2, brownout_capped_requests=7)
+        brownout_active=True, brownout_entries=2, brownout_capped_requests=7, num_swapped=2,
+        num_swap_preemptions=4, blocks_swapped_out=40, blocks_swapped_in=36, num_cpu_blocks=64,
+        cpu_kv_cache_usage=0.0625, prefill_tokens_computed=1500)
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -52,6 +54,13 @@ def test_engine_stats_become_vllm_series_with_model_name() -> None:
         ("pagoda:worker_connected", model): 1.0,
         ("pagoda:num_pinned_blocks", model): 3.0,
         ("pagoda:brownout_active", model): 1.0,
+        ("vllm:num_requests_swapped", model): 2.0,
+        ("vllm:cpu_cache_usage_perc", model): 0.0625,
+        ("pagoda:num_cpu_blocks", model): 64.0,
+        ("pagoda:swap_preemptions_total", model): 4.0,
+        ("pagoda:swapped_out_blocks_total", model): 40.0,
+        ("pagoda:swapped_in_blocks_total", model): 36.0,
+        ("pagoda:prefill_tokens_computed_total", model): 1500.0,
         ("pagoda:brownout_entries_total", model): 2.0,
         ("pagoda:brownout_capped_requests_total", model): 7.0,
         ("vllm:prefix_cache_queries_total", model): 400.0,

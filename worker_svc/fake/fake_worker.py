@@ -4,7 +4,8 @@ It keeps the resident state a worker keeps (token ids, num_computed, block table
 that do not apply cleanly (AssertionError), "samples" deterministically from each sequence's token
 history and seq_index, and models the KV cache as one int per slot: the token whose KV was written
 there. Every step checks that each attended position holds the right token, which catches wrong
-prefix hits, bad copy-on-write and stale or reused blocks.
+prefix hits, bad copy-on-write, bad swaps and stale or reused blocks. Its host pool (swap
+preemption) is modelled the same way.
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ class _Resident:
 
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int, sampler: FakeSampler | None = None,
-                 check_kv: bool = True) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
+                 check_kv: bool = True, num_cpu_blocks: int = 0) -> None:
+        self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
+        self.host_kv = [-1] * (num_cpu_blocks * block_size)  # the host pool's slots, likewise
         self.sampler = sampler or FakeSampler()
         self.check_kv = check_kv
         self.kv = [-1] * (num_blocks * block_size)  # token written in each slot, -1 = never
@@ -181,6 +183,14 @@ class FakeWorker:
             self._check_blocks(update.block_ids)
             state.block_table[update.start:update.start + len(update.block_ids)] = update.block_ids
         bs = self.block_size
+        for copy in plan.swap_out:  # first swap-outs, then swap-ins, then copies, as the real worker
+            self._check_blocks([copy.src])
+            assert 0 <= copy.dst < self.num_cpu_blocks, f"host block id {copy.dst} out of range"
+            self.host_kv[copy.dst * bs:(copy.dst + 1) * bs] = self.kv[copy.src * bs:(copy.src + 1) * bs]
+        for copy in plan.swap_in:
+            assert 0 <= copy.src < self.num_cpu_blocks, f"host block id {copy.src} out of range"
+            self._check_blocks([copy.dst])
+            self.kv[copy.dst * bs:(copy.dst + 1) * bs] = self.host_kv[copy.src * bs:(copy.src + 1) * bs]
         for copy in plan.block_copies:  # before the forward, as the real worker does
             self._check_blocks([copy.src, copy.dst])
             self.kv[copy.dst * bs:(copy.dst + 1) * bs] = self.kv[copy.src * bs:(copy.src + 1) * bs]

@@ -20,6 +20,8 @@ from worker_svc.plan_validation import validate_plan
 
 # The tiny model's vocabulary: a fake stack's gateway usually loads that tokenizer.
 DEFAULT_FAKE_VOCAB_SIZE = 2048
+# `--fake --swap-space GiB`: a fake block has no bytes, so a nominal MiB each sizes its host pool.
+FAKE_BLOCKS_PER_GIB = 1024
 
 
 def fake_vocab_size(model_dir: str | Path | None) -> int:
@@ -77,8 +79,10 @@ class _ResidentView(Mapping):
 
 class FakeStepRunner:
     def __init__(self, num_blocks: int = 4096, block_size: int = 16, max_model_len: int = 4096,
-                 vocab_size: int = 1000, eos_token_id: int | None = None, check_kv: bool = True) -> None:
+                 vocab_size: int = 1000, eos_token_id: int | None = None, check_kv: bool = True,
+                 num_cpu_blocks: int = 0) -> None:
         self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
+        self.num_cpu_blocks = num_cpu_blocks  # the host pool for swap preemption
         self.sampler = FakeSampler(vocab_size=vocab_size, eos_token_id=eos_token_id)
         self.check_kv = check_kv
         self.worker: FakeWorker | None = None
@@ -88,10 +92,12 @@ class FakeStepRunner:
         self.reset()
         return WorkerInfo(num_blocks=self.num_blocks, block_size=self.block_size,
                           max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-                          vocab_size=self.sampler.vocab_size, model_name="fake")
+                          vocab_size=self.sampler.vocab_size, model_name="fake",
+                          num_cpu_blocks=self.num_cpu_blocks)
 
     def reset(self) -> None:
-        self.worker = FakeWorker(self.num_blocks, self.block_size, self.sampler, self.check_kv)
+        self.worker = FakeWorker(self.num_blocks, self.block_size, self.sampler, self.check_kv,
+                                 self.num_cpu_blocks)
         self._baseline = True  # the next plan may start at any step id (as ModelRunner.reset)
 
     @property
@@ -101,7 +107,8 @@ class FakeStepRunner:
     def validate(self, plan: StepPlan) -> None:
         if self.worker is None:
             raise NotInitializedError("initialize() must run before any step")
-        validate_plan(plan, _ResidentView(self.worker.resident), self.num_blocks, self.block_size)
+        validate_plan(plan, _ResidentView(self.worker.resident), self.num_blocks, self.block_size,
+                      self.num_cpu_blocks)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Raises PlanError (before any change) for a plan that does not apply."""
