@@ -93,14 +93,3 @@ def test_degree_that_does_not_divide_the_heads_is_refused(tiny_model_dir: str, d
     with pytest.raises(TensorParallelError, match="must divide the model's num_"):
         LLM(model=tiny_model_dir, tensor_parallel_size=degree, **ENGINE)
 
-
-
-@pytest.mark.slow
-def test_tp2_swap_preemption_gives_tp1_tokens(tiny_model_dir: str, tp1_run) -> None:
-    """Each rank swaps its own shard of KV heads to its own host pool, under the same block ids.
-    A rank's block at block size 8 holds 1 KV head: 16 KiB, so 1 MiB of swap space is 64 blocks."""
-    with LLM(model=tiny_model_dir, tensor_parallel_size=2, preemption_mode="swap", swap_space=1 / 1024,
-             **ENGINE) as llm:
-        outputs, stats = run(llm)
-    assert stats.num_cpu_blocks == 64 and stats.num_swap_preemptions > 0 and stats.blocks_swapped_in > 0
-    assert completions(outputs) == completions(tp1_run[0])
