@@ -70,7 +70,8 @@ class BeamSearchMixin:
             return 0
         group.scheduled_in = plan
         counts, kv = plan.num_scheduled_tokens, self._kv
-        beams = list(group.beams)
+        # All of them, but while poison isolation re-admits a group one suspect at a time.
+        beams = [beam for beam in group.beams if beam.status is SeqStatus.RUNNING]
         chunks: list[tuple[Sequence, int]] = []
         left = budget
         for beam in beams:
@@ -122,7 +123,7 @@ class BeamSearchMixin:
         """Admit every waiting beam of `seq`'s group (at the queue's head, in beam order) or none;
         False when they do not all fit this step."""
         cfg, kv, waiting = self.config, self._kv, self._waiting
-        beams: list[Sequence] = seq.request.beam.beams
+        beams = [beam for beam in seq.request.beam.beams if beam.status is SeqStatus.WAITING]
         if self._running_slots + len(beams) > cfg.max_num_seqs or draft.budget < len(beams) \
                 or any(beam.num_placeholders for beam in beams):
             return False

@@ -73,16 +73,20 @@ class PoisonIsolationMixin:
         if target is None:  # (every suspect ended: _finish discards them; defensive)
             self._suspects.clear()
             return self.schedule()
-        plan = StepPlan(step_id=self._next_step_id, finished_ids=self._finished_resident)
+        plan = StepPlan(step_id=self._next_step_id, finished_ids=self._finished_resident,
+                        beam_updates=self._beam_updates)
         self._finished_resident = []
+        self._beam_updates = []
         draft = StepDraft(plan, self.config.max_num_batched_tokens)
+        group = None  # a running beam's whole group is scheduled with it (beam_group.py)
         if target.status is SeqStatus.RUNNING:
+            group = target.request if target.request.beam is not None else None
             self._schedule_running(draft, [target])
         else:
             self._admit_probe(draft, target)
         counts = plan.num_scheduled_tokens
         for seq in self._running:  # before forking: a fork's children sample in this step
-            if seq is not target:
+            if seq is not target and seq.request is not group:  # a beam group runs as one
                 counts[seq.seq_id] = 0
         if draft.num_scheduled:
             self._probe = (plan.step_id, target)

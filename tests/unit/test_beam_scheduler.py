@@ -161,3 +161,26 @@ def test_random_traces_keep_the_invariant_and_return_the_reference_beams(trace):
         assert all((rid, i) in finished for i in range(sampling.n))
         if sampling.beam_width and rid not in aborted:
             assert [outputs[(rid, i)] for i in range(sampling.n)] == reference_beams(sampler, request)
+
+
+def test_poison_isolation_with_beam_groups():
+    """A step that fails for a poisoned plain request: the beam groups beside it are re-run (one
+    suspect at a time, then batched) and still return the reference beams; a poisoned beam group
+    fails alone, all n outputs with ERROR."""
+    from tests.unit.test_poison_isolation import Run, config, samples_for
+
+    sampler = FakeSampler(vocab_size=40, eos_token_id=EOS)
+    beams = [EngineRequest(RequestId(f"b{i}"), (1 + i, 2, 3), SamplingParams(
+        n=2, beam_width=3, temperature=0, max_tokens=6)) for i in range(3)]
+    plain = EngineRequest(RequestId("poison"), (4, 4, 4), SamplingParams(temperature=0, max_tokens=6))
+    for poisoned in ("poison", "b1"):
+        run = Run(config(max_inflight_steps=2), samples_for(poisoned))
+        run.go([(0, beams[0]), (0, beams[1]), (2, plain), (3, beams[2])])
+        assert run.failures == 2
+        for request in beams + [plain]:
+            rid = request.request_id
+            if rid == poisoned:
+                assert all(run.ended[(rid, i)].value == "error" for i in range(request.sampling.n))
+            elif request.sampling.beam_width:
+                assert [run.streams[(rid, i)] for i in range(2)] == reference_beams(sampler, request)
+        assert run.scheduler.stats().num_used_blocks == 0
