@@ -10,6 +10,7 @@ import torch
 from pagoda.contract.ids import RequestId
 from pagoda.contract.lora import LoRARequest
 from pagoda.contract.params import SamplingParams
+from pagoda.contract.step import BeamUpdate
 from worker_svc.models.common import AttentionMetadata
 from worker_svc.sampler import SamplingRow
 from worker_svc.structured_output import GrammarState
@@ -39,6 +40,18 @@ class CachedRequestState:
         return CachedRequestState(child_id, list(self.token_ids), self.num_prompt_tokens,
                                   list(self.block_ids), self.num_computed_tokens, self.sampling,
                                   seq_index, self.grammar.fork() if self.grammar else None, self.lora)
+
+
+def apply_beam_updates(requests: dict[RequestId, CachedRequestState], updates: list[BeamUpdate]) -> None:
+    """Beam search: each beam becomes a copy of its parent (all read before any is replaced) whose
+    last, sampled but not yet computed, token is the one the scheduler chose."""
+    parents = {u.parent_id: requests[u.parent_id] for u in updates}
+    for update in updates:
+        parent = parents[update.parent_id]
+        current = requests.get(update.request_id)
+        beam = parent.fork(update.request_id, current.seq_index if current is not None else parent.seq_index)
+        beam.token_ids[-1] = update.token_id
+        requests[update.request_id] = beam
 
 
 @dataclass(slots=True)

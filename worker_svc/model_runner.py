@@ -21,11 +21,11 @@ from kernels.kv_cache_dtype import resolve_cache_dtype
 from pagoda.contract.errors import NotInitializedError, PlanError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
-from pagoda.contract.step import BeamUpdate, Fork, PromptLogprobs, StepPlan, StepResult, WorkerInfo
+from pagoda.contract.step import Fork, PromptLogprobs, StepPlan, StepResult, WorkerInfo
 from worker_svc import fault_injection
 from worker_svc.config import WorkerConfig
 from worker_svc.distributed import SINGLE, TensorParallel
-from worker_svc.input_batch import CachedRequestState, ScheduledSeq, build_model_inputs
+from worker_svc.input_batch import CachedRequestState, ScheduledSeq, apply_beam_updates, build_model_inputs
 from worker_svc.kv_cache import CacheShape, HostKVPool, KVCache, cpu_num_blocks, cuda_num_blocks
 from worker_svc.kv_cache import num_cpu_blocks as num_host_blocks_for
 from worker_svc.loader import load_model, resolve_dtype
@@ -209,7 +209,7 @@ class ModelRunner:
     def _apply(self, plan: StepPlan) -> list[ScheduledSeq]:
         """Apply the plan's changes; return the sequences computed this step, in resident order."""
         if plan.beam_updates:  # first: a beam the plan drops may still be another one's parent
-            self._apply_beam_updates(plan.beam_updates)
+            apply_beam_updates(self.requests, plan.beam_updates)
         for request_id in (*plan.finished_ids, *plan.preempted_ids):
             del self.requests[request_id]
         counts = dict(plan.num_scheduled_tokens)
@@ -233,18 +233,6 @@ class ModelRunner:
                                       [c.dst for c in plan.block_copies])
         scheduled = ((state, counts.get(rid, 1)) for rid, state in self.requests.items())
         return [ScheduledSeq(state, n) for state, n in scheduled if n > 0]
-
-    def _apply_beam_updates(self, updates: list[BeamUpdate]) -> None:
-        """Each beam becomes a copy of its parent (all read before any is replaced) whose last,
-        sampled but not yet computed, token is the one the scheduler chose."""
-        parents = {u.parent_id: self.requests[u.parent_id] for u in updates}
-        for update in updates:
-            parent = parents[update.parent_id]
-            current = self.requests.get(update.request_id)
-            index = current.seq_index if current is not None else parent.seq_index
-            beam = parent.fork(update.request_id, index)
-            beam.token_ids[-1] = update.token_id
-            self.requests[update.request_id] = beam
 
     @torch.inference_mode()
     def _forward(self, seqs: list[ScheduledSeq], forks: dict[RequestId, Fork],
