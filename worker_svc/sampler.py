@@ -116,10 +116,7 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.num_output_tokens >= row.params.min_tokens:
                 continue
-            stops = set(row.params.stop_token_ids)
-            if not row.params.ignore_eos:
-                stops.update(self.eos_token_ids)
-            for token in stops:
+            for token in row.params.stop_tokens(self.eos_token_ids):
                 if token < vocab:
                     row_idx.append(i)
                     col_idx.append(token)
@@ -231,9 +228,7 @@ class Sampler:
         """Top logprobs a row returns: its `logprobs`, or a beam's candidates for the scheduler."""
         if not params.beam_width:
             return params.logprobs
-        stops = set(params.stop_token_ids) if params.ignore_eos else {*params.stop_token_ids,
-                                                                       *self.eos_token_ids}
-        return num_beam_candidates(params.beam_width, len(stops))
+        return num_beam_candidates(params.beam_width, len(params.stop_tokens(self.eos_token_ids)))
 
     def _long(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

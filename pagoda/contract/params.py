@@ -80,6 +80,10 @@ class SamplingParams:
                            tuple(tuple(word) for word in self.bad_words_token_ids))
         self.validate()
 
+    def stop_tokens(self, eos_token_ids: Sequence[int]) -> frozenset[int]:
+        """The tokens that end a sequence: stop_token_ids, plus the EOS ids unless ignore_eos."""
+        return frozenset(self.stop_token_ids if self.ignore_eos else (*self.stop_token_ids, *eos_token_ids))
+
     @property
     def greedy(self) -> bool:
         # A beam's sampled token is replaced by the scheduler's choice: the argmax is the cheapest.

@@ -119,8 +119,7 @@ class SchedulerLifecycleMixin:
                 self._waiting.num_tokens + len(prompt) > cfg.max_waiting_tokens:
             raise QueueFullError(f"the waiting queue is full: {self._waiting.num_tokens} of "
                                  f"{cfg.max_waiting_tokens} prompt tokens waiting; retry later")
-        stop_set = frozenset(sampling.stop_token_ids if sampling.ignore_eos
-                             else (*sampling.stop_token_ids, *cfg.eos_token_ids))
+        stop_set = sampling.stop_tokens(cfg.eos_token_ids)
         req = Request(rid, tuple(prompt), sampling, max_tokens, request.priority, request.arrival_time,
                       next(self._arrivals), request.cache_salt, request.lora, num_unfinished=num_seqs,
                       stop_token_set=stop_set)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagoda.contract.ids import RequestId
-from pagoda.contract.params import SamplingParams
+from pagoda.contract.params import SamplingParams, num_beam_candidates
 from pagoda.contract.step import BeamUpdate, BlockCopy, StepResult, TableUpdate, TokenLogprobs
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
 from scheduler_svc.core.beam_search import BeamSearch
@@ -61,10 +61,10 @@ def test_first_fork_shares_the_prompt_and_copies_the_partial_block_on_write():
 def reference_beams(sampler: FakeSampler, request: EngineRequest) -> list[list[int]]:
     """The beams a plain loop returns with the fake worker's candidates (no blocks, no batching)."""
     sampling = request.sampling
-    stops = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else {EOS})
+    stops = sampling.stop_tokens((EOS,))
     width = sampling.beam_width
-    count = 2 * width + len(sampling.stop_token_ids) + 1
-    search = BeamSearch(width, sampling.length_penalty, stops, max(2, 1 + len(stops)) * width)
+    count = 2 * width + len(sampling.stop_token_ids) + 1  # what the fake worker reports
+    search = BeamSearch(width, sampling.length_penalty, stops, num_beam_candidates(width, len(stops)))
     prompt = list(request.prompt_token_ids)
     max_tokens = sampling.max_tokens or MAX_MODEL_LEN - len(prompt)
     beams, cums = [[]], [0.0]
