@@ -80,13 +80,10 @@ class BeamSearchMixin:
             num_new = min(gap, self._threshold, left) if ready else 0
             left -= num_new
             chunks.append((beam, num_new))
-        need = self._group_blocks_needed(chunks)
-        while not kv.pool.can_allocate(need) and kv.pool.num_available + kv.num_deferred < need:
-            victim = self._running[-1]
-            self._preempt(victim, plan)
-            if victim.request is seq.request:
-                return 0  # the group itself was the newest: it waits, whole
-            need = self._group_blocks_needed(chunks)
+        need = self._preempt_until_fits(lambda: self._group_blocks_needed(chunks),
+                                        lambda victim: victim.request is seq.request, plan)
+        if need is None:
+            return 0  # the group itself was the newest: it waits, whole
         fits = kv.pool.can_allocate(need)
         if not fits:  # waits for blocks in-flight steps free: admission must not take them first
             draft.blocks_short = True

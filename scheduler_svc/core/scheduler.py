@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
+from collections.abc import Callable
 
 from pagoda.contract.ids import BlockId, RequestId
 from pagoda.contract.step import Fork, NewRequestData, StepPlan, TableUpdate
@@ -196,15 +197,25 @@ class Scheduler(StepResultsMixin, SchedulerLifecycleMixin, PoisonIsolationMixin,
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Preempt from the tail until seq's blocks fit (counting deferred frees, which come back
         when in-flight steps report). False when seq preempted itself or must wait for them."""
+        need = self._preempt_until_fits(lambda: self._kv.blocks_needed(seq, num_new),
+                                        lambda victim: victim is seq, plan)
+        return need is not None and self._kv.pool.can_allocate(need)
+
+    def _preempt_until_fits(self, blocks_needed: Callable[[], int], is_self: Callable[[Sequence], bool],
+                            plan: StepPlan) -> int | None:
+        """Preempt the newest running sequences until `blocks_needed()` blocks are free or will be
+        once in-flight steps report; its last value, or None when a victim `is_self` (the one
+        making room preempted itself: it waits). Recounted after each victim: a victim may have
+        shared blocks with it."""
         kv, running = self._kv, self._running
-        need = kv.blocks_needed(seq, num_new)
+        need = blocks_needed()
         while not kv.pool.can_allocate(need) and kv.pool.num_available + kv.num_deferred < need:
             victim = running[-1]
             self._preempt(victim, plan)
-            if victim is seq:
-                return False
-            need = kv.blocks_needed(seq, num_new)  # a victim may have shared blocks with seq
-        return kv.pool.can_allocate(need)
+            if is_self(victim):
+                return None
+            need = blocks_needed()
+        return need
 
     def _admit_waiting(self, draft: StepDraft) -> None:
         cfg, kv, waiting = self.config, self._kv, self._waiting
