@@ -22,7 +22,7 @@ from pagoda.contract.lora import LoRARequest, read_adapter_config
 from pagoda.contract.params import SamplingParams, check_vocab, with_bad_words_tokenized
 from pagoda.contract.step import TokenLogprobs
 from pagoda.contract.structured import check_grammar
-from scheduler_svc.core.config import SchedulerConfig, SpeculativeConfig
+from scheduler_svc.core.config import SchedulerConfig, SpeculativeConfig, check_preemption_mode
 from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.request import EngineRequest
 from scheduler_svc.core.scheduler import Scheduler
@@ -84,10 +84,7 @@ class LLM:
         speculative = SpeculativeConfig.parse(speculative_config)
         # Swap preemption (scheduler_svc/core/swap.py), vLLM's names: swap_space GiB of host memory,
         # preemption_mode "recompute" / "swap" / None (by cost). Checked before loading.
-        if preemption_mode not in (None, "recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap' (or None), got {preemption_mode!r}")
-        if preemption_mode == "swap" and swap_space <= 0:
-            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
+        check_preemption_mode(preemption_mode, has_host_pool=swap_space > 0)
         if speculative is not None and tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet")
         worker_config = WorkerConfig(

@@ -23,6 +23,11 @@ class CacheShape:
     head_dim: int
     dtype: torch.dtype
 
+    def storage_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]: the one layout
+        of the device cache and of the host swap pool, so a block copies between them as is."""
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
     @property
     def bytes_per_block(self) -> int:
         """K and V of one block over all layers."""
@@ -43,9 +48,7 @@ class KVCache:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.shape = shape
         self.num_blocks = num_blocks
-        self.storage = torch.zeros(
-            (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
-            dtype=shape.dtype, device=device)
+        self.storage = torch.zeros(shape.storage_shape(num_blocks), dtype=shape.dtype, device=device)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.storage[i, 0], self.storage[i, 1]) for i in range(shape.num_layers)]
 
@@ -83,9 +86,8 @@ class HostKVPool:
         self.shape = shape
         self.num_blocks = num_blocks
         # Never zeroed: a host block is always written by a swap-out before a swap-in reads it.
-        self.storage = torch.empty(
-            (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
-            dtype=shape.dtype, device="cpu", pin_memory=pin_memory)
+        self.storage = torch.empty(shape.storage_shape(num_blocks), dtype=shape.dtype, device="cpu",
+                                   pin_memory=pin_memory)
 
     def apply(self, cache: KVCache, swap_out: Sequence[BlockCopy], swap_in: Sequence[BlockCopy]) -> None:
         """A plan's swaps, in the plan's order: swap-outs (device -> host), then swap-ins."""

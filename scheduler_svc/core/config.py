@@ -72,9 +72,14 @@ class SchedulerConfig:
     preemption_mode: Literal["recompute", "swap"] | None = None
 
     def __post_init__(self) -> None:
-        if self.preemption_mode not in (None, "recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap' (or None: auto), got "
-                             f"{self.preemption_mode!r}")
-        if self.preemption_mode == "swap" and self.num_cpu_blocks < 1:
-            raise ValueError("preemption_mode 'swap' needs a host block pool: give the worker swap "
-                             "space (--swap-space GiB, LLM(swap_space=...)) large enough for a block")
+        check_preemption_mode(self.preemption_mode, has_host_pool=self.num_cpu_blocks >= 1)
+
+
+def check_preemption_mode(mode: str | None, has_host_pool: bool) -> None:
+    """ValueError for an unknown mode, or "swap" without swap space; the offline LLM calls it
+    before loading the model too (there, swap_space > 0 stands for the pool)."""
+    if mode not in (None, "recompute", "swap"):
+        raise ValueError(f"preemption_mode must be 'recompute' or 'swap' (or None: auto), got {mode!r}")
+    if mode == "swap" and not has_host_pool:
+        raise ValueError("preemption_mode 'swap' needs a host block pool: give the worker swap "
+                         "space (--swap-space GiB, LLM(swap_space=...)) large enough for a block")
