@@ -174,8 +174,10 @@ class BeamSearchMixin:
         """Beam j := parent + token, sharing the parent's blocks; the old tables' references go."""
         group: BeamGroup = req.beam
         old = group.beams
-        snapshots = [(list(b.token_ids), list(b.block_table), list(b.block_hashes),
-                      b.num_registered_blocks, b.last_serial, b.num_computed_tokens) for b in old]
+        # The old beams' lists are only ever replaced below, never changed in place: referring to
+        # them is enough (each new beam gets copies of its parent's).
+        snapshots = [(b.token_ids, b.block_table, b.block_hashes, b.num_registered_blocks,
+                      b.last_serial, b.num_computed_tokens) for b in old]
         old_tables = [b.block_table for b in old]
         for beam in old[len(nexts):]:  # fewer continue (the others ended): their slots go
             beam.block_table = []
