@@ -1,0 +1,13 @@
+"""Integer arithmetic every layer repeats: block counts, chunk counts, padded sizes."""
+
+from __future__ import annotations
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ints: how many blocks of size `b` hold `a` items."""
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    """The smallest multiple of `b` that is at least `a`."""
+    return cdiv(a, b) * b
