@@ -22,6 +22,7 @@ from pagoda.contract.errors import NotInitializedError, PlanError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.step import Fork, PromptLogprobs, StepPlan, StepResult, WorkerInfo
+from pagoda.runtime.logging import get_logger
 from worker_svc import fault_injection
 from worker_svc.config import WorkerConfig
 from worker_svc.distributed import SINGLE, TensorParallel
@@ -37,6 +38,8 @@ from worker_svc.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows
 from worker_svc.sampler import Sampler, SamplingRow
 from worker_svc.spec_verify import DraftVerifier
 from worker_svc.structured_output import GrammarCompiler, GrammarState
+
+log = get_logger(__name__)
 
 PROFILE_SAMPLING_ROWS = 256  # logits rows the memory profile samples (a full decode batch)
 
@@ -62,8 +65,8 @@ class ModelRunner:
         self.device = resolve_device(config.device, tp.rank, tp.size)
         self.dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(config.model))
         self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp)
-        if config.pack_weights and tp.size == 1 and can_pack(self.device):
-            pack_linear_weights(self.model)
+        if config.pack_weights and tp.size == 1 and self.device.type == "cpu":
+            self._pack_weights()
         self.lora = (LoRAManager(self.model, self.model_config, config.max_loras, config.max_lora_rank,
                                  config.max_cpu_loras, self.dtype, self.device, tp)
                      if config.enable_lora else None)  # wraps the (packed) projections
@@ -303,6 +306,16 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def _pack_weights(self) -> None:
+        """oneDNN-packed linears where this CPU runs oneDNN's kernels for the model's dtype;
+        plain `nn.Linear` (aten's matmul, slower but exact) elsewhere, said once in the log."""
+        if can_pack(self.device, self.dtype):
+            pack_linear_weights(self.model)
+        else:
+            log.warning("linear_packing_unsupported", dtype=str(self.dtype).removeprefix("torch."),
+                        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                        fallback="nn.Linear")
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

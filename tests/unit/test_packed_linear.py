@@ -50,3 +50,15 @@ def test_pack_swaps_every_linear_and_keeps_a_tied_embedding_readable():
     assert isinstance(model["head"], PackedLinear) and isinstance(model["block"][0], PackedLinear)
     assert torch.equal(model["embed"](ids), hidden)  # the embedding table is untouched
     assert torch.allclose(model["head"](model["block"](hidden)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_reduced_precision_packs_only_where_onednn_runs_it(monkeypatch):
+    """A CPU without avx512_fp16 / avx_ne_convert (AMD EPYC Zen 4) cannot pack fp16: oneDNN's
+    probe says so and `can_pack` follows it, whatever this machine has."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    cpu = torch.device("cpu")
+    assert can_pack(cpu, torch.float32)
+    assert not can_pack(cpu, torch.float16) and not can_pack(cpu, torch.bfloat16)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: True)
+    assert can_pack(cpu, torch.float16)

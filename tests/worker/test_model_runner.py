@@ -149,3 +149,28 @@ def test_fork_children_sample_from_the_parent_logits(runner: ModelRunner) -> Non
     decode = steps.run(table_updates=updates)
     assert decode.request_ids == ["p", "p#1", "p#2"]
     assert runner.num_resident == 3
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_cpu_without_reduced_precision_onednn_serves_with_plain_linears(tiny_model_dir, monkeypatch, dtype):
+    """The fallback forced: packing refused (as fp16 is on a CPU without avx512_fp16 /
+    avx_ne_convert), the worker keeps nn.Linear and decodes what the packed model decodes."""
+    from torch import nn
+
+    from worker_svc.models import packed_linear
+
+    def tokens(runner_config: WorkerConfig) -> tuple[list[int], ModelRunner]:
+        runner = ModelRunner(runner_config, max_num_batched_tokens=64)
+        runner.initialize()
+        return greedy_tokens(runner, [7], decode_steps=3), runner
+
+    config = WorkerConfig(model=tiny_model_dir, dtype=dtype, device="cpu", block_size=BLOCK_SIZE,
+                          num_gpu_blocks_override=NUM_BLOCKS)
+    plain_config = WorkerConfig(model=tiny_model_dir, dtype=dtype, device="cpu", block_size=BLOCK_SIZE,
+                                num_gpu_blocks_override=NUM_BLOCKS, pack_weights=False)
+    expected, _ = tokens(plain_config)
+    monkeypatch.setattr(packed_linear, "cpu_packs_dtype", lambda _dtype: False)
+    got, fallback = tokens(config)
+    linears = [m for m in fallback.model.modules() if isinstance(m, nn.Linear | packed_linear.PackedLinear)]
+    assert linears and all(type(m) is nn.Linear for m in linears)
+    assert got == expected and len(got) == 4

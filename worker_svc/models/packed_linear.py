@@ -15,6 +15,10 @@ parity tests (logits within 1e-4, token-identical greedy) run through this path.
 
 The model code stays plain `nn.Linear`: `pack_linear_weights` swaps the modules after loading.
 Tensor parallelism keeps plain weights (`row_parallel` multiplies by `linear.weight` itself).
+
+Hardware: oneDNN packs fp32 on every x86-64 CPU, but its bf16 and fp16 kernels need instructions
+not every CPU has (fp16: avx512_fp16 or avx_ne_convert, which AMD EPYC Zen 4 lacks; packing then
+raises). `can_pack` asks oneDNN first, and the worker keeps plain `nn.Linear` where it says no.
 """
 
 from __future__ import annotations
@@ -22,9 +26,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# oneDNN's own answer to "does this CPU run the reduced-precision kernels" (fp32 always runs).
+_ONEDNN_SUPPORT_PROBES = {torch.bfloat16: "_is_mkldnn_bf16_supported",
+                          torch.float16: "_is_mkldnn_fp16_supported"}
 
-def can_pack(device: torch.device) -> bool:
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+def cpu_packs_dtype(dtype: torch.dtype) -> bool:
+    probe = _ONEDNN_SUPPORT_PROBES.get(dtype)
+    return probe is None or bool(getattr(torch.ops.mkldnn, probe)())
+
+
+def can_pack(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and cpu_packs_dtype(dtype)
 
 
 class PackedLinear(nn.Module):
