@@ -12,20 +12,19 @@ into W beams this way.
 
 Beams move together: a group is scheduled as a whole (blocks for all its beams, or none of them),
 preempted as a whole (a victim's whole group goes back to the queue, in beam order) and admitted
-as a whole; each beam waits for the others' candidates before the group advances. The finished
+as a whole (admission.py); each beam waits for the others' candidates before the group advances. The finished
 hypotheses are returned once, at the end, ranked by length-penalised score.
 
 The group's state is the request's (`Request.beam`, a BeamGroup: request.py). The Scheduler holds
 one BeamGroups, which owns the BeamUpdates owed to the next plan and runs the groups through the
 scheduler's own primitives, handed to it as callbacks: make room by preempting from the tail,
-preempt one sequence, admit one sequence, finish one sequence.
+preempt one sequence, finish one sequence.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from pagoda.contract.ids import BlockId
 from pagoda.contract.params import FinishReason
 from pagoda.contract.step import BeamUpdate, StepPlan
 from pagoda.runtime.math_utils import cdiv
@@ -35,25 +34,20 @@ from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.queues import RunQueues
 from scheduler_svc.core.request import BeamGroup, Request, SeqStatus, Sequence, child_seq_id
 from scheduler_svc.core.step_draft import StepDraft
-from scheduler_svc.core.swap import resume_point
 
 # (blocks_needed, is_self, plan) -> blocks needed once room is made; None: the group was preempted
 MakeRoom = Callable[[Callable[[], int], Callable[[Sequence], bool], StepPlan], int | None]
-# (draft, seq, hits, last_serial, num_hit, num_new): a waiting sequence made resident
-Admit = Callable[[StepDraft, Sequence, list[BlockId], int, int, int], None]
 
 
 class BeamGroups:
-    def __init__(self, kv: KVCacheManager, queues: RunQueues, threshold: int, max_num_seqs: int, *,
-                 make_room: MakeRoom, preempt_one: Callable[[Sequence, StepPlan], None], admit: Admit,
-                 finish: Callable[[Sequence], None], last_inflight: Callable[[], int | None]) -> None:
+    def __init__(self, kv: KVCacheManager, queues: RunQueues, threshold: int, *, make_room: MakeRoom,
+                 preempt_one: Callable[[Sequence, StepPlan], None], finish: Callable[[Sequence], None],
+                 last_inflight: Callable[[], int | None]) -> None:
         self._kv = kv
         self._queues = queues
         self._threshold = threshold
-        self._max_num_seqs = max_num_seqs
         self._make_room = make_room  # Scheduler._preempt_until_fits
         self._preempt_one = preempt_one
-        self._admit = admit
         self._finish = finish
         self._last_inflight = last_inflight
         self.updates: list[BeamUpdate] = []  # for the next plan
@@ -127,36 +121,6 @@ class BeamGroups:
             for i in range(start // bs, min(end_block, len(table))):
                 writers[table[i]] = writers.get(table[i], 0) + 1
         return need + sum(min(w, kv.pool.ref_count(block) - 1) for block, w in writers.items())
-
-    def admit(self, draft: StepDraft, seq: Sequence) -> bool:
-        """Admit every waiting beam of `seq`'s group (at the queue's head, in beam order) or none;
-        False when they do not all fit this step."""
-        kv, queues = self._kv, self._queues
-        bs, waiting = kv.block_size, queues.waiting
-        beams = [beam for beam in seq.request.beam.beams if beam.status is SeqStatus.WAITING]
-        if queues.running_slots + len(beams) > self._max_num_seqs or draft.budget < len(beams) \
-                or any(beam.num_placeholders for beam in beams):
-            return False
-        need, left = 0, draft.budget
-        for k, beam in enumerate(beams):
-            hits, _ = kv.find_cached_prefix(beam)
-            start = resume_point(beam, len(hits) * bs)  # its hit or swapped KV
-            num_new = min(len(beam.token_ids) - start, self._threshold, left - (len(beams) - k - 1))
-            left -= num_new
-            need += kv.blocks_to_admit(hits, start + num_new)
-        if not kv.pool.can_allocate(need):
-            return False
-        # Each beam's hits are looked up again just before it is admitted: the blocks the beams
-        # before it allocated may have evicted one (never making the total exceed `need`: an
-        # evicted hit was counted as a revived block, and is now a new one).
-        for k, beam in enumerate(beams):
-            hits, last_serial = kv.find_cached_prefix(beam)
-            num_hit = len(hits) * bs
-            num_new = min(len(beam.token_ids) - resume_point(beam, num_hit), self._threshold,
-                          draft.budget - (len(beams) - k - 1))
-            waiting.remove(beam)
-            self._admit(draft, beam, hits, last_serial, num_hit, num_new)
-        return True
 
     def preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Preempt `seq`'s whole group: every running beam goes back to the queue, in beam order."""

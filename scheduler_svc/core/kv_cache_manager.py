@@ -13,7 +13,7 @@ from pagoda.contract.step import BlockCopy, StepPlan, TableUpdate
 from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.prefix_index import PrefixIndex, block_extra_keys
-from scheduler_svc.core.request import Sequence
+from scheduler_svc.core.request import SeqStatus, Sequence
 
 
 def position_to_block(pos: int, block_size: int) -> tuple[int, int]:
@@ -74,6 +74,15 @@ class KVCacheManager:
                 return
             seq.last_serial = serial
             seq.num_registered_blocks = i + 1
+
+    def register_reported(self, computed: list[tuple[Sequence, int, int]]) -> None:
+        """A step reported: register what it computed, (seq, generation, num_computed) each, for the
+        sequences still running in that generation (a preempted one's blocks are gone)."""
+        bs = self.block_size
+        for seq, generation, num_computed in computed:
+            if num_computed // bs > seq.num_registered_blocks and seq.generation == generation \
+                    and seq.status is SeqStatus.RUNNING:
+                self.register_computed(seq, num_computed)
 
     # -- allocation ---------------------------------------------------------------------------
     def blocks_to_admit(self, hits: list[BlockId], end: int) -> int:

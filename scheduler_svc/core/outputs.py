@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason
 from pagoda.contract.step import TokenLogprobs
+from scheduler_svc.core.request import Sequence
 
 
 @dataclass(slots=True)
@@ -43,6 +44,19 @@ class SchedulerCounters:
     prefix_hits: int = 0  # of those, tokens served from it
     prefill_tokens_computed: int = 0  # recomputation after preemption included
     last_step: tuple[int, int, int] = (0, 0, 0)  # (prefill tokens, decode sequences, preemptions)
+
+    def note_admission(self, seq: Sequence, num_hit: int) -> bool:
+        """Count an admission of `seq` with `num_hit` prompt tokens served from the prefix cache;
+        True at its request's first admission (which fixes the request's num_cached_tokens)."""
+        self.prefix_queries += len(seq.token_ids)
+        self.prefix_hits += num_hit
+        req = seq.request
+        if req.admitted:  # a resumed request's recomputation is not a cache hit (vLLM #25780)
+            return False
+        req.admitted = True
+        req.num_cached_tokens = num_hit
+        self.prompt_tokens += req.num_prompt_tokens
+        return True
 
 
 @dataclass(frozen=True, slots=True)

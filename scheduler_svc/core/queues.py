@@ -126,6 +126,26 @@ class RunQueues:
             running.remove(seq)
         self.running_slots -= seq.num_slots
 
+    def requeue_all(self) -> int:
+        """A worker loss: every running sequence back to the front of the waiting queue (in running
+        order), holding nothing; no in-flight token will arrive. Returns how many were running."""
+        running = self.running
+        for seq in reversed(running):  # reversed + push_front: running order is kept
+            seq.block_table = []
+            seq.num_computed_tokens = 0
+            seq.num_registered_blocks = 0
+            seq.last_serial = 0
+            seq.generation += 1
+            seq.resident = False
+            seq.status = SeqStatus.WAITING
+            self.waiting.push_front(seq)
+        num_running = len(running)
+        running.clear()
+        self.running_slots = 0
+        for seq in self.live.values():
+            seq.num_placeholders = 0  # those tokens will never arrive; resuming recomputes them
+        return num_running
+
     def check(self, block_size: int) -> Counter[int]:
         """Raise AssertionError when a sequence is misfiled; the running tables' block references."""
         refs: Counter[int] = Counter()

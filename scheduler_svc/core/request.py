@@ -128,6 +128,15 @@ class Sequence:
         """Running slots this sequence takes against max_num_seqs (children included, once forked)."""
         return self.request.num_seqs if self.pending_fork else 1
 
+    def fork(self, index: int) -> Sequence:
+        """Child `index` of this sequence 0 (n>1): its tokens, computed state and blocks (copies of
+        the lists: the caller shares the blocks by ref count), resident, one token in flight."""
+        return Sequence(child_seq_id(self.request.request_id, index), index, self.request,
+                        list(self.token_ids), num_computed_tokens=self.num_computed_tokens,
+                        num_placeholders=1, block_table=list(self.block_table),
+                        block_hashes=list(self.block_hashes), num_registered_blocks=self.num_registered_blocks,
+                        last_serial=self.last_serial, generation=self.generation, resident=True)
+
     def may_sample(self) -> bool:
         """Whether one more sampled token (beyond those in flight) stays within max_tokens."""
         return len(self.token_ids) + self.num_placeholders < self.request.max_num_tokens

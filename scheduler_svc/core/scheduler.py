@@ -35,14 +35,14 @@ from collections import deque
 from collections.abc import Callable
 
 from pagoda.contract.errors import InvalidRequestError
-from pagoda.contract.ids import BlockId, RequestId
+from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason
-from pagoda.contract.step import Fork, NewRequestData, StepPlan, StepResult, TableUpdate
+from pagoda.contract.step import Fork, StepPlan, StepResult, TableUpdate
+from scheduler_svc.core.admission import Admission, adapter_names
 from scheduler_svc.core.beam_group import BeamGroups
 from scheduler_svc.core.brownout import BrownoutChange, BrownoutGovernor
 from scheduler_svc.core.config import SchedulerConfig, check_request
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
-from scheduler_svc.core.lora_admission import adapter_names, lora_fits
 from scheduler_svc.core.outputs import SchedulerCounters, SchedulerStats, SequenceDelta
 from scheduler_svc.core.pinning import PromptPinner
 from scheduler_svc.core.poison import PoisonIsolator
@@ -53,12 +53,11 @@ from scheduler_svc.core.request import (
     Request,
     SeqStatus,
     Sequence,
-    child_seq_id,
     new_beam_group,
 )
 from scheduler_svc.core.spec_decode import NgramSpeculator
 from scheduler_svc.core.step_draft import InflightStep, StepDraft
-from scheduler_svc.core.swap import SwapManager, resume_point
+from scheduler_svc.core.swap import SwapManager
 
 __all__ = ["Scheduler", "SchedulerStats"]
 
@@ -81,10 +80,12 @@ class Scheduler:
         self._spec = NgramSpeculator(spec, self._kv, self._threshold) if spec is not None else None
         self._pins = PromptPinner(self._kv, self._queues.requests, self.add_request)
         self._brownout = BrownoutGovernor(config.brownout, config.max_num_batched_tokens, config.max_num_seqs)
-        self._beams = BeamGroups(self._kv, self._queues, self._threshold, config.max_num_seqs,
-                                 make_room=self._preempt_until_fits, preempt_one=self._preempt_one,
-                                 admit=self._admit, finish=self._finish, last_inflight=self._last_inflight)
+        self._beams = BeamGroups(self._kv, self._queues, self._threshold, make_room=self._preempt_until_fits,
+                                 preempt_one=self._preempt_one, finish=self._finish,
+                                 last_inflight=self._last_inflight)
         self._swap = SwapManager(config.num_cpu_blocks, bs, config.preemption_mode, self._threshold)
+        self._admission = Admission(config, self._threshold, self._kv, self._queues, self._swap,
+                                    self._brownout, self._counters, preempt=self._preempt)
         # Speculation needs every sequence's last token to propose: one step in flight at a time.
         self.max_inflight_steps = 1 if spec is not None else config.max_inflight_steps
         self.last_failure: str | None = None  # fail_all's reason
@@ -136,7 +137,7 @@ class Scheduler:
         draft = StepDraft(plan, brownout.step_budget, self.config.block_size)
         self._schedule_running(draft)
         if not plan.preempted_ids and not draft.blocks_short:
-            self._admit_waiting(draft)
+            self._admission.admit_waiting(draft)
         if not (draft.num_scheduled or plan.finished_ids or plan.preempted_ids or plan.beam_updates):
             return None
         return self._seal(plan, draft)
@@ -147,12 +148,9 @@ class Scheduler:
             expected = self._inflight[0].step_id if self._inflight else None
             raise ValueError(f"result for step {result.step_id}, expected step {expected}")
         step = self._inflight.popleft()
-        kv, bs = self._kv, self.config.block_size
+        kv = self._kv
         if kv.index is not None:
-            for seq, generation, num_computed in step.computed:
-                if num_computed // bs > seq.num_registered_blocks and seq.generation == generation \
-                        and seq.status is SeqStatus.RUNNING:
-                    kv.register_computed(seq, num_computed)
+            kv.register_reported(step.computed)
         if self._spec is not None:
             self._spec.observe_step_cost(step.num_tokens, result.forward_seconds + result.sample_seconds)
         if result.prompt_logprobs:
@@ -184,22 +182,8 @@ class Scheduler:
         """A new worker knows nothing: everything resident is preempted to the front of the queue,
         in-flight steps (and their placeholder tokens) are discarded, the prefix index purged, every
         block returns to the pool and the next plan is step 1."""
-        q = self._queues
-        for seq in reversed(q.running):  # reversed + push_front: running order is kept
-            seq.block_table = []
-            seq.num_computed_tokens = 0
-            seq.num_registered_blocks = 0
-            seq.last_serial = 0
-            seq.generation += 1
-            seq.resident = False
-            seq.status = SeqStatus.WAITING
-            q.waiting.push_front(seq)
-        self._counters.num_preemptions += len(q.running)
+        self._counters.num_preemptions += self._queues.requeue_all()
         self._brownout.rebase(self._counters.num_preemptions)  # a worker loss is not memory pressure
-        q.running.clear()
-        q.running_slots = 0
-        for seq in q.live.values():
-            seq.num_placeholders = 0  # those tokens will never arrive; resuming recomputes them
         self._isolator.probe = None  # discarded with the other in-flight steps; its suspect stays one
         self._reset_worker_state()  # the host pool's contents went with the worker: they recompute
 
@@ -430,54 +414,6 @@ class Scheduler:
             need = blocks_needed()
         return need
 
-    def _admit_waiting(self, draft: StepDraft) -> None:
-        cfg, kv, q = self.config, self._kv, self._queues
-        waiting = q.waiting
-        while waiting and draft.budget > 0:
-            seq = waiting.peek()
-            if seq.num_placeholders or q.running_slots + seq.num_slots > cfg.max_num_seqs:
-                return  # its last tokens are still in flight / no room: keep the order, try later
-            if seq.request.lora is not None and not lora_fits(seq, q.running, cfg.max_loras):
-                return  # max_loras other adapters run: it waits (in order) until one drains
-            if seq.request.beam is not None and len(seq.request.beam.beams) > 1:
-                if not self._beams.admit(draft, seq):
-                    return  # the group enters whole, or waits (in order)
-                continue
-            hits, last_serial = kv.find_cached_prefix(seq)
-            num_hit = len(hits) * cfg.block_size
-            start = resume_point(seq, num_hit)  # past the hit, or past its swapped KV
-            num_new = min(len(seq.token_ids) - start, self._threshold, draft.budget)
-            if not kv.pool.can_allocate(kv.blocks_to_admit(hits, start + num_new)):
-                return
-            waiting.pop()
-            self._admit(draft, seq, hits, last_serial, num_hit, num_new)
-
-    def _admit(self, draft: StepDraft, seq: Sequence, hits: list[BlockId], last_serial: int, num_hit: int,
-               num_new: int) -> None:
-        """Make `seq` (just taken off the waiting queue) resident: blocks, plan entry, running.
-        `num_new` tokens are computed from its resume point (its hit, or its swapped tokens)."""
-        start = resume_point(seq, num_hit)
-        self._kv.admit(seq, hits, last_serial, start + num_new)
-        seq.num_computed_tokens = start
-        c, req = self._counters, seq.request
-        c.prefix_queries += len(seq.token_ids)
-        c.prefix_hits += num_hit
-        if not req.admitted:  # a resumed request's recomputation is not a cache hit (vLLM #25780)
-            req.admitted = True
-            req.num_cached_tokens = num_hit
-            c.prompt_tokens += req.num_prompt_tokens
-            if self._brownout.cap:  # in brownout: a newly admitted request gets the short limit
-                self._brownout.cap_max_tokens(req)
-        if seq.host_blocks:  # swapped out: its KV comes back from the host
-            self._swap.swap_in(seq, len(hits), draft.plan)
-        draft.plan.new_requests.append(NewRequestData(
-            seq.seq_id, list(seq.token_ids), req.num_prompt_tokens, list(seq.block_table),
-            start, num_new, req.sampling, seq.seq_index, req.lora))
-        seq.resident = True
-        self._queues.add_running(seq)
-        draft.commit(seq, num_new)
-        draft.budget -= num_new
-
     def _fork(self, parent: Sequence, plan: StepPlan) -> None:
         req = parent.request
         if req.beam is not None:  # beams fork when their candidates are ranked (beam_group.py)
@@ -485,17 +421,11 @@ class Scheduler:
         q = self._queues
         parent.pending_fork = False
         q.running_slots -= req.n - 1  # the children take the slots reserved for them
-        children = []
-        for index in range(1, req.n):
-            child = Sequence(child_seq_id(req.request_id, index), index, req, list(parent.token_ids),
-                             num_computed_tokens=parent.num_computed_tokens, num_placeholders=1,
-                             block_table=list(parent.block_table), block_hashes=list(parent.block_hashes),
-                             num_registered_blocks=parent.num_registered_blocks,
-                             last_serial=parent.last_serial, generation=parent.generation, resident=True)
+        children = [parent.fork(index) for index in range(1, req.n)]
+        for child in children:
             self._kv.share(child.block_table)
             q.live[child.seq_id] = child
             q.add_running(child)
-            children.append(child)
         req.seqs.extend(children)
         plan.forks.append(Fork(parent.seq_id, [c.seq_id for c in children]))
 
@@ -540,7 +470,7 @@ class Scheduler:
             group = target.request if target.request.beam is not None else None
             self._schedule_running(draft, [target])
         else:
-            self._admit_probe(draft, target)
+            self._admission.admit_suspect(draft, target)
         counts = plan.num_scheduled_tokens
         for seq in q.running:  # before forking: a fork's children sample in this step
             if seq is not target and seq.request is not group:  # a beam group runs as one
@@ -552,25 +482,6 @@ class Scheduler:
             if not plan.finished_ids and not plan.preempted_ids:
                 return self.schedule()
         return self._seal(plan, draft)
-
-    def _admit_probe(self, draft: StepDraft, target: Sequence) -> None:
-        """Admit `target` out of queue order, preempting resident sequences from the tail until it
-        fits: nothing else runs while isolating, so nothing else would ever make room."""
-        cfg, kv, q = self.config, self._kv, self._queues
-        while True:
-            hits, last_serial = kv.find_cached_prefix(target)
-            num_hit = len(hits) * cfg.block_size
-            start = resume_point(target, num_hit)  # past its hit, or its swapped KV
-            num_new = min(len(target.token_ids) - start, self._threshold, draft.budget)
-            if kv.pool.can_allocate(kv.blocks_to_admit(hits, start + num_new)) and \
-                    q.running_slots + target.num_slots <= cfg.max_num_seqs and \
-                    lora_fits(target, q.running, cfg.max_loras):  # the worker's slots
-                break
-            if not q.running:
-                return  # cannot happen for an admitted request (add_request checked its size)
-            self._preempt(q.running[-1], draft.plan)
-        q.waiting.remove(target)
-        self._admit(draft, target, hits, last_serial, num_hit, num_new)
 
     # -- results --------------------------------------------------------------------------------
     def _append_tokens(self, result: StepResult) -> list[SequenceDelta]:
