@@ -20,12 +20,13 @@ Policy, in a few lines:
   placeholder, blocks a finished/preempted sequence held return to the pool only after the last
   in-flight step reports, and prefix blocks are registered only when their writing step reported.
 
-Shape: `Scheduler` declares the whole public API here and runs the per-step path (schedule, admit,
-preempt, fork, results, finish). The features that keep state are objects it holds and calls, each
-owning its state: the KV manager (kv_cache_manager.py), the run queues (queues.py), the swap
-manager (swap.py), the brownout governor (brownout.py), the poison isolator (poison.py), the prompt
-pinner (pinning.py), the n-gram speculator (spec_decode.py), the beam groups (beam_group.py) and the
-counters (outputs.py). Invariants: Scheduler.check_invariants (block accounting, queues, host pool).
+Shape: `Scheduler` declares the whole public API here and runs the per-step path (schedule the
+running, preempt, fork, apply results, finish). What keeps state is an object it holds and calls,
+each owning its own: the KV manager (kv_cache_manager.py), the run queues (queues.py), admission
+(admission.py), the swap manager (swap.py), the brownout governor (brownout.py), the poison isolator
+(poison.py), the prompt pinner (pinning.py), the n-gram speculator (spec_decode.py), the beam groups
+(beam_group.py) and the counters (outputs.py). They get the KV manager, the run queues and
+callbacks, never the Scheduler. Invariants: check_invariants (block accounting, queues, host pool).
 """
 
 from __future__ import annotations
@@ -48,13 +49,7 @@ from scheduler_svc.core.pinning import PromptPinner
 from scheduler_svc.core.poison import PoisonIsolator
 from scheduler_svc.core.prompt_logprobs import attach_prompt_logprobs, fold_prompt_logprobs
 from scheduler_svc.core.queues import RunQueues
-from scheduler_svc.core.request import (
-    EngineRequest,
-    Request,
-    SeqStatus,
-    Sequence,
-    new_beam_group,
-)
+from scheduler_svc.core.request import EngineRequest, Request, SeqStatus, Sequence, new_beam_group
 from scheduler_svc.core.spec_decode import NgramSpeculator
 from scheduler_svc.core.step_draft import InflightStep, StepDraft
 from scheduler_svc.core.swap import SwapManager
@@ -63,6 +58,11 @@ __all__ = ["Scheduler", "SchedulerStats"]
 
 
 class Scheduler:
+    """The engine's core, driven by one caller thread: add_request / abort / pin_prompt in;
+    schedule() -> StepPlan out, update(StepResult) -> deltas back (at most max_inflight_steps plans
+    out); note_step_failure / reset_after_worker_loss / fail_all when the worker fails; stats(),
+    check_invariants() and the read-only properties below for the engine loop and tests."""
+
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         bs = config.block_size
