@@ -12,8 +12,8 @@ into W beams this way.
 
 Beams move together: a group is scheduled as a whole (blocks for all its beams, or none of them),
 preempted as a whole (a victim's whole group goes back to the queue, in beam order) and admitted
-as a whole (admission.py); each beam waits for the others' candidates before the group advances. The finished
-hypotheses are returned once, at the end, ranked by length-penalised score.
+as a whole (admission.py); each beam waits for the others' candidates before the group advances.
+The finished hypotheses are returned once, at the end, ranked by length-penalised score.
 
 The group's state is the request's (`Request.beam`, a BeamGroup: request.py). The Scheduler holds
 one BeamGroups, which owns the BeamUpdates owed to the next plan and runs the groups through the
