@@ -153,9 +153,10 @@ class BrownoutGovernor:
 
     def apply(self, change: BrownoutChange) -> None:
         if change.active:
-            self.step_budget = self.config.step_budget(self._max_num_batched_tokens,  # type: ignore[union-attr]
-                                                       self._max_num_seqs)
-            self.cap = self.config.max_tokens  # type: ignore[union-attr]
+            cfg = self.config
+            assert cfg is not None  # a change comes only from the decider, which needs a config
+            self.step_budget = cfg.step_budget(self._max_num_batched_tokens, self._max_num_seqs)
+            self.cap = cfg.max_tokens
             self.entries += 1
         else:
             self.step_budget = self._max_num_batched_tokens

@@ -134,8 +134,9 @@ class Sequence:
         return Sequence(child_seq_id(self.request.request_id, index), index, self.request,
                         list(self.token_ids), num_computed_tokens=self.num_computed_tokens,
                         num_placeholders=1, block_table=list(self.block_table),
-                        block_hashes=list(self.block_hashes), num_registered_blocks=self.num_registered_blocks,
-                        last_serial=self.last_serial, generation=self.generation, resident=True)
+                        block_hashes=list(self.block_hashes),
+                        num_registered_blocks=self.num_registered_blocks, last_serial=self.last_serial,
+                        generation=self.generation, resident=True)
 
     def may_sample(self) -> bool:
         """Whether one more sampled token (beyond those in flight) stays within max_tokens."""

@@ -158,8 +158,9 @@ class Scheduler:
         deltas = self._append_tokens(result)
         if self._prompt_logprobs_ready:
             attach_prompt_logprobs(deltas, self._prompt_logprobs_ready, self._queues.requests)
-        if step.spec:
-            self._spec.settle(step.spec, result.request_ids, self._last_inflight())  # type: ignore[union-attr]
+        if step.spec:  # (only a speculator drafts)
+            self._spec.settle(step.spec, result.request_ids,  # type: ignore[union-attr]
+                              self._last_inflight())
         if self._isolator.probe is not None:
             self._isolator.reported(step.step_id, result.request_ids)
         kv.step_reported(step.step_id)
