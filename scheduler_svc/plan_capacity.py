@@ -12,6 +12,8 @@ import json
 import re
 from pathlib import Path
 
+from pagoda.runtime.math_utils import cdiv
+
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1,
                "float8_e4m3fn": 1, "float8_e5m2": 1}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -45,7 +47,7 @@ def capacity_lines(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str
     per_token = bytes_per_token(num_layers, num_kv_heads, head_dim, DTYPE_BYTES[dtype])
     per_block = per_token * block_size
     num_blocks = memory // per_block
-    blocks_per_seq = -(-seq_len // block_size)
+    blocks_per_seq = cdiv(seq_len, block_size)
     return [
         f"model: {num_layers} layers x {num_kv_heads} KV heads x head_dim {head_dim}, {dtype}",
         f"bytes per token:  {per_token:,}",

@@ -12,55 +12,61 @@ into W beams this way.
 
 Beams move together: a group is scheduled as a whole (blocks for all its beams, or none of them),
 preempted as a whole (a victim's whole group goes back to the queue, in beam order) and admitted
-as a whole; each beam waits for the others' candidates before the group advances. The finished
-hypotheses are returned once, at the end, ranked by length-penalised score.
+as a whole (admission.py); each beam waits for the others' candidates before the group advances.
+The finished hypotheses are returned once, at the end, ranked by length-penalised score.
+
+The group's state is the request's (`Request.beam`, a BeamGroup: request.py). The Scheduler holds
+one BeamGroups, which owns the BeamUpdates owed to the next plan and runs the groups through the
+scheduler's own primitives, handed to it as callbacks: make room by preempting from the tail,
+preempt one sequence, finish one sequence.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-from pagoda.contract.params import FinishReason, num_beam_candidates
+from pagoda.contract.params import FinishReason
 from pagoda.contract.step import BeamUpdate, StepPlan
-from scheduler_svc.core.beam_search import BeamSearch, Candidate, NextBeam
+from pagoda.runtime.math_utils import cdiv
+from scheduler_svc.core.beam_search import NextBeam
+from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.outputs import SequenceDelta
-from scheduler_svc.core.request import Request, SeqStatus, Sequence, child_seq_id
+from scheduler_svc.core.queues import RunQueues
+from scheduler_svc.core.request import BeamGroup, Request, SeqStatus, Sequence, child_seq_id
 from scheduler_svc.core.step_draft import StepDraft
 
-
-@dataclass(slots=True, eq=False)
-class BeamGroup:
-    search: BeamSearch
-    beams: list[Sequence]  # the live beams; beams[j].seq_index == j
-    cum_logprobs: list[float] = field(default_factory=lambda: [0.0])
-    candidates: dict[int, list[Candidate]] = field(default_factory=dict)  # beam index -> reported
-    scheduled_in: StepPlan | None = None  # the last plan drafted that considered the group (a
-    # drafted plan may be dropped, when it schedules nothing, and its step id drafted again)
+# (blocks_needed, is_self, plan) -> blocks needed once room is made; None: the group was preempted
+MakeRoom = Callable[[Callable[[], int], Callable[[Sequence], bool], StepPlan], int | None]
 
 
-def new_beam_group(seq: Sequence, stop_token_ids: frozenset[int]) -> BeamGroup:
-    """The group of a new beam-search request, whose only beam is its prompt's sequence."""
-    sampling = seq.request.sampling
-    width = sampling.beam_width
-    search = BeamSearch(width, sampling.length_penalty, stop_token_ids,
-                        num_beam_candidates(width, len(stop_token_ids)))
-    return BeamGroup(search, [seq])
+class BeamGroups:
+    def __init__(self, kv: KVCacheManager, queues: RunQueues, threshold: int, *, make_room: MakeRoom,
+                 preempt_one: Callable[[Sequence, StepPlan], None], finish: Callable[[Sequence], None],
+                 last_inflight: Callable[[], int | None]) -> None:
+        self._kv = kv
+        self._queues = queues
+        self._threshold = threshold
+        self._make_room = make_room  # Scheduler._preempt_until_fits
+        self._preempt_one = preempt_one
+        self._finish = finish
+        self._last_inflight = last_inflight
+        self.updates: list[BeamUpdate] = []  # for the next plan
+        self.num_steps = 0  # ranking rounds run (a counter for tests and stats)
 
+    def take_updates(self) -> list[BeamUpdate]:
+        """The updates the next plan carries; the list starts afresh."""
+        updates, self.updates = self.updates, []
+        return updates
 
-class BeamSearchMixin:
-    def _init_beam_search(self) -> None:
-        self._beam_updates: list[BeamUpdate] = []  # for the next plan
-        self.num_beam_steps = 0  # ranking rounds run (a counter for tests and stats)
-
-    def _reset_beams(self) -> None:
+    def reset(self) -> None:
         """The worker's state is gone (worker loss, failure): no update is owed, no result awaited."""
-        self._beam_updates = []
-        for req in self._requests.values():
+        self.updates = []
+        for req in self._queues.requests.values():
             if req.beam is not None:
                 req.beam.candidates.clear()
 
     # -- scheduling ---------------------------------------------------------------------------
-    def _schedule_beams(self, draft: StepDraft, seq: Sequence, budget: int) -> int:
+    def schedule(self, draft: StepDraft, seq: Sequence, budget: int) -> int:
         """Schedule the whole group of `seq` (the first of its beams this plan meets); return the
         tokens it takes. Beams still waiting for their step's result, or for the others'
         candidates, sit this step out; the others (recomputing after a preemption) go on."""
@@ -80,7 +86,7 @@ class BeamSearchMixin:
             num_new = min(gap, self._threshold, left) if ready else 0
             left -= num_new
             chunks.append((beam, num_new))
-        need = self._preempt_until_fits(lambda: self._group_blocks_needed(chunks),
+        need = self._make_room(lambda: self._group_blocks_needed(chunks),
                                         lambda victim: victim.request is seq.request, plan)
         if need is None:
             return 0  # the group itself was the newest: it waits, whole
@@ -96,7 +102,7 @@ class BeamSearchMixin:
             kv.grow(beam, num_new, plan)
             if num_new != 1:
                 counts[beam.seq_id] = num_new
-            self._commit_seq(draft, beam, num_new)
+            draft.commit(beam, num_new)
             used += num_new
         return used
 
@@ -104,48 +110,19 @@ class BeamSearchMixin:
         """New blocks the group's chunks take: appends, plus a copy for each write into a shared
         block but the last holder's (grow() copies while the block's ref count is > 1, so the
         w beams writing into a block held r times make min(w, r - 1) copies)."""
-        kv, bs = self._kv, self.config.block_size
+        kv, bs = self._kv, self._kv.block_size
         need, writers = 0, {}
         for beam, num_new in chunks:
             if not num_new:
                 continue
             table, start = beam.block_table, beam.num_computed_tokens
-            end_block = -(-(start + num_new) // bs)
+            end_block = cdiv(start + num_new, bs)
             need += max(0, end_block - len(table))
             for i in range(start // bs, min(end_block, len(table))):
                 writers[table[i]] = writers.get(table[i], 0) + 1
         return need + sum(min(w, kv.pool.ref_count(block) - 1) for block, w in writers.items())
 
-    def _admit_beams(self, draft: StepDraft, seq: Sequence) -> bool:
-        """Admit every waiting beam of `seq`'s group (at the queue's head, in beam order) or none;
-        False when they do not all fit this step."""
-        cfg, kv, waiting = self.config, self._kv, self._waiting
-        beams = [beam for beam in seq.request.beam.beams if beam.status is SeqStatus.WAITING]
-        if self._running_slots + len(beams) > cfg.max_num_seqs or draft.budget < len(beams) \
-                or any(beam.num_placeholders for beam in beams):
-            return False
-        need, left = 0, draft.budget
-        for k, beam in enumerate(beams):
-            hits, _ = kv.find_cached_prefix(beam)
-            start = self._resume_point(beam, len(hits) * cfg.block_size)  # its hit or swapped KV
-            num_new = min(len(beam.token_ids) - start, self._threshold, left - (len(beams) - k - 1))
-            left -= num_new
-            need += kv.blocks_to_admit(hits, start + num_new)
-        if not kv.pool.can_allocate(need):
-            return False
-        # Each beam's hits are looked up again just before it is admitted: the blocks the beams
-        # before it allocated may have evicted one (never making the total exceed `need`: an
-        # evicted hit was counted as a revived block, and is now a new one).
-        for k, beam in enumerate(beams):
-            hits, last_serial = kv.find_cached_prefix(beam)
-            num_hit = len(hits) * cfg.block_size
-            num_new = min(len(beam.token_ids) - self._resume_point(beam, num_hit), self._threshold,
-                          draft.budget - (len(beams) - k - 1))
-            waiting.remove(beam)
-            self._admit(draft, beam, hits, last_serial, num_hit, num_new)
-        return True
-
-    def _preempt_beams(self, seq: Sequence, plan: StepPlan) -> None:
+    def preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Preempt `seq`'s whole group: every running beam goes back to the queue, in beam order."""
         group: BeamGroup = seq.request.beam
         group.candidates.clear()  # recomputed on resume
@@ -154,7 +131,7 @@ class BeamSearchMixin:
                 self._preempt_one(beam, plan)
 
     # -- results ------------------------------------------------------------------------------
-    def _advance_beams(self, req: Request, deltas: list[SequenceDelta]) -> None:
+    def advance(self, req: Request, deltas: list[SequenceDelta]) -> None:
         """Rank once every live beam has reported; then re-point the beams, or finish."""
         group: BeamGroup = req.beam
         beams = group.beams
@@ -162,7 +139,7 @@ class BeamSearchMixin:
             return
         candidates = [group.candidates[j] for j in range(len(beams))]
         group.candidates.clear()
-        self.num_beam_steps += 1
+        self.num_steps += 1
         outputs = [beam.token_ids[req.num_prompt_tokens:] for beam in beams]
         nexts = group.search.step(outputs, group.cum_logprobs, candidates, req.max_tokens)
         if group.search.done:
@@ -192,13 +169,13 @@ class BeamSearchMixin:
             beam.block_hashes, beam.num_registered_blocks, beam.last_serial = list(hashes), registered, serial
             beam.num_computed_tokens = computed
             beam.generation += 1  # facts recorded about the old beam are stale
-            self._beam_updates.append(BeamUpdate(beam.seq_id, old[nb.parent].seq_id, nb.token_id))
+            self.updates.append(BeamUpdate(beam.seq_id, old[nb.parent].seq_id, nb.token_id))
             beams.append(beam)
         for table in old_tables:
             self._kv.release(table, self._last_inflight())
         if old[0].pending_fork:  # the first fork: the slots reserved for the beams are theirs now
             old[0].pending_fork = False
-            self._running_slots -= req.num_seqs - 1
+            self._queues.running_slots -= req.num_seqs - 1
         group.beams = beams
         group.cum_logprobs = [nb.cum_logprob for nb in nexts]
 
@@ -207,9 +184,9 @@ class BeamSearchMixin:
         running right after the group's other beams (a group stays contiguous)."""
         beam = Sequence(child_seq_id(req.request_id, index), index, req, [], status=SeqStatus.RUNNING,
                         resident=True)
-        self._live[beam.seq_id] = beam
+        self._queues.live[beam.seq_id] = beam
         req.seqs.append(beam)
-        self._insert_running_after(beam, after)
+        self._queues.insert_running_after(beam, after)
         return beam
 
     def _finish_beams(self, req: Request, deltas: list[SequenceDelta]) -> None:

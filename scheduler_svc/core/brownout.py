@@ -4,7 +4,7 @@ Pressure is read once per step from two signals the core already keeps, with ste
 (the caller feeds one observation per step, so tests drive it with plain numbers):
 - KV usage (used blocks / total) at or above `kv_watermark` for `window_steps` steps in a row;
 - `preemption_threshold` or more preemptions within the last `window_steps` steps.
-Either one enters brownout. While in it the scheduler (BrownoutMixin) plans steps with the smaller
+Either one enters brownout. While in it the scheduler (its BrownoutGovernor) plans steps with the smaller
 `max_num_batched_tokens` and caps the max_tokens of each request it admits for the *first* time to
 `max_tokens`. Requests already admitted (running, or preempted and waiting to resume) keep the
 limit they were accepted with: their callers may already be streaming them.
@@ -20,10 +20,8 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from scheduler_svc.core.request import Request
+from scheduler_svc.core.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,63 +114,61 @@ class Brownout:
         return BrownoutChange(active, self.steps, reason, kv_usage, self._in_window)
 
 
-class BrownoutMixin:
-    """The Scheduler's side: one `_brownout_tick()` per schedule(), the cap at first admission.
+class BrownoutGovernor:
+    """The Scheduler's side: one `observe()` per schedule() while enabled, the cap at first admission.
 
-    Attributes used: config, _kv, num_preemptions. `brownout_changes` holds the transitions not yet
-    taken by the engine loop (bounded: transitions are rare, and the offline LLM never takes them).
+    `changes` holds the transitions not yet taken by the engine loop (bounded: transitions are
+    rare, and the offline LLM never takes them).
     """
 
-    def _init_brownout(self) -> None:
-        cfg = self.config.brownout
-        self._brownout = Brownout(cfg) if cfg is not None else None
-        self._step_budget = self.config.max_num_batched_tokens
-        self._brownout_cap = 0  # 0: no cap
-        self.brownout_changes: deque[BrownoutChange] = deque(maxlen=16)
-        self.brownout_entries = 0
-        self.brownout_capped_requests = 0
+    def __init__(self, config: BrownoutConfig | None, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.config = config
+        self.decider = Brownout(config) if config is not None else None
+        self.enabled = config is not None
+        self._max_num_batched_tokens = max_num_batched_tokens
+        self._max_num_seqs = max_num_seqs
+        self.step_budget = max_num_batched_tokens  # the token budget of the next step
+        self.cap = 0  # the max_tokens cap of a newly admitted request; 0: no cap
+        self.changes: deque[BrownoutChange] = deque(maxlen=16)
+        self.entries = 0
+        self.capped_requests = 0
 
     @property
-    def brownout_active(self) -> bool:
-        return self._brownout is not None and self._brownout.active
+    def active(self) -> bool:
+        return self.decider is not None and self.decider.active
 
-    @property
-    def step_budget(self) -> int:
-        """The token budget of the next step (max_num_batched_tokens, lower in brownout)."""
-        return self._step_budget
-
-    def _brownout_tick(self) -> None:
-        pool = self._kv.pool
-        change = self._brownout.observe(pool.num_used / pool.num_blocks, self.num_preemptions)
+    def observe(self, kv_usage: float, preemptions_total: int) -> None:
+        """One step's observation (only while enabled)."""
+        change = self.decider.observe(kv_usage, preemptions_total)  # type: ignore[union-attr]
         if change is not None:
-            self._apply_brownout(change)
+            self.apply(change)
 
-    def brownout_idle(self) -> None:
-        """The engine has nothing to run: leave brownout now (called by the engine loop)."""
-        if self._brownout is not None and (change := self._brownout.leave_idle()) is not None:
-            self._apply_brownout(change)
+    def leave_idle(self) -> None:
+        if self.decider is not None and (change := self.decider.leave_idle()) is not None:
+            self.apply(change)
 
-    def _brownout_rebase(self) -> None:
-        if self._brownout is not None:
-            self._brownout.rebase(self.num_preemptions)
+    def rebase(self, preemptions_total: int) -> None:
+        if self.decider is not None:
+            self.decider.rebase(preemptions_total)
 
-    def _apply_brownout(self, change: BrownoutChange) -> None:
-        cfg = self.config
+    def apply(self, change: BrownoutChange) -> None:
         if change.active:
-            self._step_budget = cfg.brownout.step_budget(cfg.max_num_batched_tokens, cfg.max_num_seqs)
-            self._brownout_cap = cfg.brownout.max_tokens
-            self.brownout_entries += 1
+            cfg = self.config
+            assert cfg is not None  # a change comes only from the decider, which needs a config
+            self.step_budget = cfg.step_budget(self._max_num_batched_tokens, self._max_num_seqs)
+            self.cap = cfg.max_tokens
+            self.entries += 1
         else:
-            self._step_budget = cfg.max_num_batched_tokens
-            self._brownout_cap = 0
-        self.brownout_changes.append(change)
+            self.step_budget = self._max_num_batched_tokens
+            self.cap = 0
+        self.changes.append(change)
 
-    def _cap_max_tokens(self, req: Request) -> None:
+    def cap_max_tokens(self, req: Request) -> None:
         """At a request's first admission in brownout: lower its max_tokens to the cap (never below
         its min_tokens). The worker is sent the capped SamplingParams, so both sides agree."""
-        cap = max(self._brownout_cap, req.sampling.min_tokens)
+        cap = max(self.cap, req.sampling.min_tokens)
         if req.max_tokens > cap:
             req.max_tokens = cap
             req.max_num_tokens = req.num_prompt_tokens + cap
             req.sampling = dataclasses.replace(req.sampling, max_tokens=cap)
-            self.brownout_capped_requests += 1
+            self.capped_requests += 1

@@ -1,4 +1,10 @@
-"""The scheduler core's one frozen config (built from flags in `__main__`, or by the offline LLM)."""
+"""The scheduler core's one frozen config (built from flags in `__main__`, or by the offline LLM),
+and the checks it implies: the preemption mode, and a request's size against its limits.
+
+add_request refuses, before anything is queued, what could never run (an empty prompt, a context
+longer than max_model_len, more sequences than max_num_seqs, more KV blocks than the whole cache
+for one request) and what the bounded queue has no room for (QueueFullError: retry later).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,11 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
+from pagoda.contract.errors import InvalidRequestError, QueueFullError
+from pagoda.contract.params import check_context_length
+from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core.brownout import BrownoutConfig
+from scheduler_svc.core.request import EngineRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +93,33 @@ def check_preemption_mode(mode: str | None, has_host_pool: bool) -> None:
     if mode == "swap" and not has_host_pool:
         raise ValueError("preemption_mode 'swap' needs a host block pool: give the worker swap "
                          "space (--swap-space GiB, LLM(swap_space=...)) large enough for a block")
+
+
+def check_request(cfg: SchedulerConfig, request: EngineRequest, num_waiting: int, waiting_tokens: int) -> int:
+    """Raise InvalidRequestError or QueueFullError (`num_waiting` requests with `waiting_tokens`
+    prompt tokens wait); else the request's effective max_tokens."""
+    prompt, sampling = request.prompt_token_ids, request.sampling
+    if not prompt:
+        raise InvalidRequestError("the prompt is empty: at least one token is required")
+    check_context_length(cfg.max_model_len, len(prompt), sampling.max_tokens)
+    max_tokens = cfg.max_model_len - len(prompt) if sampling.max_tokens is None else sampling.max_tokens
+    num_seqs = sampling.beam_width or sampling.n
+    if num_seqs > cfg.max_num_seqs:
+        what = f"beam width {num_seqs}" if sampling.beam_width else f"n={num_seqs}"
+        raise InvalidRequestError(f"{what} exceeds max_num_seqs={cfg.max_num_seqs}")
+    blocks = cdiv(len(prompt) + max_tokens - 1, cfg.block_size)
+    if sampling.beam_width:  # a group runs whole: every beam at full length, at worst unshared
+        blocks *= sampling.beam_width
+    if blocks > cfg.num_blocks:
+        raise InvalidRequestError(f"the request needs {blocks} KV blocks but the cache has only "
+                                  f"{cfg.num_blocks}")
+    if request.lora is not None and not cfg.max_loras:
+        raise InvalidRequestError(f"LoRA adapter {request.lora.lora_name!r} requested, but LoRA is "
+                                  "not enabled (start the worker with --enable-lora)")
+    if num_waiting >= cfg.max_waiting_requests:
+        raise QueueFullError(f"the waiting queue is full: {num_waiting} of "
+                             f"{cfg.max_waiting_requests} requests waiting; retry later")
+    if cfg.max_waiting_tokens is not None and waiting_tokens + len(prompt) > cfg.max_waiting_tokens:
+        raise QueueFullError(f"the waiting queue is full: {waiting_tokens} of "
+                             f"{cfg.max_waiting_tokens} prompt tokens waiting; retry later")
+    return max_tokens

@@ -1,16 +1,19 @@
 """Block tables of sequences over one BlockPool: prefix hits, growth, copy-on-write, deferred free.
 
-Every method is O(blocks it touches); nothing walks the whole pool per step.
+Every method is O(blocks it touches); nothing walks the whole pool per step (but check_refs: tests).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
+import scheduler_svc.core.prefix_index as prefix_index
 from pagoda.contract.ids import BlockId
 from pagoda.contract.step import BlockCopy, StepPlan, TableUpdate
-from scheduler_svc.core import prefix_index
+from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.prefix_index import PrefixIndex, block_extra_keys
-from scheduler_svc.core.request import Sequence
+from scheduler_svc.core.request import SeqStatus, Sequence
 
 
 def position_to_block(pos: int, block_size: int) -> tuple[int, int]:
@@ -72,15 +75,24 @@ class KVCacheManager:
             seq.last_serial = serial
             seq.num_registered_blocks = i + 1
 
+    def register_reported(self, computed: list[tuple[Sequence, int, int]]) -> None:
+        """A step reported: register what it computed, (seq, generation, num_computed) each, for the
+        sequences still running in that generation (a preempted one's blocks are gone)."""
+        bs = self.block_size
+        for seq, generation, num_computed in computed:
+            if num_computed // bs > seq.num_registered_blocks and seq.generation == generation \
+                    and seq.status is SeqStatus.RUNNING:
+                self.register_computed(seq, num_computed)
+
     # -- allocation ---------------------------------------------------------------------------
     def blocks_to_admit(self, hits: list[BlockId], end: int) -> int:
         """Blocks admission consumes: new ones for positions < end, plus evictable hits it revives."""
         revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
-        return -(-end // self.block_size) - len(hits) + revived
+        return cdiv(end, self.block_size) - len(hits) + revived
 
     def admit(self, seq: Sequence, hits: list[BlockId], last_serial: int, end: int) -> None:
         self.pool.touch(hits)  # before allocating, so the hits cannot be evicted by it
-        new = self.pool.allocate(-(-end // self.block_size) - len(hits))
+        new = self.pool.allocate(cdiv(end, self.block_size) - len(hits))
         assert new is not None, "admit() without a successful blocks_to_admit() check"
         seq.block_table = hits + new
         seq.num_registered_blocks = len(hits)
@@ -90,7 +102,7 @@ class KVCacheManager:
         """New blocks for positions [computed, computed+num_new): appends plus copy-on-write."""
         table, bs = seq.block_table, self.block_size
         start = seq.num_computed_tokens
-        end_block = -(-(start + num_new) // bs)
+        end_block = cdiv(start + num_new, bs)
         need = max(0, end_block - len(table))
         ref = self.pool.ref_count
         for i in range(start // bs, min(end_block, len(table))):
@@ -102,7 +114,7 @@ class KVCacheManager:
         """Make positions [computed, computed+num_new) writable; the plan carries the changes."""
         table, bs, pool = seq.block_table, self.block_size, self.pool
         start = seq.num_computed_tokens
-        end_block = -(-(start + num_new) // bs)
+        end_block = cdiv(start + num_new, bs)
         for i in range(start // bs, min(end_block, len(table))):
             src = table[i]
             if pool.ref_count(src) > 1:  # first write into a shared block: copy it
@@ -148,3 +160,14 @@ class KVCacheManager:
         self._deferred.clear()
         self.num_deferred = 0
         self.pool.reset()
+
+    def check_refs(self, held: Counter[int]) -> None:
+        """Raise AssertionError unless each block's ref count is what `held` counts (tables, pins)
+        plus the deferred frees (O(pool): tests)."""
+        pool = self.pool
+        pool.check()
+        held.update(self.deferred_blocks())
+        for block in range(pool.num_blocks):
+            if held[block] != pool.ref_count(block):
+                raise AssertionError(f"block {block}: ref count {pool.ref_count(block)} but held by "
+                                     f"{held[block]} tables / deferred frees")

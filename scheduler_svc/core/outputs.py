@@ -1,4 +1,5 @@
-"""What the scheduler core hands back to its callers after each step: per-sequence deltas."""
+"""What the scheduler core hands back to its callers: per-sequence deltas after each step, and its
+stats (a snapshot of counters that only ever grow, and of gauges)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason
 from pagoda.contract.step import TokenLogprobs
+from scheduler_svc.core.request import Sequence
 
 
 @dataclass(slots=True)
@@ -29,3 +31,73 @@ class SequenceDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    """The scheduler's own totals (its features keep theirs); SchedulerStats reports them."""
+
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # counted at a request's first admission
+    generation_tokens: int = 0  # sampled tokens accepted
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, tokens served from it
+    prefill_tokens_computed: int = 0  # recomputation after preemption included
+    last_step: tuple[int, int, int] = (0, 0, 0)  # (prefill tokens, decode sequences, preemptions)
+
+    def note_admission(self, seq: Sequence, num_hit: int) -> bool:
+        """Count an admission of `seq` with `num_hit` prompt tokens served from the prefix cache;
+        True at its request's first admission (which fixes the request's num_cached_tokens)."""
+        self.prefix_queries += len(seq.token_ids)
+        self.prefix_hits += num_hit
+        req = seq.request
+        if req.admitted:  # a resumed request's recomputation is not a cache hit (vLLM #25780)
+            return False
+        req.admitted = True
+        req.num_cached_tokens = num_hit
+        self.prompt_tokens += req.num_prompt_tokens
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int  # sequences
+    num_waiting: int  # sequences
+    num_free_blocks: int
+    num_evictable_blocks: int  # cached prefix blocks with ref 0
+    num_used_blocks: int
+    kv_usage: float  # used / total, 0..1
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of those, tokens served from it
+    num_preemptions: int  # total
+    prompt_tokens: int  # total, counted at a request's first admission
+    generation_tokens: int  # total sampled tokens accepted
+    last_step_prefill_tokens: int
+    last_step_decode_tokens: int
+    last_step_preemptions: int
+    num_resident_tokens: int  # tokens whose KV the running sequences hold (fragmentation studies)
+    blocks_allocated: int = 0  # total blocks taken from the pool (free list or evictable LRU)
+    blocks_freed: int = 0  # total blocks returned to it
+    num_step_failures: int = 0  # failed steps (the worker's forward or sampler raised)
+    num_requests_isolated: int = 0  # requests failed alone for them (poison.py)
+    spec_num_drafts: int = 0  # sequence-steps that carried draft tokens (spec_decode.py)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at position i (0-based)
+    num_pinned_blocks: int = 0  # prefix blocks held for pinned prompts (pinning.py)
+    brownout_active: bool = False  # under memory pressure: smaller steps, capped max_tokens (brownout.py)
+    brownout_entries: int = 0  # times brownout was entered
+    brownout_capped_requests: int = 0  # requests whose max_tokens brownout lowered
+    # Multi-LoRA (vLLM's lora_requests_info): adapter names with running / waiting requests
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0  # 0: LoRA off
+    # Swap preemption (swap.py)
+    num_swapped: int = 0  # waiting sequences (counted in num_waiting) whose KV is in host blocks
+    num_swap_preemptions: int = 0  # preemptions that swapped (of num_preemptions)
+    blocks_swapped_out: int = 0  # total
+    blocks_swapped_in: int = 0  # total
+    num_cpu_blocks: int = 0  # the host pool; 0: none
+    cpu_kv_usage: float = 0.0  # used / total host blocks, 0..1
+    # Tokens computed in prefill chunks, recomputation after preemption included (what swapping saves)
+    prefill_tokens_computed: int = 0

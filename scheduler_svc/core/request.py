@@ -1,25 +1,21 @@
 """What the engine accepts (EngineRequest) and the state it keeps per request: a Request owns 1..n
-Sequences; the Sequence is the unit of scheduling.
+Sequences; the Sequence is the unit of scheduling. A beam-search request also owns its BeamGroup.
 
 Sequence 0 of a request uses the request id itself; forked child i uses f"{request_id}#{i}".
+This module is a leaf of the core's import graph (it imports only pagoda.contract and the pure
+ranking in beam_search.py): every other core module may import it.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from pagoda.contract.ids import BlockId, RequestId
 from pagoda.contract.lora import LoRARequest
-from pagoda.contract.params import FinishReason, SamplingParams
-from pagoda.contract.step import TokenLogprobs
-
-if TYPE_CHECKING:
-    from scheduler_svc.core.beam_group import BeamGroup
+from pagoda.contract.params import FinishReason, SamplingParams, num_beam_candidates
+from pagoda.contract.step import StepPlan, TokenLogprobs
+from scheduler_svc.core.beam_search import BeamSearch, Candidate
 
 
 class SeqStatus(Enum):
@@ -132,6 +128,16 @@ class Sequence:
         """Running slots this sequence takes against max_num_seqs (children included, once forked)."""
         return self.request.num_seqs if self.pending_fork else 1
 
+    def fork(self, index: int) -> Sequence:
+        """Child `index` of this sequence 0 (n>1): its tokens, computed state and blocks (copies of
+        the lists: the caller shares the blocks by ref count), resident, one token in flight."""
+        return Sequence(child_seq_id(self.request.request_id, index), index, self.request,
+                        list(self.token_ids), num_computed_tokens=self.num_computed_tokens,
+                        num_placeholders=1, block_table=list(self.block_table),
+                        block_hashes=list(self.block_hashes),
+                        num_registered_blocks=self.num_registered_blocks, last_serial=self.last_serial,
+                        generation=self.generation, resident=True)
+
     def may_sample(self) -> bool:
         """Whether one more sampled token (beyond those in flight) stays within max_tokens."""
         return len(self.token_ids) + self.num_placeholders < self.request.max_num_tokens
@@ -148,65 +154,22 @@ class Sequence:
         return None
 
 
-def priority_key(seq: Sequence) -> tuple[int, float, int, int]:
-    """Lower runs first; ties by arrival time, then by arrival order, then by sequence index."""
-    req = seq.request
-    return (req.priority, req.arrival_time, req.arrival_order, seq.seq_index)
+@dataclass(slots=True, eq=False)
+class BeamGroup:
+    """A beam-search request's live beams, scheduled, preempted and admitted as one (beam_group.py)."""
+
+    search: BeamSearch
+    beams: list[Sequence]  # the live beams; beams[j].seq_index == j
+    cum_logprobs: list[float] = field(default_factory=lambda: [0.0])
+    candidates: dict[int, list[Candidate]] = field(default_factory=dict)  # beam index -> reported
+    scheduled_in: StepPlan | None = None  # the last plan drafted that considered the group (a
+    # drafted plan may be dropped, when it schedules nothing, and its step id drafted again)
 
 
-class WaitingQueue:
-    """FCFS deque (preempted sequences go to the front), or a heap on (priority, arrival)."""
-
-    __slots__ = ("_priority", "_deque", "_heap", "num_tokens")
-
-    def __init__(self, policy: str) -> None:
-        self._priority = policy == "priority"
-        self._deque: deque[Sequence] = deque()
-        self._heap: list[tuple[tuple[int, float, int, int], Sequence]] = []
-        self.num_tokens = 0  # prompt tokens of the waiting sequences (the max_waiting_tokens bound)
-
-    def __len__(self) -> int:
-        return len(self._heap) if self._priority else len(self._deque)
-
-    def __iter__(self) -> Iterator[Sequence]:
-        if self._priority:
-            return iter([seq for _, seq in sorted(self._heap, key=lambda e: e[0])])
-        return iter(self._deque)
-
-    def push_back(self, seq: Sequence) -> None:
-        self.num_tokens += seq.request.num_prompt_tokens
-        if self._priority:
-            heapq.heappush(self._heap, (priority_key(seq), seq))
-        else:
-            self._deque.append(seq)
-
-    def push_front(self, seq: Sequence) -> None:
-        """A preempted sequence: first in FCFS; in its (priority, arrival) place otherwise."""
-        if self._priority:
-            self.push_back(seq)
-        else:
-            self.num_tokens += seq.request.num_prompt_tokens
-            self._deque.appendleft(seq)
-
-    def peek(self) -> Sequence:
-        return self._heap[0][1] if self._priority else self._deque[0]
-
-    def pop(self) -> Sequence:
-        seq = heapq.heappop(self._heap)[1] if self._priority else self._deque.popleft()
-        self.num_tokens -= seq.request.num_prompt_tokens
-        return seq
-
-    def remove(self, seq: Sequence) -> None:
-        if self._priority:
-            self._heap = [e for e in self._heap if e[1] is not seq]
-            heapq.heapify(self._heap)
-        else:
-            self._deque.remove(seq)
-        self.num_tokens -= seq.request.num_prompt_tokens
-
-    def clear(self) -> list[Sequence]:
-        seqs = list(self)
-        self._deque.clear()
-        self._heap.clear()
-        self.num_tokens = 0
-        return seqs
+def new_beam_group(seq: Sequence, stop_token_ids: frozenset[int]) -> BeamGroup:
+    """The group of a new beam-search request, whose only beam is its prompt's sequence."""
+    sampling = seq.request.sampling
+    width = sampling.beam_width
+    search = BeamSearch(width, sampling.length_penalty, stop_token_ids,
+                        num_beam_candidates(width, len(stop_token_ids)))
+    return BeamGroup(search, [seq])

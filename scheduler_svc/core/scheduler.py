@@ -19,80 +19,292 @@ Policy, in a few lines:
 - Pipelining: up to `max_inflight_steps` plans may be out; a token sampled by an in-flight step is a
   placeholder, blocks a finished/preempted sequence held return to the pool only after the last
   in-flight step reports, and prefix blocks are registered only when their writing step reported.
+
+Shape: `Scheduler` declares the whole public API here and runs the per-step path (schedule the
+running, preempt, fork, apply results, finish). What keeps state is an object it holds and calls,
+each owning its own: the KV manager (kv_cache_manager.py), the run queues (queues.py), admission
+(admission.py), the swap manager (swap.py), the brownout governor (brownout.py), the poison isolator
+(poison.py), the prompt pinner (pinning.py), the n-gram speculator (spec_decode.py), the beam groups
+(beam_group.py) and the counters (outputs.py). They get the KV manager, the run queues and
+callbacks, never the Scheduler. Invariants: check_invariants (block accounting, queues, host pool).
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections import deque
 from collections.abc import Callable
 
-from pagoda.contract.ids import BlockId, RequestId
-from pagoda.contract.step import Fork, NewRequestData, StepPlan, TableUpdate
-from scheduler_svc.core.beam_group import BeamSearchMixin
-from scheduler_svc.core.brownout import BrownoutMixin
-from scheduler_svc.core.config import SchedulerConfig
+from pagoda.contract.errors import InvalidRequestError
+from pagoda.contract.ids import RequestId
+from pagoda.contract.params import FinishReason
+from pagoda.contract.step import Fork, StepPlan, StepResult, TableUpdate
+from scheduler_svc.core.admission import Admission, adapter_names
+from scheduler_svc.core.beam_group import BeamGroups
+from scheduler_svc.core.brownout import BrownoutChange, BrownoutGovernor
+from scheduler_svc.core.config import SchedulerConfig, check_request
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
-from scheduler_svc.core.lora_admission import lora_fits
-from scheduler_svc.core.pinning import PinningMixin
-from scheduler_svc.core.poison import PoisonIsolationMixin
-from scheduler_svc.core.request import Request, SeqStatus, Sequence, WaitingQueue, child_seq_id, priority_key
-from scheduler_svc.core.scheduler_lifecycle import SchedulerLifecycleMixin, SchedulerStats
-from scheduler_svc.core.spec_decode import SpeculationMixin
+from scheduler_svc.core.outputs import SchedulerCounters, SchedulerStats, SequenceDelta
+from scheduler_svc.core.pinning import PromptPinner
+from scheduler_svc.core.poison import PoisonIsolator
+from scheduler_svc.core.prompt_logprobs import attach_prompt_logprobs, fold_prompt_logprobs
+from scheduler_svc.core.queues import RunQueues
+from scheduler_svc.core.request import EngineRequest, Request, SeqStatus, Sequence, new_beam_group
+from scheduler_svc.core.spec_decode import NgramSpeculator
 from scheduler_svc.core.step_draft import InflightStep, StepDraft
-from scheduler_svc.core.step_results import StepResultsMixin
-from scheduler_svc.core.swap import SwapMixin
+from scheduler_svc.core.swap import SwapManager
 
 __all__ = ["Scheduler", "SchedulerStats"]
 
 
-class Scheduler(StepResultsMixin, SchedulerLifecycleMixin, PoisonIsolationMixin, SpeculationMixin,
-                PinningMixin, BrownoutMixin, BeamSearchMixin, SwapMixin):
+class Scheduler:
+    """The engine's core, driven by one caller thread: add_request / abort / pin_prompt in;
+    schedule() -> StepPlan out, update(StepResult) -> deltas back (at most max_inflight_steps plans
+    out); note_step_failure / reset_after_worker_loss / fail_all when the worker fails; stats(),
+    check_invariants() and the read-only properties below for the engine loop and tests."""
+
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self._kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        bs = config.block_size
+        self._kv = KVCacheManager(config.num_blocks, bs, config.enable_prefix_caching)
         self._threshold = config.long_prefill_token_threshold or max(1, config.max_num_batched_tokens // 2)
-        self._requests: dict[RequestId, Request] = {}
-        self._live: dict[RequestId, Sequence] = {}  # unfinished sequences by sequence id
-        self._running: list[Sequence] = []
-        self._running_slots = 0  # sum of seq.num_slots over running
-        self._waiting = WaitingQueue(config.policy)
+        self._queues = RunQueues(config.policy)
         self._inflight: deque[InflightStep] = deque()
         self._next_step_id = 1
         self._finished_resident: list[RequestId] = []  # ended since the last plan; the worker drops them
         self._arrivals = itertools.count()
         self._prompt_logprobs_ready: dict[RequestId, Request] = {}  # complete, not handed out yet
-        self._init_counters()
-        self._init_isolation()
-        self._init_speculation()
-        self._init_pinning()
-        self._init_brownout()
-        self._init_beam_search()
-        self._init_swap()
-        self.max_inflight_steps = 1 if config.speculative else config.max_inflight_steps
+        self._counters = SchedulerCounters()
+        self._isolator = PoisonIsolator(config.max_step_failures)
+        spec = config.speculative
+        self._spec = NgramSpeculator(spec, self._kv, self._threshold) if spec is not None else None
+        self._pins = PromptPinner(self._kv, self._queues.requests, self.add_request)
+        self._brownout = BrownoutGovernor(config.brownout, config.max_num_batched_tokens, config.max_num_seqs)
+        self._beams = BeamGroups(self._kv, self._queues, self._threshold, make_room=self._preempt_until_fits,
+                                 preempt_one=self._preempt_one, finish=self._finish,
+                                 last_inflight=self._last_inflight)
+        self._swap = SwapManager(config.num_cpu_blocks, bs, config.preemption_mode, self._threshold)
+        self._admission = Admission(config, self._threshold, self._kv, self._queues, self._swap,
+                                    self._brownout, self._counters, preempt=self._preempt)
+        # Speculation needs every sequence's last token to propose: one step in flight at a time.
+        self.max_inflight_steps = 1 if spec is not None else config.max_inflight_steps
+        self.last_failure: str | None = None  # fail_all's reason
 
-    # -- scheduling ---------------------------------------------------------------------------
+    # == the public API ===========================================================================
+    # -- requests in --------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises InvalidRequestError or QueueFullError (nothing queued then)."""
+        rid, prompt, sampling = request.request_id, request.prompt_token_ids, request.sampling
+        q = self._queues
+        if rid in q.requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        max_tokens = check_request(self.config, request, len(q.waiting), q.waiting.num_tokens)
+        num_seqs = sampling.beam_width or sampling.n
+        stop_set = sampling.stop_tokens(self.config.eos_token_ids)
+        req = Request(rid, tuple(prompt), sampling, max_tokens, request.priority, request.arrival_time,
+                      next(self._arrivals), request.cache_salt, request.lora, num_unfinished=num_seqs,
+                      stop_token_set=stop_set)
+        seq = Sequence(rid, 0, req, list(prompt), pending_fork=num_seqs > 1)
+        req.seqs.append(seq)
+        if sampling.beam_width:
+            req.beam = new_beam_group(seq, stop_set)
+        q.requests[rid] = req
+        q.live[rid] = seq
+        q.waiting.push_back(seq)
+
+    def pin_prompt(self, token_ids: list[int] | tuple[int, ...]) -> RequestId:
+        """Prefill `token_ids` and keep its full blocks cached for the engine's life (pinning.py)."""
+        return self._pins.pin(token_ids)
+
+    def abort(self, request_id: RequestId) -> list[SequenceDelta]:
+        """ABORT deltas for the request's unfinished sequences; [] if unknown or already ended."""
+        req = self._queues.requests.get(request_id)
+        return [] if req is None else self._end_request(req, FinishReason.ABORT)
+
+    # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The next step plan; None when there is nothing to compute or tell the worker, or when
         `max_inflight_steps` plans are already out (call `update` first)."""
         if len(self._inflight) >= self.max_inflight_steps:
             return None
-        if self._brownout is not None:  # sustained memory pressure: smaller steps, capped max_tokens
-            self._brownout_tick()
-        if self._suspects:  # a step failed: run the suspects one by one first (poison.py)
+        brownout = self._brownout
+        if brownout.enabled:  # sustained memory pressure: smaller steps, capped max_tokens
+            pool = self._kv.pool
+            brownout.observe(pool.num_used / pool.num_blocks, self._counters.num_preemptions)
+        if self._isolator.suspects:  # a step failed: run the suspects one by one first (poison.py)
             return self._schedule_probe()
-        plan = StepPlan(step_id=self._next_step_id, finished_ids=self._finished_resident,
-                        beam_updates=self._beam_updates)
-        self._finished_resident = []
-        self._beam_updates = []
-        draft = StepDraft(plan, self._step_budget)
+        plan = self._new_plan()
+        draft = StepDraft(plan, brownout.step_budget, self.config.block_size)
         self._schedule_running(draft)
         if not plan.preempted_ids and not draft.blocks_short:
-            self._admit_waiting(draft)
+            self._admission.admit_waiting(draft)
         if not (draft.num_scheduled or plan.finished_ids or plan.preempted_ids or plan.beam_updates):
             return None
         return self._seal(plan, draft)
+
+    def update(self, result: StepResult) -> list[SequenceDelta]:
+        """Apply one step's sampled tokens (steps in order); return the sequences' deltas."""
+        if not self._inflight or self._inflight[0].step_id != result.step_id:
+            expected = self._inflight[0].step_id if self._inflight else None
+            raise ValueError(f"result for step {result.step_id}, expected step {expected}")
+        step = self._inflight.popleft()
+        kv = self._kv
+        if kv.index is not None:
+            kv.register_reported(step.computed)
+        if self._spec is not None:
+            self._spec.observe_step_cost(step.num_tokens, result.forward_seconds + result.sample_seconds)
+        if result.prompt_logprobs:
+            fold_prompt_logprobs(self._queues.live, result.prompt_logprobs, self._prompt_logprobs_ready)
+        deltas = self._append_tokens(result)
+        if self._prompt_logprobs_ready:
+            attach_prompt_logprobs(deltas, self._prompt_logprobs_ready, self._queues.requests)
+        if step.spec:  # (only a speculator drafts)
+            self._spec.settle(step.spec, result.request_ids,  # type: ignore[union-attr]
+                              self._last_inflight())
+        if self._isolator.probe is not None:
+            self._isolator.reported(step.step_id, result.request_ids)
+        kv.step_reported(step.step_id)
+        return deltas
+
+    # -- failures -----------------------------------------------------------------------------
+    def note_step_failure(self, step_id: int, message: str) -> list[SequenceDelta]:
+        """The worker failed step `step_id` (call before reset_after_worker_loss). Returns ERROR
+        deltas, each carrying `message`, for the requests convicted (poison.py); the rest become
+        suspects, run alone first."""
+        deltas: list[SequenceDelta] = []
+        for req in self._isolator.blame(step_id, self._queues.running):
+            ended = self._end_request(req, FinishReason.ERROR)
+            for delta in ended:
+                delta.error = message
+            deltas += ended
+        return deltas
+
+    def reset_after_worker_loss(self) -> None:
+        """A new worker knows nothing: everything resident is preempted to the front of the queue,
+        in-flight steps (and their placeholder tokens) are discarded, the prefix index purged, every
+        block returns to the pool and the next plan is step 1."""
+        self._counters.num_preemptions += self._queues.requeue_all()
+        self._brownout.rebase(self._counters.num_preemptions)  # a worker loss is not memory pressure
+        self._isolator.probe = None  # discarded with the other in-flight steps; its suspect stays one
+        self._reset_worker_state()  # the host pool's contents went with the worker: they recompute
+
+    def fail_all(self, reason: str) -> list[SequenceDelta]:
+        """ERROR for every unfinished sequence (the worker is gone for good); the core is emptied."""
+        self.last_failure = reason
+        deltas: list[SequenceDelta] = []
+        for req in list(self._queues.requests.values()):
+            deltas += self._end_request(req, FinishReason.ERROR)
+        self._isolator.reset()
+        self._reset_worker_state()
+        return deltas
+
+    def brownout_idle(self) -> None:
+        """The engine has nothing to run: leave brownout now (called by the engine loop)."""
+        self._brownout.leave_idle()
+
+    # -- queries ------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._queues.requests)
+
+    def num_cached_tokens(self, request_id: RequestId) -> int:
+        req = self._queues.requests.get(request_id)
+        return req.num_cached_tokens if req is not None else 0
+
+    def running_request_ids(self, plan: StepPlan) -> list[RequestId]:
+        """The caller-level ids of the requests `plan` (just returned by schedule(), nothing changed
+        since) computes tokens for, each once: the running sequences but those it skips (count 0).
+        A sequence preempted by the plan has left the running list. O(running): call it only when
+        the answer is used (the step span's links, with tracing on)."""
+        counts = plan.num_scheduled_tokens
+        return list(dict.fromkeys(seq.request.request_id for seq in self._queues.running
+                                  if counts.get(seq.seq_id, 1)))
+
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._inflight)
+
+    @property
+    def step_budget(self) -> int:
+        """The token budget of the next step (max_num_batched_tokens, lower in brownout)."""
+        return self._brownout.step_budget
+
+    @property
+    def brownout_active(self) -> bool:
+        return self._brownout.active
+
+    @property
+    def brownout_changes(self) -> deque[BrownoutChange]:
+        """Brownout transitions not yet taken by the engine loop (it pops them)."""
+        return self._brownout.changes
+
+    @property
+    def isolating(self) -> bool:
+        """True while suspects are being probed one at a time."""
+        return bool(self._isolator.suspects)
+
+    @property
+    def pins_pending(self) -> bool:
+        """True until every pinned prompt has been prefilled (and its blocks pinned)."""
+        return self._pins.pending
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pins.blocks)
+
+    @property
+    def num_swapped(self) -> int:
+        return self._swap.num_swapped
+
+    @property
+    def cpu_kv_usage(self) -> float:
+        return self._swap.cpu_kv_usage
+
+    @property
+    def spec_num_drafts(self) -> int:
+        return self._spec.num_drafts if self._spec is not None else 0
+
+    @property
+    def spec_num_draft_tokens(self) -> int:
+        return self._spec.num_draft_tokens if self._spec is not None else 0
+
+    @property
+    def spec_num_accepted_tokens(self) -> int:
+        return self._spec.num_accepted_tokens if self._spec is not None else 0
+
+    def stats(self) -> SchedulerStats:
+        pool, q, c, spec = self._kv.pool, self._queues, self._counters, self._spec
+        brownout, swap, isolator = self._brownout, self._swap, self._isolator
+        per_pos = spec.accepted_per_pos if spec is not None else {}
+        return SchedulerStats(
+            len(q.running), len(q.waiting), pool.num_free, pool.num_evictable, pool.num_used,
+            pool.num_used / pool.num_blocks, c.prefix_queries, c.prefix_hits,
+            c.num_preemptions, c.prompt_tokens, c.generation_tokens, *c.last_step,
+            sum(seq.num_computed_tokens for seq in q.running),
+            pool.num_allocated_total, pool.num_freed_total, isolator.num_step_failures,
+            isolator.num_requests_isolated, self.spec_num_drafts, self.spec_num_draft_tokens,
+            self.spec_num_accepted_tokens, tuple(per_pos[i] for i in range(len(per_pos))),
+            len(self._pins.blocks), brownout_active=brownout.active,
+            brownout_entries=brownout.entries, brownout_capped_requests=brownout.capped_requests,
+            running_lora_adapters=adapter_names(q.running), waiting_lora_adapters=adapter_names(q.waiting),
+            max_loras=self.config.max_loras, num_swapped=swap.num_swapped,
+            num_swap_preemptions=swap.num_swap_preemptions, blocks_swapped_out=swap.blocks_swapped_out,
+            blocks_swapped_in=swap.blocks_swapped_in, num_cpu_blocks=self.config.num_cpu_blocks,
+            cpu_kv_usage=swap.cpu_kv_usage, prefill_tokens_computed=c.prefill_tokens_computed)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError with details when the block accounting is off (O(total): tests)."""
+        held = self._queues.check(self.config.block_size)  # the running tables' references
+        held.update(self._pins.blocks)
+        self._kv.check_refs(held)
+        self._queues.check_counts(self.config.max_num_seqs)
+        self._swap.check(self._queues.live)
+
+    # == the per-step path ========================================================================
+    def _new_plan(self) -> StepPlan:
+        plan = StepPlan(step_id=self._next_step_id, finished_ids=self._finished_resident,
+                        beam_updates=self._beams.take_updates())
+        self._finished_resident = []
+        return plan
 
     def _seal(self, plan: StepPlan, draft: StepDraft) -> StepPlan:
         """Fork, record the step as in flight, and hand the plan out."""
@@ -100,7 +312,8 @@ class Scheduler(StepResultsMixin, SchedulerLifecycleMixin, PoisonIsolationMixin,
             self._fork(parent, plan)
         num_tokens = draft.num_prefill + draft.num_decode + sum(n for _, _, n in draft.spec)
         self._inflight.append(InflightStep(plan.step_id, draft.computed, draft.spec, num_tokens))
-        self._note_step(draft.num_prefill, draft.num_decode, len(plan.preempted_ids))
+        self._counters.last_step = (draft.num_prefill, draft.num_decode, len(plan.preempted_ids))
+        self._counters.prefill_tokens_computed += draft.num_prefill
         self._next_step_id += 1
         return plan
 
@@ -110,12 +323,13 @@ class Scheduler(StepResultsMixin, SchedulerLifecycleMixin, PoisonIsolationMixin,
     def _schedule_running(self, draft: StepDraft, running: list[Sequence] | None = None) -> None:
         """Schedule the running sequences (or `running`, a sublist of them), in order."""
         kv, plan = self._kv, draft.plan
-        running = self._running if running is None else running
+        running = self._queues.running if running is None else running
         counts, computed = plan.num_scheduled_tokens, draft.computed
         pool, table_updates = kv.pool, plan.table_updates
         refs, bs, threshold = pool.ref_counts, self.config.block_size, self._threshold
         budget, num_decode = draft.budget, 0
-        drafts = self._plan_drafts(running) if self._spec is not None else {}
+        spec = self._spec
+        drafts = spec.propose(running) if spec is not None else {}
         i = 0
         while i < len(running):
             seq = running[i]
@@ -124,16 +338,17 @@ class Scheduler(StepResultsMixin, SchedulerLifecycleMixin, PoisonIsolationMixin,
             total = len(seq.token_ids) + seq.num_placeholders
             req = seq.request
             if req.beam is not None:  # the whole group at its first beam (beam_group.py)
-                budget -= self._schedule_beams(draft, seq, budget)
+                budget -= self._beams.schedule(draft, seq, budget)
                 continue
             if seq.seq_id in drafts:
-                used = self._schedule_drafts(draft, seq, drafts[seq.seq_id], budget)
+                used = spec.schedule(draft, seq, drafts[seq.seq_id], budget)  # type: ignore[union-attr]
                 if used:
+                    draft.commit(seq, 1)  # a decode: num_computed up to its last token, 1 placeholder
                     budget -= used
                     continue
             # The steady state, inlined: one decode token that may be sampled, written inside a
             # block the sequence holds alone, or opening one fresh block (no copy-on-write, no
-            # preemption). The general path below, grow() and _commit_seq would do exactly
+            # preemption). The general path below, grow() and draft.commit() would do exactly
             # this, at several times the cost.
             fits = False
             if total - start == 1 and budget > 0 < threshold \
@@ -171,28 +386,11 @@ class Scheduler(StepResultsMixin, SchedulerLifecycleMixin, PoisonIsolationMixin,
                 kv.grow(seq, num_new, plan)
             if num_new != 1:
                 counts[seq.seq_id] = num_new
-            self._commit_seq(draft, seq, num_new)
+            draft.commit(seq, num_new)
             budget -= num_new
         draft.budget = budget
         draft.num_decode += num_decode
         draft.num_scheduled += num_decode
-
-    def _commit_seq(self, draft: StepDraft, seq: Sequence, num_new: int) -> None:
-        """Advance num_computed (tokens of in-flight steps count); add a placeholder if it samples."""
-        total = len(seq.token_ids) + seq.num_placeholders
-        if num_new == 1 and total > seq.request.num_prompt_tokens:
-            draft.num_decode += 1
-        else:
-            draft.num_prefill += num_new
-        draft.num_scheduled += 1
-        end = seq.num_computed_tokens + num_new
-        seq.num_computed_tokens = end
-        if end // self.config.block_size > seq.num_registered_blocks:
-            draft.computed.append((seq, seq.generation, end))
-        if end == total:  # it samples
-            seq.num_placeholders += 1
-            if seq.pending_fork:
-                draft.fork_parents.append(seq)
 
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Preempt from the tail until seq's blocks fit (counting deferred frees, which come back
@@ -207,7 +405,7 @@ class Scheduler(StepResultsMixin, SchedulerLifecycleMixin, PoisonIsolationMixin,
         once in-flight steps report; its last value, or None when a victim `is_self` (the one
         making room preempted itself: it waits). Recounted after each victim: a victim may have
         shared blocks with it."""
-        kv, running = self._kv, self._running
+        kv, running = self._kv, self._queues.running
         need = blocks_needed()
         while not kv.pool.can_allocate(need) and kv.pool.num_available + kv.num_deferred < need:
             victim = running[-1]
@@ -217,89 +415,37 @@ class Scheduler(StepResultsMixin, SchedulerLifecycleMixin, PoisonIsolationMixin,
             need = blocks_needed()
         return need
 
-    def _admit_waiting(self, draft: StepDraft) -> None:
-        cfg, kv, waiting = self.config, self._kv, self._waiting
-        while waiting and draft.budget > 0:
-            seq = waiting.peek()
-            if seq.num_placeholders or self._running_slots + seq.num_slots > cfg.max_num_seqs:
-                return  # its last tokens are still in flight / no room: keep the order, try later
-            if seq.request.lora is not None and not lora_fits(seq, self._running, cfg.max_loras):
-                return  # max_loras other adapters run: it waits (in order) until one drains
-            if seq.request.beam is not None and len(seq.request.beam.beams) > 1:
-                if not self._admit_beams(draft, seq):
-                    return  # the group enters whole, or waits (in order)
-                continue
-            hits, last_serial = kv.find_cached_prefix(seq)
-            num_hit = len(hits) * cfg.block_size
-            start = self._resume_point(seq, num_hit)  # past the hit, or past its swapped KV
-            num_new = min(len(seq.token_ids) - start, self._threshold, draft.budget)
-            if not kv.pool.can_allocate(kv.blocks_to_admit(hits, start + num_new)):
-                return
-            waiting.pop()
-            self._admit(draft, seq, hits, last_serial, num_hit, num_new)
-
-    def _admit(self, draft: StepDraft, seq: Sequence, hits: list[BlockId], last_serial: int, num_hit: int,
-               num_new: int) -> None:
-        """Make `seq` (just taken off the waiting queue) resident: blocks, plan entry, running.
-        `num_new` tokens are computed from its resume point (its hit, or its swapped tokens)."""
-        start = self._resume_point(seq, num_hit)
-        self._kv.admit(seq, hits, last_serial, start + num_new)
-        seq.num_computed_tokens = start
-        self._note_admission(seq, num_hit)
-        if seq.host_blocks:  # swapped out: its KV comes back from the host
-            self._swap_in(seq, len(hits), draft.plan)
-        draft.plan.new_requests.append(NewRequestData(
-            seq.seq_id, list(seq.token_ids), seq.request.num_prompt_tokens, list(seq.block_table),
-            start, num_new, seq.request.sampling, seq.seq_index, seq.request.lora))
-        seq.resident = True
-        self._add_running(seq)
-        self._commit_seq(draft, seq, num_new)
-        draft.budget -= num_new
-
     def _fork(self, parent: Sequence, plan: StepPlan) -> None:
         req = parent.request
         if req.beam is not None:  # beams fork when their candidates are ranked (beam_group.py)
             return
+        q = self._queues
         parent.pending_fork = False
-        self._running_slots -= req.n - 1  # the children take the slots reserved for them
-        children = []
-        for index in range(1, req.n):
-            child = Sequence(child_seq_id(req.request_id, index), index, req, list(parent.token_ids),
-                             num_computed_tokens=parent.num_computed_tokens, num_placeholders=1,
-                             block_table=list(parent.block_table), block_hashes=list(parent.block_hashes),
-                             num_registered_blocks=parent.num_registered_blocks,
-                             last_serial=parent.last_serial, generation=parent.generation, resident=True)
+        q.running_slots -= req.n - 1  # the children take the slots reserved for them
+        children = [parent.fork(index) for index in range(1, req.n)]
+        for child in children:
             self._kv.share(child.block_table)
-            self._live[child.seq_id] = child
-            self._add_running(child)
-            children.append(child)
+            q.live[child.seq_id] = child
+            q.add_running(child)
         req.seqs.extend(children)
         plan.forks.append(Fork(parent.seq_id, [c.seq_id for c in children]))
 
-    def _add_running(self, seq: Sequence) -> None:
-        seq.status = SeqStatus.RUNNING
-        self._running_slots += seq.num_slots
-        if self.config.policy == "priority":
-            bisect.insort(self._running, seq, key=priority_key)
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        if seq.request.beam is not None:
+            self._beams.preempt(seq, plan)
         else:
-            self._running.append(seq)
+            self._preempt_one(seq, plan)
 
-    def _insert_running_after(self, seq: Sequence, after: Sequence) -> None:
-        """Running, right behind `after` (a beam group stays contiguous)."""
-        if self.config.policy == "priority":
-            self._add_running(seq)  # the order key keeps a request's sequences together
-            return
-        seq.status = SeqStatus.RUNNING
-        self._running_slots += seq.num_slots
-        index = len(self._running) - 1 if self._running[-1] is after else self._running.index(after)
-        self._running.insert(index + 1, seq)
-
-    def _remove_running(self, seq: Sequence) -> None:
-        if self._running and self._running[-1] is seq:
-            self._running.pop()
-        else:
-            self._running.remove(seq)
-        self._running_slots -= seq.num_slots
+    def _preempt_one(self, seq: Sequence, plan: StepPlan) -> None:
+        self._queues.remove_running(seq)
+        self._swap.swap_out(seq, plan)  # copies its KV to host blocks if the mode and the host pool allow
+        self._drop_blocks(seq)
+        if seq.resident:
+            plan.preempted_ids.append(seq.seq_id)
+            seq.resident = False
+        seq.status = SeqStatus.WAITING
+        self._queues.waiting.push_front(seq)
+        self._counters.num_preemptions += 1
 
     def _drop_blocks(self, seq: Sequence) -> None:
         self._kv.release(seq.block_table, self._last_inflight())
@@ -309,19 +455,121 @@ class Scheduler(StepResultsMixin, SchedulerLifecycleMixin, PoisonIsolationMixin,
         seq.last_serial = 0
         seq.generation += 1
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        if seq.request.beam is not None:
-            self._preempt_beams(seq, plan)
+    # -- while isolating a failure (poison.py decides who; the plan is built here) ----------------
+    def _schedule_probe(self) -> StepPlan | None:
+        """The next plan while isolating: the first suspect alone; None while a step is in flight."""
+        if self._inflight:
+            return None
+        q = self._queues
+        target = self._isolator.target(q.running, q.waiting)
+        if target is None:
+            return self.schedule()
+        plan = self._new_plan()
+        draft = StepDraft(plan, self.config.max_num_batched_tokens, self.config.block_size)
+        group = None  # a running beam's whole group is scheduled with it (beam_group.py)
+        if target.status is SeqStatus.RUNNING:
+            group = target.request if target.request.beam is not None else None
+            self._schedule_running(draft, [target])
         else:
-            self._preempt_one(seq, plan)
+            self._admission.admit_suspect(draft, target)
+        counts = plan.num_scheduled_tokens
+        for seq in q.running:  # before forking: a fork's children sample in this step
+            if seq is not target and seq.request is not group:  # a beam group runs as one
+                counts[seq.seq_id] = 0
+        if draft.num_scheduled:
+            self._isolator.probe = (plan.step_id, target)
+        else:  # it cannot run alone either (nothing is in flight to wait for): stop suspecting it
+            self._isolator.suspects.discard(target.seq_id)
+            if not plan.finished_ids and not plan.preempted_ids:
+                return self.schedule()
+        return self._seal(plan, draft)
 
-    def _preempt_one(self, seq: Sequence, plan: StepPlan) -> None:
-        self._remove_running(seq)
-        self._swap_out(seq, plan)  # copies its KV to host blocks if the mode and the host pool allow
-        self._drop_blocks(seq)
+    # -- results --------------------------------------------------------------------------------
+    def _append_tokens(self, result: StepResult) -> list[SequenceDelta]:
+        deltas: list[SequenceDelta] = []
+        live, eos = self._queues.live, self.config.eos_token_ids
+        token_ids, logprobs = result.token_ids, result.logprobs
+        num_accepted, previous = 0, None
+        beam_requests: list[Request] = []
+        for i, seq_id in enumerate(result.request_ids):
+            seq = live.get(seq_id)
+            if seq is None:  # finished (e.g. EOS seen while its next token was in flight): discard
+                continue
+            token = token_ids[i]
+            if seq_id != previous:  # the next entries of a drafted sequence are its other tokens
+                seq.num_placeholders -= 1
+                previous = seq_id
+            req = seq.request
+            if req.beam is not None:  # candidates, not a token: ranked once the group reported
+                if seq.status is SeqStatus.RUNNING:  # (a preempted beam recomputes them)
+                    req.beam.candidates[seq.seq_index] = logprobs[i].top
+                    beam_requests.append(req)
+                continue
+            tokens = seq.token_ids
+            tokens.append(token)
+            num_accepted += 1
+            delta = SequenceDelta(req.request_id, seq.seq_index, [token],
+                                  [logprobs[i]] if logprobs and logprobs[i] is not None else [],
+                                  None, req.num_prompt_tokens, req.num_cached_tokens)
+            # stop_reason() can only answer for a stop token or at max_tokens: test that first.
+            if token in req.stop_token_set or len(tokens) >= req.max_num_tokens:
+                reason = seq.stop_reason(token, eos)
+                if reason is not None:
+                    delta.finish_reason = reason
+                    self._finish(seq)
+            deltas.append(delta)
+        for req in dict.fromkeys(beam_requests):
+            if req.request_id in self._queues.requests:
+                self._beams.advance(req, deltas)
+        self._counters.generation_tokens += num_accepted
+        return deltas
+
+    # -- ending -------------------------------------------------------------------------------
+    def _end_request(self, req: Request, reason: FinishReason) -> list[SequenceDelta]:
+        born = {seq.seq_index: seq for seq in req.seqs}
+        deltas = []
+        for index in range(req.n):
+            seq = born.get(index)
+            if req.beam is None and seq is not None and seq.status is SeqStatus.FINISHED:
+                continue  # (seq None: a child not forked yet, which ends with its parent)
+            deltas.append(SequenceDelta(req.request_id, index, finish_reason=reason,
+                                        num_prompt_tokens=req.num_prompt_tokens,
+                                        num_cached_tokens=req.num_cached_tokens))
+        for seq in req.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self._finish(seq)
+        return deltas
+
+    def _finish(self, seq: Sequence) -> None:
+        """End a sequence once: release its blocks (deferred while in flight), tell the worker."""
+        q = self._queues
+        del q.live[seq.seq_id]
+        self._isolator.suspects.discard(seq.seq_id)
+        if seq.status is SeqStatus.RUNNING:
+            self._pins.finishing(seq)  # before its blocks drop: a pin keeps one reference
+            q.remove_running(seq)
+            self._drop_blocks(seq)
+        elif seq.status is SeqStatus.WAITING:
+            q.waiting.remove(seq)
+            self._swap.release(seq)  # swapped out: nothing will read its host blocks
         if seq.resident:
-            plan.preempted_ids.append(seq.seq_id)
+            self._finished_resident.append(seq.seq_id)
             seq.resident = False
-        seq.status = SeqStatus.WAITING
-        self._waiting.push_front(seq)
-        self.num_preemptions += 1
+        seq.status = SeqStatus.FINISHED
+        req = seq.request
+        req.num_unfinished -= 1
+        if seq.pending_fork:  # ended before forking: its unborn children end with it
+            req.num_unfinished -= req.num_seqs - 1
+        if req.num_unfinished == 0:
+            del q.requests[req.request_id]
+
+    def _reset_worker_state(self) -> None:
+        """What the worker held is gone (worker loss, fail_all): in-flight steps, owed beam
+        updates, the device pool and prefix index, the host pool; the pins queue again."""
+        self._inflight.clear()
+        self._finished_resident = []
+        self._beams.reset()
+        self._kv.reset()
+        self._swap.reset()
+        self._next_step_id = 1
+        self._pins.requeue()  # they run again when a worker is back

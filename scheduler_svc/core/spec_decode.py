@@ -9,10 +9,14 @@ A sequence with drafts is scheduled 1 + K tokens (its last token, then the draft
 step's token budget, with blocks for all of them. It is committed like a decode (one placeholder,
 num_computed up to its last token, prefix blocks registered only up to there, so a rejected draft
 never gets a hash). When the step reports 1 + a tokens for it (a drafts accepted, then the
-worker's own token), `_settle_drafts` advances num_computed by a and cuts the block table to the
+worker's own token), `settle` advances num_computed by a and cuts the block table to the
 blocks covering positions <= num_computed: blocks only rejected drafts touched go back to the pool.
 The worker cuts its copy of the table by the same rule. Stop conditions were already applied token
-by token by `_append_tokens`; a sequence that stopped inside the run is finished and skipped here.
+by token by the scheduler's update(); a sequence that stopped inside the run is finished and
+skipped here.
+
+The Scheduler holds one NgramSpeculator (with speculation on): it owns the proposer's settings, the
+step-cost fit and the speculation counters, and changes block tables only through the KV manager.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 from collections import Counter
 
 from pagoda.contract.ids import RequestId
+from scheduler_svc.core.config import SpeculativeConfig
+from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.request import SeqStatus, Sequence
 from scheduler_svc.core.spec_policy import (
     StepCostModel,
@@ -63,30 +69,31 @@ def _rindex(tokens: list[int], value: int, lo: int, hi: int) -> int:
     raise ValueError(value)
 
 
-class SpeculationMixin:
-    def _init_speculation(self) -> None:
-        spec = self.config.speculative
-        self._spec = spec
-        self.spec_num_drafts = 0  # sequences-steps that carried drafts
-        self.spec_num_draft_tokens = 0
-        self.spec_num_accepted_tokens = 0
-        self.spec_accepted_per_pos: Counter[int] = Counter()  # position i (0-based) accepted
-        self._spec_cost = StepCostModel()  # fitted to the worker's step times (spec_policy.py)
+class NgramSpeculator:
+    def __init__(self, config: SpeculativeConfig, kv: KVCacheManager, threshold: int) -> None:
+        self.config = config
+        self._kv = kv
+        self._threshold = threshold  # the scheduler's prefill chunk: the base cost of a step
+        self.num_drafts = 0  # sequences-steps that carried drafts
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos: Counter[int] = Counter()  # position i (0-based) accepted
+        self._cost = StepCostModel()  # fitted to the worker's step times (spec_policy.py)
 
-    def _observe_step_cost(self, num_tokens: int, seconds: float) -> None:
-        if self._spec is not None:
-            self._spec_cost.observe(num_tokens, seconds)
+    def observe_step_cost(self, num_tokens: int, seconds: float) -> None:
+        self._cost.observe(num_tokens, seconds)
 
-    def _may_draft(self, seq: Sequence, total: int) -> bool:
+    @staticmethod
+    def _may_draft(seq: Sequence, total: int) -> bool:
         """Decoding, its last token known, nothing in flight, no logprobs asked (drafts carry none)."""
         req = seq.request
         return total - seq.num_computed_tokens == 1 and not seq.num_placeholders \
             and total > req.num_prompt_tokens and req.sampling.logprobs is None and req.beam is None
 
-    def _plan_drafts(self, running: list[Sequence]) -> dict[RequestId, list[int]]:
+    def propose(self, running: list[Sequence]) -> dict[RequestId, list[int]]:
         """The proposer's drafts for the sequences of `running` that may draft, each cut to the
         length the goodput policy picks for this step (all of it while the cost fit is not ready)."""
-        spec, threshold = self._spec, self._threshold
+        spec, threshold = self.config, self._threshold
         proposals: dict[RequestId, list[int]] = {}
         alphas: dict[RequestId, float] = {}
         base_tokens = base_yield = 0
@@ -104,16 +111,17 @@ class SpeculationMixin:
             if drafts:
                 proposals[seq.seq_id] = drafts
                 alphas[seq.seq_id] = acceptance_rate(seq.spec_accepts, seq.spec_tries)
-        cost = self._spec_cost.coefficients()
+        cost = self._cost.coefficients()
         if cost is None or not proposals:
             return proposals
         lengths = choose_draft_lengths({sid: len(d) for sid, d in proposals.items()}, alphas,
                                        base_tokens, base_yield, cost)
         return {sid: d[:lengths[sid]] for sid, d in proposals.items() if lengths[sid]}
 
-    def _schedule_drafts(self, draft: StepDraft, seq: Sequence, drafts: list[int], budget: int) -> int:
-        """Give `seq` (one `_plan_drafts` chose) its drafts, as many as fit in the budget and the
-        pool without preempting. Returns the tokens it took from the budget (0: none)."""
+    def schedule(self, draft: StepDraft, seq: Sequence, drafts: list[int], budget: int) -> int:
+        """Give `seq` (one `propose` chose) its drafts, as many as fit in the budget and the pool
+        without preempting: blocks, plan entries and the draft's record; the scheduler commits it
+        as a decode. Returns the tokens it takes from the budget (0: none, nothing changed)."""
         if budget < 2:  # its own token and at least one draft
             return 0
         drafts = drafts[:budget - 1]
@@ -125,29 +133,30 @@ class SpeculationMixin:
         kv.grow(seq, num_new, plan)
         plan.num_scheduled_tokens[seq.seq_id] = num_new
         plan.draft_token_ids[seq.seq_id] = drafts
-        self._commit_seq(draft, seq, 1)  # a decode: num_computed up to its last token, 1 placeholder
         draft.spec.append((seq, seq.generation, len(drafts)))
         return num_new
 
-    def _settle_drafts(self, spec: list[tuple[Sequence, int, int]], request_ids: list[RequestId]) -> None:
-        """Apply the acceptance of the step's drafted sequences (their tokens are appended)."""
+    def settle(self, spec: list[tuple[Sequence, int, int]], request_ids: list[RequestId],
+               after_step: int | None) -> None:
+        """Apply the acceptance of the step's drafted sequences (their tokens are appended); blocks
+        only rejected drafts touched are released after `after_step` (the last one in flight)."""
         gained = Counter(request_ids)
-        bs = self.config.block_size
+        bs = self._kv.block_size
         for seq, generation, num_drafts in spec:
-            self.spec_num_drafts += 1
-            self.spec_num_draft_tokens += num_drafts
+            self.num_drafts += 1
+            self.num_draft_tokens += num_drafts
             accepted = max(gained[seq.seq_id] - 1, 0)
             accepts, tries = record_outcome(num_drafts, accepted)
             seq.spec_accepts += accepts
             seq.spec_tries += tries
-            self.spec_num_accepted_tokens += accepted
+            self.num_accepted_tokens += accepted
             for pos in range(accepted):
-                self.spec_accepted_per_pos[pos] += 1
+                self.accepted_per_pos[pos] += 1
             if seq.status is not SeqStatus.RUNNING or seq.generation != generation:
                 continue  # finished inside the run (or since): its blocks are already released
             seq.num_computed_tokens += accepted
             keep = seq.num_computed_tokens // bs + 1
             table = seq.block_table
             if len(table) > keep:
-                self._kv.release(table[keep:], self._last_inflight())
+                self._kv.release(table[keep:], after_step)
                 del table[keep:]

@@ -25,6 +25,7 @@ class StepDraft:
 
     plan: StepPlan
     budget: int  # tokens left in this step
+    block_size: int
     computed: list[tuple[Sequence, int, int]] = field(default_factory=list)
     fork_parents: list[Sequence] = field(default_factory=list)  # forked once admission is done
     spec: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, generation, drafts)
@@ -32,3 +33,21 @@ class StepDraft:
     num_prefill: int = 0  # tokens
     num_decode: int = 0  # sequences (one token each)
     blocks_short: bool = False  # a running beam group waits for deferred frees: admit nothing
+
+    def commit(self, seq: Sequence, num_new: int) -> None:
+        """Advance seq's num_computed by `num_new` scheduled tokens (tokens of in-flight steps count);
+        add a placeholder if the step samples for it."""
+        total = len(seq.token_ids) + seq.num_placeholders
+        if num_new == 1 and total > seq.request.num_prompt_tokens:
+            self.num_decode += 1
+        else:
+            self.num_prefill += num_new
+        self.num_scheduled += 1
+        end = seq.num_computed_tokens + num_new
+        seq.num_computed_tokens = end
+        if end // self.block_size > seq.num_registered_blocks:
+            self.computed.append((seq, seq.generation, end))
+        if end == total:  # it samples
+            seq.num_placeholders += 1
+            if seq.pending_fork:
+                self.fork_parents.append(seq)

@@ -27,23 +27,35 @@ room; None (auto) swaps a sequence whose computed tokens exceed one prefill chun
 while the swap costs one copy of its blocks each way. What the host pool cannot hold is recomputed.
 A worker loss or a failed step loses the host pool with the device cache: swapped sequences recompute.
 
-A mixin for Scheduler (scheduler.py keeps the per-step path); it uses the Scheduler's attributes.
+The Scheduler holds one SwapManager: it owns the host pool, the swapped sequences and the swap
+counters; the scheduler calls it at preemption (swap_out), admission (swap_in) and ending (release).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 
 from pagoda.contract.ids import RequestId
 from pagoda.contract.step import BlockCopy, StepPlan
+from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.request import SeqStatus, Sequence
 
 
-class SwapMixin:
-    def _init_swap(self) -> None:
-        num_cpu_blocks = self.config.num_cpu_blocks
-        self._host_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
+def resume_point(seq: Sequence, num_hit: int) -> int:
+    """Where a waiting sequence's computation resumes: its prefix hit or its swapped tokens,
+    leaving at least its last token to compute (a beam's swapped KV may cover all its tokens:
+    its candidates were dropped at preemption and come from that last token's logits)."""
+    return min(max(num_hit, seq.num_swapped_tokens), len(seq.token_ids) - 1)
+
+
+class SwapManager:
+    def __init__(self, num_cpu_blocks: int, block_size: int, mode: str | None, threshold: int) -> None:
+        self.pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
+        self._block_size = block_size
+        self._mode = mode  # preemption_mode: "recompute", "swap", or None (auto)
+        self._threshold = threshold  # auto swaps what recomputing would not fit in one chunk
         self._swapped: dict[RequestId, Sequence] = {}  # sequences whose KV is in host blocks
         self.num_swap_preemptions = 0  # preemptions that swapped (the rest recomputed)
         self.blocks_swapped_out = 0
@@ -55,14 +67,14 @@ class SwapMixin:
 
     @property
     def cpu_kv_usage(self) -> float:
-        pool = self._host_pool
+        pool = self.pool
         return pool.num_used / pool.num_blocks if pool is not None else 0.0
 
-    def _swap_out(self, seq: Sequence, plan: StepPlan) -> None:
+    def swap_out(self, seq: Sequence, plan: StepPlan) -> None:
         """At preemption, before its device blocks are dropped: copy its computed KV to the host
         when the mode chooses to and the host pool has room (otherwise it will recompute)."""
-        pool, mode = self._host_pool, self.config.preemption_mode
-        num_blocks = -(-seq.num_computed_tokens // self.config.block_size)
+        pool, mode = self.pool, self._mode
+        num_blocks = cdiv(seq.num_computed_tokens, self._block_size)
         if pool is None or mode == "recompute" or not num_blocks or not pool.can_allocate(num_blocks):
             return
         if mode is None and seq.num_computed_tokens <= self._threshold:
@@ -75,59 +87,53 @@ class SwapMixin:
         self.num_swap_preemptions += 1
         self.blocks_swapped_out += num_blocks
 
-    def _resume_point(self, seq: Sequence, num_hit: int) -> int:
-        """Where a waiting sequence's computation resumes: its prefix hit or its swapped tokens,
-        leaving at least its last token to compute (a beam's swapped KV may cover all its tokens:
-        its candidates were dropped at preemption and come from that last token's logits)."""
-        return min(max(num_hit, seq.num_swapped_tokens), len(seq.token_ids) - 1)
-
-    def _swap_in(self, seq: Sequence, num_hit_blocks: int, plan: StepPlan) -> None:
+    def swap_in(self, seq: Sequence, num_hit_blocks: int, plan: StepPlan) -> None:
         """At resumption, once its device table is allocated (prefix hits first): fill the blocks
         the hits do not cover from its host blocks, then free those."""
         host = seq.host_blocks
-        if seq.num_swapped_tokens > num_hit_blocks * self.config.block_size:
+        if seq.num_swapped_tokens > num_hit_blocks * self._block_size:
             copies = [BlockCopy(src, dst) for src, dst in
                       zip(host[num_hit_blocks:], seq.block_table[num_hit_blocks:len(host)], strict=True)]
             plan.swap_in.extend(copies)
             self.blocks_swapped_in += len(copies)
-        self._release_host(seq)
+        self.release(seq)
 
-    def _release_host(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
         """Its host blocks back to the pool (swapped in, or ended while swapped)."""
         if seq.host_blocks:
-            self._host_pool.free(seq.host_blocks)  # type: ignore[union-attr]  # blocks imply a pool
+            self.pool.free(seq.host_blocks)  # type: ignore[union-attr]  # blocks imply a pool
             seq.host_blocks = []
         seq.num_swapped_tokens = 0
         self._swapped.pop(seq.seq_id, None)
 
-    def _reset_swap(self) -> None:
+    def reset(self) -> None:
         """The worker's host pool is gone with its state (worker loss, failed step)."""
         for seq in self._swapped.values():
             seq.host_blocks = []
             seq.num_swapped_tokens = 0
         self._swapped.clear()
-        if self._host_pool is not None:
-            self._host_pool.reset()
+        if self.pool is not None:
+            self.pool.reset()
 
-    def _check_swap_invariants(self) -> None:
+    def check(self, live: Mapping[RequestId, Sequence]) -> None:
         """Every host block is free or held by exactly one swapped (waiting) sequence."""
         owners: Counter[int] = Counter()
         holders = set()
-        for seq in self._live.values():
+        for seq in live.values():
             if not (seq.host_blocks or seq.num_swapped_tokens):
                 continue
             holders.add(seq.seq_id)
             if seq.status is not SeqStatus.WAITING or self._swapped.get(seq.seq_id) is not seq:
                 raise AssertionError(f"{seq.seq_id} holds host blocks {seq.host_blocks} with status "
                                      f"{seq.status} (tracked: {seq.seq_id in self._swapped})")
-            if len(seq.host_blocks) != -(-seq.num_swapped_tokens // self.config.block_size):
+            if len(seq.host_blocks) != cdiv(seq.num_swapped_tokens, self._block_size):
                 raise AssertionError(f"{seq.seq_id}: {seq.num_swapped_tokens} swapped tokens in host "
                                      f"blocks {seq.host_blocks}")
             owners.update(seq.host_blocks)
         if holders != set(self._swapped):
             raise AssertionError(f"swapped sequences {sorted(self._swapped)} but host blocks held by "
                                  f"{sorted(holders)}")
-        pool = self._host_pool
+        pool = self.pool
         if pool is None:
             return
         pool.check()

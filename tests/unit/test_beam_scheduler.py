@@ -42,7 +42,7 @@ def test_first_fork_shares_the_prompt_and_copies_the_partial_block_on_write():
     assert plan.block_copies == [BlockCopy(2, 3)]
     assert plan.table_updates == [TableUpdate("a", 2, [3])]
     assert plan.num_scheduled_tokens == {}
-    assert [s._live[r].block_table for r in ("a", "a#1")] == [[0, 1, 3], [0, 1, 2]]
+    assert [s._queues.live[r].block_table for r in ("a", "a#1")] == [[0, 1, 3], [0, 1, 2]]
     s.check_invariants()
     # Beam 1 (tokens ... 6) is the better parent of both next beams: beam 0's own block 3 is freed,
     # both tables point at [0, 1, 2] and the first write copies block 2 again (into a free block).
@@ -53,8 +53,8 @@ def test_first_fork_shares_the_prompt_and_copies_the_partial_block_on_write():
     assert plan.beam_updates == [BeamUpdate("a", "a#1", 7), BeamUpdate("a#1", "a#1", 8)]
     assert s._kv.pool.ref_count(3) == 0  # beam 0's own block: no child kept it
     assert plan.block_copies == [BlockCopy(2, 4)] and plan.table_updates == [TableUpdate("a", 2, [4])]
-    assert [s._live[r].block_table for r in ("a", "a#1")] == [[0, 1, 4], [0, 1, 2]]
-    assert [s._live[r].token_ids[10:] for r in ("a", "a#1")] == [[6, 7], [6, 8]]
+    assert [s._queues.live[r].block_table for r in ("a", "a#1")] == [[0, 1, 4], [0, 1, 2]]
+    assert [s._queues.live[r].token_ids[10:] for r in ("a", "a#1")] == [[6, 7], [6, 8]]
     s.check_invariants()
 
 

@@ -104,7 +104,7 @@ def burst_run(brownout: BrownoutConfig | None) -> tuple[Run, list, list[EngineRe
 
 
 def _computed_ids(plan, scheduler) -> list:
-    return [seq.seq_id for seq in scheduler._running if plan.num_scheduled_tokens.get(seq.seq_id, 1)]
+    return [seq.seq_id for seq in scheduler._queues.running if plan.num_scheduled_tokens.get(seq.seq_id, 1)]
 
 
 def test_a_burst_on_a_cramped_pool_browns_out_preempts_less_and_loses_nothing() -> None:
@@ -142,7 +142,7 @@ def test_only_first_admissions_are_capped_and_the_worker_sees_the_cap() -> None:
     early = greedy("early", [1, 2, 3], 30)
     run.scheduler.add_request(early)
     run.scheduler.update(run.worker.execute(run.scheduler.schedule()))
-    run.scheduler._apply_brownout(run.scheduler._brownout._change(True, "kv_usage", 0.95))
+    run.scheduler._brownout.apply(run.scheduler._brownout.decider._change(True, "kv_usage", 0.95))
     late = EngineRequest(RequestId("late"), (4, 5, 6), SamplingParams(max_tokens=30, min_tokens=10,
                                                                        ignore_eos=True))
     tiny = greedy("tiny", [7, 8], 3)
@@ -151,7 +151,7 @@ def test_only_first_admissions_are_capped_and_the_worker_sees_the_cap() -> None:
     plan = run.scheduler.schedule()
     sent = {new.request_id: new.sampling.max_tokens for new in plan.new_requests}
     assert sent == {"late": 10, "tiny": 3}  # never below min_tokens; a short request is left alone
-    assert run.scheduler._requests["early"].max_tokens == 30
+    assert run.scheduler._queues.requests["early"].max_tokens == 30
     assert run.scheduler.stats().brownout_capped_requests == 1
 
 

@@ -108,9 +108,9 @@ def test_a_suspect_admitted_out_of_order_still_respects_the_adapter_slots():
     sched.add_request(req("a", A, prompt=[5, 6, 7], max_tokens=8))
     sched.update(worker.execute(sched.schedule()))
     sched.add_request(req("b", B, prompt=[8, 9], max_tokens=8))
-    (waiting_b,) = list(sched._waiting)
+    (waiting_b,) = list(sched._queues.waiting)
     plan = StepPlan(step_id=sched._next_step_id)
-    sched._admit_probe(StepDraft(plan, 64), waiting_b)
+    sched._admission.admit_suspect(StepDraft(plan, 64, sched.config.block_size), waiting_b)
     assert plan.preempted_ids == ["a"] and [n.request_id for n in plan.new_requests] == ["b"]
 
 

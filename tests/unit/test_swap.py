@@ -195,7 +195,7 @@ def test_worker_loss_turns_swapped_sequences_into_recomputes():
 def test_invariant_catches_a_leaked_or_shared_host_block():
     sched, worker = two_requests_in_four_blocks(preemption_mode="swap", enable_prefix_caching=False)
     step(sched, worker)
-    b = sched._live[RequestId("b")]
+    b = sched._queues.live[RequestId("b")]
     b.host_blocks = [0]  # host block 1 is now held by nobody
     with pytest.raises(AssertionError, match="swapped tokens in host blocks"):
         sched.check_invariants()

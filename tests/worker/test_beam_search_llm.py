@@ -124,7 +124,7 @@ def test_beams_share_their_blocks(model):
     while scheduler.has_unfinished_requests():
         scheduler.update(llm.runner.execute(scheduler.schedule()))
         scheduler.check_invariants()
-        beams = [s for s in scheduler._running if s.request.request_id == "r"]
+        beams = [s for s in scheduler._queues.running if s.request.request_id == "r"]
         if len(beams) == width:
             unshared = sum(len(s.block_table) for s in beams)
             peak_ratio = max(peak_ratio, scheduler.stats().num_used_blocks / unshared)

@@ -1,0 +1,154 @@
+"""Admission: who moves from the waiting queue to the running set, and with what.
+
+- In queue order, while `max_num_seqs` slots, the step's token budget, the worker's LoRA slots and
+  the pool allow; the first that does not fit stops admission (the order is kept: no overtaking).
+- A sequence starts after its verified prefix-cache hit, or after its swapped KV (swap.py), and
+  computes at most one prefill chunk (`long_prefill_token_threshold`) in its first step.
+- A beam group (beam_group.py) enters whole, or waits whole.
+- The LoRA rule: at most `max_loras` distinct adapters among the running sequences. Why: the worker
+  has `max_loras` device slots and every resident sequence may be scheduled in the same step, so the
+  running set, not only one step, must fit them. A waiting sequence whose adapter already runs
+  always fits; one with a new adapter waits while all slots are taken.
+- While isolating a failed step (poison.py) one suspect is admitted out of order, preempting from
+  the tail until it fits: nothing else runs then, so nothing else would ever make room.
+
+The Scheduler holds one Admission; it owns no state of its own beyond what it is handed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from pagoda.contract.ids import BlockId
+from pagoda.contract.step import NewRequestData, StepPlan
+from scheduler_svc.core.brownout import BrownoutGovernor
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.kv_cache_manager import KVCacheManager
+from scheduler_svc.core.outputs import SchedulerCounters
+from scheduler_svc.core.queues import RunQueues
+from scheduler_svc.core.request import SeqStatus, Sequence
+from scheduler_svc.core.step_draft import StepDraft
+from scheduler_svc.core.swap import SwapManager, resume_point
+
+
+class Admission:
+    def __init__(self, config: SchedulerConfig, threshold: int, kv: KVCacheManager, queues: RunQueues,
+                 swap: SwapManager, brownout: BrownoutGovernor, counters: SchedulerCounters,
+                 preempt: Callable[[Sequence, StepPlan], None]) -> None:
+        self._config = config
+        self._threshold = threshold
+        self._kv = kv
+        self._queues = queues
+        self._swap = swap  # a swapped sequence's KV comes back at admission
+        self._brownout = brownout  # caps a request's max_tokens at its first admission
+        self._counters = counters
+        self._preempt = preempt  # the scheduler's preemption (a beam takes its group along)
+
+    def admit_waiting(self, draft: StepDraft) -> None:
+        """Admit from the head of the waiting queue while everything fits (the policy above)."""
+        cfg, kv, q = self._config, self._kv, self._queues
+        waiting = q.waiting
+        while waiting and draft.budget > 0:
+            seq = waiting.peek()
+            if seq.num_placeholders or q.running_slots + seq.num_slots > cfg.max_num_seqs:
+                return  # its last tokens are still in flight / no room: keep the order, try later
+            if seq.request.lora is not None and not lora_fits(seq, q.running, cfg.max_loras):
+                return  # max_loras other adapters run: it waits (in order) until one drains
+            if seq.request.beam is not None and len(seq.request.beam.beams) > 1:
+                if not self._admit_group(draft, seq):
+                    return  # the group enters whole, or waits (in order)
+                continue
+            hits, last_serial = kv.find_cached_prefix(seq)
+            num_hit = len(hits) * cfg.block_size
+            start = resume_point(seq, num_hit)  # past the hit, or past its swapped KV
+            num_new = min(len(seq.token_ids) - start, self._threshold, draft.budget)
+            if not kv.pool.can_allocate(kv.blocks_to_admit(hits, start + num_new)):
+                return
+            waiting.pop()
+            self.admit(draft, seq, hits, last_serial, num_hit, num_new)
+
+    def admit(self, draft: StepDraft, seq: Sequence, hits: list[BlockId], last_serial: int, num_hit: int,
+              num_new: int) -> None:
+        """Make `seq` (just taken off the waiting queue) resident: blocks, plan entry, running.
+        `num_new` tokens are computed from its resume point (its hit, or its swapped tokens)."""
+        start = resume_point(seq, num_hit)
+        self._kv.admit(seq, hits, last_serial, start + num_new)
+        seq.num_computed_tokens = start
+        req = seq.request
+        if self._counters.note_admission(seq, num_hit) and self._brownout.cap:
+            self._brownout.cap_max_tokens(req)  # in brownout: a new request gets the short limit
+        if seq.host_blocks:  # swapped out: its KV comes back from the host
+            self._swap.swap_in(seq, len(hits), draft.plan)
+        draft.plan.new_requests.append(NewRequestData(
+            seq.seq_id, list(seq.token_ids), req.num_prompt_tokens, list(seq.block_table),
+            start, num_new, req.sampling, seq.seq_index, req.lora))
+        seq.resident = True
+        self._queues.add_running(seq)
+        draft.commit(seq, num_new)
+        draft.budget -= num_new
+
+    def _admit_group(self, draft: StepDraft, seq: Sequence) -> bool:
+        """Admit every waiting beam of `seq`'s group (at the queue's head, in beam order) or none;
+        False when they do not all fit this step."""
+        kv, queues = self._kv, self._queues
+        bs, waiting = kv.block_size, queues.waiting
+        beams = [beam for beam in seq.request.beam.beams if beam.status is SeqStatus.WAITING]
+        if queues.running_slots + len(beams) > self._config.max_num_seqs or draft.budget < len(beams) \
+                or any(beam.num_placeholders for beam in beams):
+            return False
+        need, left = 0, draft.budget
+        for k, beam in enumerate(beams):
+            hits, _ = kv.find_cached_prefix(beam)
+            start = resume_point(beam, len(hits) * bs)  # its hit or swapped KV
+            num_new = min(len(beam.token_ids) - start, self._threshold, left - (len(beams) - k - 1))
+            left -= num_new
+            need += kv.blocks_to_admit(hits, start + num_new)
+        if not kv.pool.can_allocate(need):
+            return False
+        # Each beam's hits are looked up again just before it is admitted: the blocks the beams
+        # before it allocated may have evicted one (never making the total exceed `need`: an
+        # evicted hit was counted as a revived block, and is now a new one).
+        for k, beam in enumerate(beams):
+            hits, last_serial = kv.find_cached_prefix(beam)
+            num_hit = len(hits) * bs
+            num_new = min(len(beam.token_ids) - resume_point(beam, num_hit), self._threshold,
+                          draft.budget - (len(beams) - k - 1))
+            waiting.remove(beam)
+            self.admit(draft, beam, hits, last_serial, num_hit, num_new)
+        return True
+
+    def admit_suspect(self, draft: StepDraft, target: Sequence) -> None:
+        """Admit `target` out of queue order, preempting resident sequences from the tail until it
+        fits: nothing else runs while isolating, so nothing else would ever make room."""
+        cfg, kv, q = self._config, self._kv, self._queues
+        while True:
+            hits, last_serial = kv.find_cached_prefix(target)
+            num_hit = len(hits) * cfg.block_size
+            start = resume_point(target, num_hit)  # past its hit, or its swapped KV
+            num_new = min(len(target.token_ids) - start, self._threshold, draft.budget)
+            if kv.pool.can_allocate(kv.blocks_to_admit(hits, start + num_new)) and \
+                    q.running_slots + target.num_slots <= cfg.max_num_seqs and \
+                    lora_fits(target, q.running, cfg.max_loras):  # the worker's slots
+                break
+            if not q.running:
+                return  # cannot happen for an admitted request (add_request checked its size)
+            self._preempt(q.running[-1], draft.plan)
+        q.waiting.remove(target)
+        self.admit(draft, target, hits, last_serial, num_hit, num_new)
+
+
+def running_adapters(running: Iterable[Sequence]) -> set[str]:
+    return {seq.request.lora_key for seq in running if seq.request.lora_key is not None}
+
+
+def adapter_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    """The adapters (by name, sorted) of `seqs`, for the stats."""
+    return tuple(sorted({seq.request.lora.lora_name for seq in seqs if seq.request.lora is not None}))
+
+
+def lora_fits(seq: Sequence, running: Iterable[Sequence], max_loras: int) -> bool:
+    key = seq.request.lora_key
+    if key is None:
+        return True
+    active = running_adapters(running)
+    return key in active or len(active) < max_loras
