@@ -22,7 +22,6 @@ from pagoda.contract.params import (
     check_vocab,
     with_bad_words_tokenized,
 )
-from pagoda.contract.structured import check_grammar
 from pagoda.runtime.logging import get_logger
 
 log = get_logger(__name__)
@@ -57,13 +56,6 @@ def build_sampling(request: _GenerationFields, max_tokens: int | None, logprobs:
         sampling, lambda text: tokenizer.encode(text, add_special_tokens=False))
     check_vocab(sampling, vocab_size)
     return sampling
-
-
-async def check_structured_outputs(sampling: SamplingParams) -> None:
-    """400 for a schema, regex or grammar that does not compile; off the event loop (a new JSON
-    schema can take tens of ms), cached so a repeated one is free."""
-    if sampling.structured_outputs is not None:
-        await asyncio.to_thread(check_grammar, sampling.structured_outputs)
 
 
 def build_generation_input(request: _GenerationFields, request_id: str, prompt_ids: list[int],

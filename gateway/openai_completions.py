@@ -10,12 +10,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.batch_prompts import admit_batch, merge_steps, split_prompts
 from gateway.fallback import AdmitOnce, first_answer, prepend
-from gateway.generation import GenerationStep, SequenceChunk, generate, start_request_span
+from gateway.generation import (
+    GenerationStep,
+    SequenceChunk,
+    check_structured_outputs,
+    generate,
+    start_request_span,
+)
 from gateway.model_pools import ModelPool
 from gateway.openai_common import (
     build_generation_input,
     build_sampling,
-    check_structured_outputs,
     check_token_ids,
     new_request_id,
     sse_stream,
