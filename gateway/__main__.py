@@ -7,10 +7,10 @@ import asyncio
 import os
 
 from gateway.config import GatewayConfig
-from gateway.lora_adapters import parse_lora_module
-from gateway.routing import POLICIES, RoutingConfig
 from gateway.server import serve
-from gateway.tenants import TenantFileError, load_tenant_file
+from gateway.tenancy.tenants import TenantFileError, load_tenant_file
+from gateway.upstream.lora_adapters import parse_lora_module
+from gateway.upstream.routing import POLICIES, RoutingConfig
 from pagoda.runtime.logging import configure_logging
 
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.routing import RoutingConfig
-from gateway.tenants import TenantTable, tenant_table
+from gateway.tenancy.tenants import TenantTable, tenant_table
+from gateway.upstream.routing import RoutingConfig
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     scheduler: str = "127.0.0.1:50052"
     """host:port of the scheduler's pagoda.v1.Engine service; several, comma-separated: data-parallel
-    replicas, each request routed to one (gateway/routing.py). `MODEL=host:port`: a replica of the
-    pool serving MODEL (gateway/model_pools.py); entries without a name form the default pool."""
+    replicas, each request routed to one (gateway/upstream/routing.py). `MODEL=host:port`: a replica of the
+    pool serving MODEL (gateway/upstream/model_pools.py); entries without a name form the default pool."""
     fallback_models: tuple[tuple[str, str], ...] = ()
     """(A, B) pairs: a request for model A is served by B when A's pool is unavailable or shedding."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -32,7 +32,7 @@ class GatewayConfig:
     """When set, /v1/*, /tokenize, /detokenize, /version and gRPC Generate need `Bearer KEY`
     (the key of tenant "default", unlimited)."""
     api_keys: TenantTable | None = None
-    """Tenants, their keys and limits, from `--api-keys FILE` (gateway/tenants.py has the format)."""
+    """Tenants, their keys and limits, from `--api-keys FILE` (gateway/tenancy/tenants.py has the format)."""
     max_request_bytes: int = 16 * 1024 * 1024
     """Largest HTTP request body accepted; bigger bodies get 413."""
     engine_timeout_s: float = 5.0

@@ -17,10 +17,10 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from gateway import metrics
-from gateway.engine_client import EngineClient
 from gateway.errors import UpstreamError
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
+from gateway.upstream.engine_client import EngineClient
 from pagoda.contract.common_codec import finish_reason_from_pb, sampling_to_pb
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.structured import check_grammar

@@ -7,9 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway.auth import grpc_bearer_token
 from gateway.errors import UnauthorizedError, to_client_error
-from gateway.fallback import AdmitOnce, first_answer, prepend
 from gateway.generation import (
     GenerationInput,
     GenerationStep,
@@ -17,10 +15,12 @@ from gateway.generation import (
     generate,
     start_request_span,
 )
-from gateway.model_pools import ModelPool
-from gateway.rate_limit import retry_after_header
 from gateway.state import GatewayState
 from gateway.stop_strings import check_stop_strings
+from gateway.tenancy.auth import grpc_bearer_token
+from gateway.tenancy.rate_limit import retry_after_header
+from gateway.upstream.fallback import AdmitOnce, first_answer, prepend
+from gateway.upstream.model_pools import ModelPool
 from pagoda.contract.common_codec import finish_reason_to_pb, sampling_from_pb
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.contract.params import check_context_length, check_vocab

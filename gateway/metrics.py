@@ -248,10 +248,10 @@ class GatewayMetrics:
 
 
 METRICS = GatewayMetrics()  # its own registry; one per process
-HTTP_REQUESTS = METRICS.http_requests  # http_middleware.py counts every routed request here
+HTTP_REQUESTS = METRICS.http_requests  # openai/middleware.py counts every routed request here
 
 # Per tenant. Tenants come from the --api-keys file (or are "default" / "anonymous"), so the label's
-# values are bounded; tenancy.py creates each tenant's series at startup (they show 0 until used).
+# values are bounded; tenancy/leases.py creates each tenant's series at startup (they show 0 until used).
 TENANT_REQUESTS = Counter("pagoda:tenant_requests", "Generation requests admitted, by tenant.",
                           ["tenant"], registry=METRICS.registry)
 TENANT_RATE_LIMITED = Counter(
@@ -264,8 +264,8 @@ TENANT_TOKENS = Counter("pagoda:tenant_tokens", "Tokens charged to a tenant's to
 TENANT_IN_FLIGHT = Gauge("pagoda:tenant_requests_in_flight", "Admitted generation requests not yet ended.",
                          ["tenant"], registry=METRICS.registry)
 
-# Data-parallel replicas (gateway/replica_set.py), labelled by replica index (the position of its
-# scheduler in --scheduler: bounded) and by routing decision (gateway/routing.py DECISIONS).
+# Data-parallel replicas (gateway/upstream/replica_set.py), labelled by replica index (the position of its
+# scheduler in --scheduler: bounded) and by routing decision (gateway/upstream/routing.py DECISIONS).
 ROUTER_REQUESTS = Counter("pagoda:router_requests", "Generation requests sent to a replica, by replica and "
                           "routing decision (prefix, overloaded, no_prefix, least_loaded, round_robin, "
                           "failover).", ["replica", "decision"], registry=METRICS.registry)
@@ -280,7 +280,7 @@ REPLICA_UP = Gauge("pagoda:replica_up", "1 while a replica's circuit breaker is 
 REPLICA_BREAKER_OPENED = Counter("pagoda:replica_breaker_opened", "Times a replica's circuit breaker opened "
                                  "(taken out of rotation).", ["replica"], registry=METRICS.registry)
 
-# Model pools (gateway/model_pools.py, gateway/fallback.py): labelled by configured model names
+# Model pools (gateway/upstream/model_pools.py, upstream/fallback.py): labelled by configured model names
 # (bounded: the pools' names) and the reason (unavailable, shedding).
 FALLBACK_REQUESTS = Counter("pagoda:fallback_requests", "Requests answered by a fallback model "
                             "(--fallback-model), by the model asked for, the model that answered and why "

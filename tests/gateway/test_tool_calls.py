@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from gateway.chat_tools import ToolDeltas
-from gateway.tool_calls import ToolPlan, content_before_calls, extract_tool_calls
+from gateway.openai.chat_tools import ToolDeltas
+from gateway.openai.tool_calls import ToolPlan, content_before_calls, extract_tool_calls
 from tests.gateway.conftest import sse_events
 
 WEATHER = {"type": "function", "function": {

@@ -8,9 +8,9 @@ import dataclasses
 import re
 from typing import Any
 
-from gateway.openai_protocol import ChatChoice, ChatCompletionRequest
-from gateway.openai_tools import DeltaFunctionCall, DeltaToolCall, ToolCall
-from gateway.tool_calls import (
+from gateway.openai.protocol import ChatCompletionRequest
+from gateway.openai.responses import ChatChoice
+from gateway.openai.tool_calls import (
     ToolPlan,
     content_before_calls,
     extract_tool_calls,
@@ -18,6 +18,7 @@ from gateway.tool_calls import (
     render_messages,
     template_knows_tools,
 )
+from gateway.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall, ToolCall
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.contract.params import SamplingParams
 

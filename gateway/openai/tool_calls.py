@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.openai_tools import NamedToolChoice, ToolCall, ToolDef
+from gateway.openai.tool_protocol import NamedToolChoice, ToolCall, ToolDef
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.contract.structured import JSON_OPTIONS, StructuredOutputsParams
 

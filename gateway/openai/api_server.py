@@ -11,19 +11,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
 from gateway.errors import GatewayError, UpstreamError, openai_error_body, to_client_error
-from gateway.http_middleware import BodySizeLimitMiddleware, RequestCounterMiddleware, TenancyMiddleware
-from gateway.json_body import IJSONRoute
-from gateway.openai_chat import chat_prompt_ids, create_chat_completion
-from gateway.openai_completions import create_completion
-from gateway.openai_lora import add_lora_routes
-from gateway.openai_protocol import (
+from gateway.openai.json_body import IJSONRoute
+from gateway.openai.lora_routes import add_lora_routes
+from gateway.openai.middleware import BodySizeLimitMiddleware, RequestCounterMiddleware, TenancyMiddleware
+from gateway.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from gateway.rate_limit import retry_after_header
+from gateway.openai.serving_chat import chat_prompt_ids, create_chat_completion
+from gateway.openai.serving_completion import create_completion
 from gateway.state import GatewayState
+from gateway.tenancy.rate_limit import retry_after_header
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.runtime.logging import get_logger
 

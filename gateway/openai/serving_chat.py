@@ -8,8 +8,6 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.chat_tools import ToolDeltas, finish_choice, template_messages, tool_plan, with_forced_call
-from gateway.fallback import AdmitOnce, first_answer, prepend
 from gateway.generation import (
     GenerationStep,
     SequenceChunk,
@@ -17,20 +15,20 @@ from gateway.generation import (
     generate,
     start_request_span,
 )
-from gateway.model_pools import ModelPool
-from gateway.openai_common import (
-    build_generation_input,
-    build_sampling,
-    new_request_id,
-    sse_stream,
-    until_disconnected,
-    usage_info,
+from gateway.openai.chat_tools import (
+    ToolDeltas,
+    finish_choice,
+    template_messages,
+    tool_plan,
+    with_forced_call,
 )
-from gateway.openai_prompt_logprobs import vllm_prompt_logprobs
-from gateway.openai_protocol import (
+from gateway.openai.middleware import admit
+from gateway.openai.prompt_logprobs import vllm_prompt_logprobs
+from gateway.openai.protocol import ChatCompletionRequest
+from gateway.openai.request_inputs import build_generation_input, build_sampling, new_request_id
+from gateway.openai.responses import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,
@@ -38,11 +36,14 @@ from gateway.openai_protocol import (
     ChatTokenLogprob,
     DeltaMessage,
     TopLogprob,
+    usage_info,
 )
+from gateway.openai.streaming import sse_stream, until_disconnected
+from gateway.openai.tool_calls import NO_TOOLS, ToolPlan
 from gateway.state import GatewayState
-from gateway.tenancy import admit
 from gateway.tokenizer import Tokenizer
-from gateway.tool_calls import NO_TOOLS, ToolPlan
+from gateway.upstream.fallback import AdmitOnce, first_answer, prepend
+from gateway.upstream.model_pools import ModelPool
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.runtime.telemetry import context_from_headers
 
