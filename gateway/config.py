@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.openai.tool_parsers import ToolParserManager
 from gateway.tenancy.tenants import TenantTable, tenant_table
 from gateway.upstream.routing import RoutingConfig
 
@@ -51,7 +52,8 @@ class GatewayConfig:
     tls_ca: str | None = None
     """PEM CA bundle to verify the scheduler's certificate; None: plaintext channel."""
     tool_call_parser: str = "hermes"
-    """The model's tool-call format: hermes (`<tool_call>` JSON) or llama3_json (vLLM's names)."""
+    """The model's tool-call format, a registered ToolParser's name (vLLM's): hermes (`<tool_call>`
+    JSON) or llama3_json (gateway/openai/tool_parsers/)."""
     enable_auto_tool_choice: bool = False
     """Let the model decide whether to call tools (tool_choice "auto"); required/named work without."""
     lora_modules: tuple[tuple[str, str], ...] = ()
@@ -72,8 +74,8 @@ class GatewayConfig:
             raise ValueError("engine_timeout_s must be positive")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must not be negative")
-        if self.tool_call_parser not in ("hermes", "llama3_json"):
-            raise ValueError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")
+        if self.tool_call_parser not in (parsers := ToolParserManager.names()):
+            raise ValueError(f"tool_call_parser must be {' or '.join(parsers)}, got {self.tool_call_parser!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
         self.tenant_table()  # raises when api_key is also in the file

@@ -20,7 +20,7 @@ from gateway.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from gateway.openai.serving_chat import chat_prompt_ids, create_chat_completion
+from gateway.openai.serving_chat import chat_prompt_ids, create_chat_completion, tool_plan
 from gateway.openai.serving_completion import create_completion
 from gateway.state import GatewayState
 from gateway.tenancy.rate_limit import retry_after_header
@@ -119,7 +119,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         tokenizer, info = state.pool(body.model).require_ready()
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
-            tokens = chat_prompt_ids(chat, tokenizer)
+            tokens = chat_prompt_ids(chat, tokenizer, tool_plan(chat, state.config))  # tools: none
         elif body.prompt is not None:
             tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
