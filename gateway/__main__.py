@@ -7,10 +7,11 @@ import asyncio
 import os
 
 from gateway.config import GatewayConfig
-from gateway.lora_adapters import parse_lora_module
-from gateway.routing import POLICIES, RoutingConfig
+from gateway.openai.tool_parsers import ToolParserManager
 from gateway.server import serve
-from gateway.tenants import TenantFileError, load_tenant_file
+from gateway.tenancy.tenants import TenantFileError, load_tenant_file
+from gateway.upstream.lora_adapters import parse_lora_module
+from gateway.upstream.routing import POLICIES, RoutingConfig
 from pagoda.runtime.logging import configure_logging
 
 
@@ -45,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     parser.add_argument("--tls-cert", default=None, help="PEM cert of the public gRPC port")
     parser.add_argument("--tls-key", default=None, help="PEM key of the public gRPC port")
     parser.add_argument("--tls-ca", default=None, help="PEM CA to verify the scheduler (TLS channel)")
-    parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default="hermes",
+    parser.add_argument("--tool-call-parser", choices=ToolParserManager.names(), default="hermes",
                         help="the model's tool-call format (vLLM's names)")
     parser.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                         help="LoRA adapters (PEFT directories) served by the default model under NAME "

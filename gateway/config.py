@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.routing import RoutingConfig
-from gateway.tenants import TenantTable, tenant_table
+from gateway.openai.tool_parsers import ToolParserManager
+from gateway.tenancy.tenants import TenantTable, tenant_table
+from gateway.upstream.routing import RoutingConfig
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     scheduler: str = "127.0.0.1:50052"
     """host:port of the scheduler's pagoda.v1.Engine service; several, comma-separated: data-parallel
-    replicas, each request routed to one (gateway/routing.py). `MODEL=host:port`: a replica of the
-    pool serving MODEL (gateway/model_pools.py); entries without a name form the default pool."""
+    replicas, each request routed to one (gateway/upstream/routing.py). `MODEL=host:port`: a replica of the
+    pool serving MODEL (gateway/upstream/model_pools.py); entries without a name form the default pool."""
     fallback_models: tuple[tuple[str, str], ...] = ()
     """(A, B) pairs: a request for model A is served by B when A's pool is unavailable or shedding."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -32,7 +33,7 @@ class GatewayConfig:
     """When set, /v1/*, /tokenize, /detokenize, /version and gRPC Generate need `Bearer KEY`
     (the key of tenant "default", unlimited)."""
     api_keys: TenantTable | None = None
-    """Tenants, their keys and limits, from `--api-keys FILE` (gateway/tenants.py has the format)."""
+    """Tenants, their keys and limits, from `--api-keys FILE` (gateway/tenancy/tenants.py has the format)."""
     max_request_bytes: int = 16 * 1024 * 1024
     """Largest HTTP request body accepted; bigger bodies get 413."""
     engine_timeout_s: float = 5.0
@@ -51,7 +52,8 @@ class GatewayConfig:
     tls_ca: str | None = None
     """PEM CA bundle to verify the scheduler's certificate; None: plaintext channel."""
     tool_call_parser: str = "hermes"
-    """The model's tool-call format: hermes (`<tool_call>` JSON) or llama3_json (vLLM's names)."""
+    """The model's tool-call format, a registered ToolParser's name (vLLM's): hermes (`<tool_call>`
+    JSON) or llama3_json (gateway/openai/tool_parsers/)."""
     enable_auto_tool_choice: bool = False
     """Let the model decide whether to call tools (tool_choice "auto"); required/named work without."""
     lora_modules: tuple[tuple[str, str], ...] = ()
@@ -72,8 +74,8 @@ class GatewayConfig:
             raise ValueError("engine_timeout_s must be positive")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must not be negative")
-        if self.tool_call_parser not in ("hermes", "llama3_json"):
-            raise ValueError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")
+        if self.tool_call_parser not in (parsers := ToolParserManager.names()):
+            raise ValueError(f"tool_call_parser must be {' or '.join(parsers)}, got {self.tool_call_parser!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
         self.tenant_table()  # raises when api_key is also in the file

@@ -41,7 +41,7 @@ class RequestTooLargeError(GatewayError):
 
 
 class RateLimitedError(GatewayError):
-    """A tenant is over its requests/min, tokens/min or concurrency limit (gateway/rate_limit.py)."""
+    """A tenant is over its requests/min, tokens/min or concurrency limit (gateway/tenancy/rate_limit.py)."""
 
     http_status, grpc_code = 429, grpc.StatusCode.RESOURCE_EXHAUSTED
 

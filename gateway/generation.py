@@ -10,19 +10,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from gateway import metrics
-from gateway.convert import finish_reason_name, sampling_to_pb
-from gateway.engine_client import EngineClient
 from gateway.errors import UpstreamError
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
+from gateway.upstream.engine_client import EngineClient
+from pagoda.contract.common_codec import finish_reason_from_pb, sampling_to_pb
 from pagoda.contract.params import SamplingParams
+from pagoda.contract.structured import check_grammar
 from pagoda.runtime.telemetry import (
     end_genai_span,
     get_tracer,
@@ -32,8 +33,13 @@ from pagoda.runtime.telemetry import (
 )
 from pagoda.v1 import common_pb2, engine_pb2
 
-if TYPE_CHECKING:
-    from gateway.tenancy import Lease
+
+class UsageRecorder(Protocol):
+    """What generate() tells of the tokens a request has cost so far: a tenant's lease, or a view
+    of one shared by several prompts. The caller owns it (and closes the lease)."""
+
+    def record(self, used_tokens: int) -> None:
+        """Prompt + generated tokens so far; 0 when the engine refused the request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +134,19 @@ class _Sequence:
             chunk.stop_reason = check.stop
 
 
+def finish_reason_name(code: int) -> str | None:
+    """"stop" / "length" / "abort" / "error", or None while the sequence runs."""
+    reason = finish_reason_from_pb(code)
+    return reason.value if reason is not None else None
+
+
+async def check_structured_outputs(sampling: SamplingParams) -> None:
+    """400 for a schema, regex or grammar that does not compile; off the event loop (a new JSON
+    schema can take tens of ms), cached so a repeated one is free. Both public APIs call it."""
+    if sampling.structured_outputs is not None:
+        await asyncio.to_thread(check_grammar, sampling.structured_outputs)
+
+
 def to_engine_request(request: GenerationInput) -> engine_pb2.GenerateRequest:
     return engine_pb2.GenerateRequest(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
@@ -159,14 +178,13 @@ def start_request_span(operation: str, model: str, parent: Context | None,
 
 
 async def generate(client: EngineClient, tokenizer: Tokenizer, request: GenerationInput,
-                   span: Span | None = None, lease: Lease | None = None,
+                   span: Span | None = None, usage: UsageRecorder | None = None,
                    model: str | None = None) -> AsyncIterator[GenerationStep]:
     """Yield one GenerationStep per upstream response; the last one carries usage.
 
     Observes the request's latency histograms (labelled `model`, default the served model), ends
     `span` (usage, finish reasons, TTFT and queue time; `error.type` when the request fails or its
-    client goes away), and keeps the tenant's `lease` told of the tokens used so far (its owner
-    closes it)."""
+    client goes away), and keeps `usage` (the tenant's lease) told of the tokens used so far."""
     sequences = [_Sequence(tokenizer, request) for _ in range(request.sampling.n)]
     num_prompt_tokens, num_cached_tokens = len(request.prompt_token_ids), 0
     timer = metrics.METRICS.request_timer(model_name=model)
@@ -198,8 +216,8 @@ async def generate(client: EngineClient, tokenizer: Tokenizer, request: Generati
                     sequence.prompt_logprobs = list(response.prompt_logprobs)
             chunks = [sequences[d.index].apply(d, request.sampling.stop_token_ids)
                       for d in response.sequences if d.index < len(sequences)]
-            if lease is not None:
-                lease.record(num_prompt_tokens + sum(s.num_tokens for s in sequences))
+            if usage is not None:
+                usage.record(num_prompt_tokens + sum(s.num_tokens for s in sequences))
             _raise_on_engine_error(chunks)
             timer.on_tokens(sum(len(c.token_ids) for c in chunks))
             progress = Usage(num_prompt_tokens, sum(s.num_tokens for s in sequences), num_cached_tokens)
@@ -214,8 +232,8 @@ async def generate(client: EngineClient, tokenizer: Tokenizer, request: Generati
         end_span("cancelled")  # the client went away
         raise
     except BaseException as error:
-        if lease is not None and not answered and isinstance(error, UpstreamError):
-            lease.record(0)  # the engine refused it (queue full, shutting down): nothing to charge
+        if usage is not None and not answered and isinstance(error, UpstreamError):
+            usage.record(0)  # the engine refused it (queue full, shutting down): nothing to charge
         end_span(type(error).__name__)
         raise
     finally:

@@ -7,16 +7,21 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway.auth import grpc_bearer_token
-from gateway.convert import finish_reason_to_pb, sampling_from_pb
 from gateway.errors import UnauthorizedError, to_client_error
-from gateway.fallback import AdmitOnce, first_answer, prepend
-from gateway.generation import GenerationInput, GenerationStep, generate, start_request_span
-from gateway.model_pools import ModelPool
-from gateway.openai_common import check_structured_outputs
-from gateway.rate_limit import retry_after_header
+from gateway.generation import (
+    GenerationInput,
+    GenerationStep,
+    check_structured_outputs,
+    generate,
+    start_request_span,
+)
 from gateway.state import GatewayState
 from gateway.stop_strings import check_stop_strings
+from gateway.tenancy.auth import grpc_bearer_token
+from gateway.tenancy.rate_limit import retry_after_header
+from gateway.upstream.fallback import AdmitOnce, first_answer, prepend
+from gateway.upstream.model_pools import ModelPool
+from pagoda.contract.common_codec import finish_reason_to_pb, sampling_from_pb
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.contract.params import check_context_length, check_vocab
 from pagoda.runtime.logging import get_logger

@@ -12,9 +12,9 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.config import GatewayConfig
 from gateway.drain import CountingGenerationServicer, InFlight, InFlightMiddleware
-from gateway.model_pools import pools_from_config
-from gateway.openai_api import create_app
+from gateway.openai.api_server import create_app
 from gateway.state import GatewayState
+from gateway.upstream.model_pools import pools_from_config
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.runtime.logging import get_logger
 from pagoda.runtime.shutdown import EXIT_MARGIN_S, install_stop_handlers

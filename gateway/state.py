@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from gateway.config import GatewayConfig
-from gateway.engine_client import EngineClient
 from gateway.errors import EngineNotReadyError
-from gateway.lora_adapters import LoRARegistry
-from gateway.model_pools import ModelPool, ModelPools, Route
-from gateway.replica_set import ReplicaSet
-from gateway.tenancy import Tenancy
+from gateway.tenancy.leases import Tenancy
 from gateway.tokenizer import Tokenizer
+from gateway.upstream.engine_client import EngineClient
+from gateway.upstream.lora_adapters import LoRARegistry
+from gateway.upstream.model_pools import ModelPool, ModelPools, Route
+from gateway.upstream.replica_set import ReplicaSet
 from pagoda.v1 import engine_pb2
 
 

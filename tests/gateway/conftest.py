@@ -13,11 +13,11 @@ import httpx
 import pytest
 
 from gateway.config import GatewayConfig
-from gateway.engine_client import EngineClient
-from gateway.openai_api import create_app
+from gateway.openai.api_server import create_app
 from gateway.state import GatewayState
-from gateway.tenancy import Tenancy
+from gateway.tenancy.leases import Tenancy
 from gateway.tokenizer import Tokenizer
+from gateway.upstream.engine_client import EngineClient
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.v1 import engine_pb2_grpc
 from tests.gateway.fake_engine import FakeEngine

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from gateway.__main__ import parse_args
-from gateway.auth import bearer_token, grpc_bearer_token
-from gateway.tenancy import Tenancy
-from gateway.tenants import ANONYMOUS, tenant_table
+from gateway.tenancy.auth import bearer_token, grpc_bearer_token
+from gateway.tenancy.leases import Tenancy
+from gateway.tenancy.tenants import ANONYMOUS, tenant_table
 
 
 def test_bearer_token_checks():

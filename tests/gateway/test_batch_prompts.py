@@ -9,9 +9,9 @@ import json
 import grpc
 import pytest
 
-from gateway.batch_prompts import merge_steps
 from gateway.errors import UpstreamError
 from gateway.generation import GenerationStep, SequenceChunk
+from gateway.openai.batch_prompts import merge_steps
 from tests.gateway.conftest import SCRIPT_TEXTS, sse_events
 
 

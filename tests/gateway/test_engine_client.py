@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.engine_client import _CHANNEL_OPTIONS
+from gateway.upstream.engine_client import _CHANNEL_OPTIONS
 
 
 def test_reconnect_backoff_is_capped_at_two_seconds():

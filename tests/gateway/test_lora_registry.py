@@ -6,8 +6,8 @@ import pytest
 
 from gateway.__main__ import parse_args
 from gateway.errors import ModelNotFoundError
-from gateway.lora_adapters import LoRARegistry, parse_lora_module
-from gateway.model_pools import ModelPool, ModelPools
+from gateway.upstream.lora_adapters import LoRARegistry, parse_lora_module
+from gateway.upstream.model_pools import ModelPool, ModelPools
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.launcher import build_children
 from pagoda.launcher import parse_args as launcher_args
@@ -82,7 +82,7 @@ def test_load_checks_name_rank_and_lora_support(tmp_path):
 
 
 def test_replica_routing_keys_follow_the_adapter_like_the_scheduler_cache():
-    from gateway.routing import routing_key
+    from gateway.upstream.routing import routing_key
     from pagoda.contract.lora import LoRARequest
 
     prompt = list(range(40))

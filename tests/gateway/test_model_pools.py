@@ -19,11 +19,11 @@ import pytest
 from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.grpc_api import GenerationServicer
-from gateway.model_pools import ModelPool, ModelPools, pools_from_config
-from gateway.openai_api import create_app
-from gateway.replica_set import ReplicaSet
-from gateway.routing import RoutingConfig
+from gateway.openai.api_server import create_app
 from gateway.state import GatewayState
+from gateway.upstream.model_pools import ModelPool, ModelPools, pools_from_config
+from gateway.upstream.replica_set import ReplicaSet
+from gateway.upstream.routing import RoutingConfig
 from pagoda.v1 import gateway_pb2
 from tests.e2e.conftest import free_port
 from tests.gateway.conftest import sse_events, wait_until

@@ -10,7 +10,7 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from gateway.openai_fields import CONDITIONAL, HONOURED_CHAT, HONOURED_COMPLETION, INFORMATIONAL
+from gateway.openai.request_fields import CONDITIONAL, HONOURED_CHAT, HONOURED_COMPLETION, INFORMATIONAL
 from tests.gateway.conftest import sse_events
 
 COMPLETION_FIELDS = set(typing.get_type_hints(completion_create_params.CompletionCreateParamsStreaming))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.rate_limit import (
+from gateway.tenancy.rate_limit import (
     Admission,
     LimitSnapshot,
     TenantLimiter,
@@ -13,7 +13,7 @@ from gateway.rate_limit import (
     rate_limit_headers,
     retry_after_header,
 )
-from gateway.tenants import TenantLimits
+from gateway.tenancy.tenants import TenantLimits
 
 
 def test_bucket_refills_continuously_up_to_its_capacity():

@@ -1,4 +1,4 @@
-"""gateway/replica_set.py against two in-process fake Engines: failover before the first token,
+"""gateway/upstream/replica_set.py against two in-process fake Engines: failover before the first token,
 no failover after it, aborts to the holder, breakers fed by failures and probes, stats merged."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from gateway import metrics
 from gateway.errors import UpstreamError
-from gateway.replica_set import ReplicaSet, merge_stats
-from gateway.routing import BreakerState, RoutingConfig, routing_key
+from gateway.upstream.replica_set import ReplicaSet, merge_stats
+from gateway.upstream.routing import BreakerState, RoutingConfig, routing_key
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.gateway.fake_engine import FakeEngine

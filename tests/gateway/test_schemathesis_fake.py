@@ -31,9 +31,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from gateway.config import GatewayConfig
 from gateway.drain import InFlight, InFlightMiddleware
-from gateway.engine_client import EngineClient
-from gateway.openai_api import create_app
+from gateway.openai.api_server import create_app
 from gateway.state import GatewayState
+from gateway.upstream.engine_client import EngineClient
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.v1 import engine_pb2_grpc
 from tests.e2e.conftest import free_port

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from gateway import generation, metrics
 from gateway.server import start_grpc_server
-from gateway.tenants import parse_tenant_lines
+from gateway.tenancy.tenants import parse_tenant_lines
 from pagoda.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.gateway.conftest import wait_until
 

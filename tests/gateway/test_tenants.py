@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.__main__ import parse_args
-from gateway.tenants import (
+from gateway.tenancy.tenants import (
     DEFAULT_TENANT,
     Tenant,
     TenantFileError,

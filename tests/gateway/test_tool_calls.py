@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from gateway.chat_tools import ToolDeltas
-from gateway.tool_calls import ToolPlan, content_before_calls, extract_tool_calls
+from gateway.openai.tool_parsers import ToolParserManager
 from tests.gateway.conftest import sse_events
 
 WEATHER = {"type": "function", "function": {
@@ -30,32 +29,38 @@ async def tools_gateway(make_gateway, upstream):
     return make
 
 
+def parser(name: str):
+    """A fresh parser of the format registered as `name` (one per choice: it keeps stream state)."""
+    return ToolParserManager.get_tool_parser(name)()
+
+
 def test_hermes_and_llama3_json_parsers():
-    content, calls = extract_tool_calls(CALL_TEXT + "\n<tool_call>\n{\"name\": \"get_time\"}\n</tool_call>",
-                                        "hermes")
+    content, calls = parser("hermes").extract_tool_calls(
+        CALL_TEXT + "\n<tool_call>\n{\"name\": \"get_time\"}\n</tool_call>")
     assert content == "Sure." and [c.function.name for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0].function.arguments) == {"city": "Paris"} and calls[0].id.startswith("call_")
-    assert extract_tool_calls("<tool_call>{not json}</tool_call>", "hermes")[1] == []
-    content, calls = extract_tool_calls('<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g"}',
-                                        "llama3_json")
+    assert parser("hermes").extract_tool_calls("<tool_call>{not json}</tool_call>")[1] == []
+    content, calls = parser("llama3_json").extract_tool_calls(
+        '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g"}')
     assert content is None and [json.loads(c.function.arguments) for c in calls] == [{"a": 1}, {}]
-    assert extract_tool_calls("Paris is sunny.", "llama3_json") == ("Paris is sunny.", [])
-    assert content_before_calls("Sure. <tool_", "hermes") == len("Sure. ")
-    assert content_before_calls('{"na', "llama3_json") == 0 and content_before_calls("Hi", "llama3_json") == 2
+    assert parser("llama3_json").extract_tool_calls("Paris is sunny.") == ("Paris is sunny.", [])
+    assert parser("hermes").content_before_calls("Sure. <tool_") == len("Sure. ")
+    assert parser("llama3_json").content_before_calls('{"na') == 0 and parser("llama3_json").content_before_calls("Hi") == 2
 
 
 def test_streamed_deltas_hold_back_only_what_may_be_a_call():
-    tools = ToolDeltas(1, ToolPlan("hermes"), None)
-    fed = [tools.feed(0, piece, None) for piece in ("Sure. <to", "ol_call>\n{\"name\": ", '"get_weather", "a')]
+    tools = parser("hermes")
+    fed = [tools.extract_tool_calls_streaming(piece, None) for piece in ("Sure. <to", "ol_call>\n{\"name\": ", '"get_weather", "a')]
     assert "".join(f[0] for f in fed) == "Sure. " and fed[0][1] is None and fed[1][1] is None
     head = fed[2][1][0]  # the header as soon as the name is known
     assert (head.index, head.function.name, head.function.arguments, head.type) == (0, "get_weather", "", "function")
     rest = CALL_TEXT[len('Sure. <tool_call>\n{"name": "get_weather", "a'):]
-    content, calls, finish = tools.feed(0, rest, "stop")
+    content, calls, finish = tools.extract_tool_calls_streaming(rest, "stop")
     assert finish == "tool_calls" and len(calls) == 1 and calls[0].index == 0 and calls[0].id is None
     assert json.loads(calls[0].function.arguments) == {"city": "Paris"} and calls[0].function.name is None
-    plain = ToolDeltas(1, ToolPlan("hermes"), None)
-    assert plain.feed(0, "No call <", None)[0] == "No call " and plain.feed(0, "3", "stop") == ("<3", None, "stop")
+    plain = parser("hermes")
+    assert (plain.extract_tool_calls_streaming("No call <", None)[0] == "No call "
+            and plain.extract_tool_calls_streaming("3", "stop") == ("<3", None, "stop"))
 
 
 async def test_required_and_named_choices_force_a_call_by_grammar(tools_gateway, upstream):
@@ -118,3 +123,16 @@ async def test_a_call_in_the_reply_becomes_tool_calls(tools_gateway, upstream, t
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     plain = (await gateway.http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 100})).json()
     assert plain["choices"][0]["message"]["content"] == CALL_TEXT  # no tools: text stays text
+
+
+def test_every_format_is_a_registered_parser_class():
+    from gateway.__main__ import parse_args
+    from gateway.openai.tool_parsers import HermesToolParser, Llama3JsonToolParser, ToolParser
+
+    assert ToolParserManager.names() == ("hermes", "llama3_json")
+    assert ToolParserManager.get_tool_parser("hermes") is HermesToolParser
+    assert ToolParserManager.get_tool_parser("llama3_json") is Llama3JsonToolParser
+    assert all(issubclass(cls, ToolParser) and cls.name == name for name, cls in ToolParserManager.tool_parsers.items())
+    assert parse_args(["--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
+    with pytest.raises(KeyError, match="known: hermes, llama3_json"):
+        ToolParserManager.get_tool_parser("mistral")

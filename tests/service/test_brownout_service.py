@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pagoda.runtime.metrics import EngineStatsCollector
+from gateway.metrics import EngineStatsCollector
 from pagoda.v1 import common_pb2
 from scheduler_svc import convert, engine_loop
 from scheduler_svc.core.brownout import BrownoutConfig

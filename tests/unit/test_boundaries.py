@@ -102,7 +102,7 @@ def test_the_walk_sees_every_layer():
     ("pagoda.contract.worker_codec", ("torch", "scheduler_svc", "worker_svc", "gateway")),
     ("pagoda.contract.error_table", ("torch", "scheduler_svc", "worker_svc", "gateway")),
     ("pagoda.contract.prefix_hash", ("torch", "grpc", "scheduler_svc", "worker_svc", "gateway")),
-    ("gateway.routing", ("torch", "grpc", "scheduler_svc", "worker_svc", "kernels")),
+    ("gateway.upstream.routing", ("torch", "grpc", "scheduler_svc", "worker_svc", "kernels")),
     ("pagoda.runtime.telemetry", ("torch", "scheduler_svc", "worker_svc", "gateway")),
     ("gateway.server", ("torch", "scheduler_svc", "worker_svc", "kernels")),
     ("scheduler_svc.server", ("torch", "worker_svc", "gateway", "kernels")),

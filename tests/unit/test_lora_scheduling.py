@@ -115,7 +115,7 @@ def test_a_suspect_admitted_out_of_order_still_respects_the_adapter_slots():
 
 
 def test_stats_name_the_running_and_waiting_adapters_for_lora_requests_info():
-    from pagoda.runtime.metrics import EngineStatsCollector
+    from gateway.metrics import EngineStatsCollector
     from scheduler_svc.convert import stats_to_pb
 
     sched, worker = setup(max_loras=1)

@@ -8,7 +8,7 @@ import asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagoda.runtime.metrics import TTFT_BUCKETS, EngineStatsCollector, GatewayMetrics
+from gateway.metrics import TTFT_BUCKETS, EngineStatsCollector, GatewayMetrics
 from pagoda.v1 import engine_pb2
 
 MODEL = "pagoda-tiny"

@@ -1,4 +1,4 @@
-"""gateway/routing.py: prefix-aware routing, the other policies, the circuit breaker (no sleeps)."""
+"""gateway/upstream/routing.py: prefix-aware routing, the other policies, the circuit breaker (no sleeps)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from gateway.routing import BreakerState, CircuitBreaker, Router, RoutingConfig, routing_key
+from gateway.upstream.routing import BreakerState, CircuitBreaker, Router, RoutingConfig, routing_key
 from pagoda.contract import prefix_hash
 from scheduler_svc.core import prefix_index
 

@@ -9,7 +9,7 @@ scheduler has a breaker and a `pagoda:replica_up` series (labels: positions in -
 `ModelPools.resolve()` is the one place a request's `model` becomes a pool (an unknown one is a 404);
 `route()` adds the fallback (`--fallback-model A=B`): B answers when A's pool is unavailable (never
 connected, or every replica out of rotation), and B is tried next when A refuses the request before
-its first token (gateway/fallback.py). /v1/models lists every pool (`cards()`).
+its first token (gateway/upstream/fallback.py). /v1/models lists every pool (`cards()`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 from gateway import metrics
 from gateway.config import GatewayConfig
-from gateway.engine_client import EngineClient
 from gateway.errors import EngineNotReadyError, ModelNotFoundError, UpstreamError
-from gateway.lora_adapters import AdapterPool, LoRARegistry
-from gateway.replica_set import ReplicaSet
 from gateway.tokenizer import Tokenizer
+from gateway.upstream.engine_client import EngineClient
+from gateway.upstream.lora_adapters import AdapterPool, LoRARegistry
+from gateway.upstream.replica_set import ReplicaSet
 from pagoda.runtime.logging import get_logger
 from pagoda.v1 import engine_pb2
 

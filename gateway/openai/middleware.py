@@ -1,4 +1,5 @@
-"""Pure ASGI middlewares: API key and tenant lease, request body size cap, request counting.
+"""Pure ASGI middlewares: API key and tenant lease, request body size cap, request counting; and
+`admit`, how a handler admits its request through the lease the tenancy middleware opened.
 
 Written at the ASGI level (not BaseHTTPMiddleware) so streaming responses and client
 disconnects pass through untouched.
@@ -7,11 +8,17 @@ disconnects pass through untouched.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from gateway import metrics
-from gateway.auth import OPEN_HTTP_PATHS, bearer_token
 from gateway.errors import openai_error_body
-from gateway.tenancy import LEASE_KEY, Tenancy
+from gateway.tenancy.auth import OPEN_HTTP_PATHS, bearer_token
+from gateway.tenancy.leases import Lease, Tenancy
+
+if TYPE_CHECKING:
+    from gateway.generation import GenerationInput
+
+LEASE_KEY = "pagoda_tenant_lease"  # in an HTTP request's scope["state"] (Starlette's request.state)
 
 
 async def _send_error(send, status: int, message: str, headers: list | None = None) -> None:
@@ -31,7 +38,7 @@ def _header(scope, name: bytes) -> str | None:
 
 class TenancyMiddleware:
     """The API key names the tenant (401 when it names none); each request gets a `Lease` on its
-    tenant's limits, which a generation handler admits through (`tenancy.admit`). The rate-limit headers
+    tenant's limits, which a generation handler admits through (`admit`). The rate-limit headers
     of the admission join the response, and the lease closes - slot freed, tokens settled - only
     once the response, a stream included, has ended or its client has gone."""
 
@@ -60,6 +67,18 @@ class TenancyMiddleware:
             await self.app(scope, receive, send_with_headers)
         finally:
             lease.close()
+
+
+def lease_of(scope) -> Lease:
+    """The lease TenancyMiddleware opened for this HTTP request."""
+    return scope["state"][LEASE_KEY]
+
+
+def admit(http, request: GenerationInput, max_model_len: int) -> tuple[GenerationInput, Lease]:
+    """An HTTP handler's admission (`http`: its Starlette Request): the request with the tenant's
+    cache salt, and the lease, which TenancyMiddleware closes once the response has ended."""
+    lease = lease_of(http.scope)
+    return lease.admit(request, max_model_len), lease
 
 
 class BodySizeLimitMiddleware:

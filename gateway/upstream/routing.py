@@ -1,7 +1,7 @@
 """Routing a request to one of several scheduler replicas, and each replica's circuit breaker.
 
 Pure: no grpc, no asyncio, no clock of its own (the breaker's is injected), so every decision is
-unit-tested without sleeps. `gateway/replica_set.py` feeds it stats and failures and obeys it.
+unit-tested without sleeps. `gateway/upstream/replica_set.py` feeds it stats and failures and obeys it.
 
 Policies:
 - `prefix` (the default with more than one replica): the request's key is the chained hash of its

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.openai_protocol import CompletionLogprobs, PromptLogprob, PromptLogprobs
+from gateway.openai.responses import CompletionLogprobs, PromptLogprob, PromptLogprobs
 from gateway.tokenizer import Tokenizer
 from pagoda.v1 import common_pb2
 

@@ -1,6 +1,7 @@
 """Tenancy at run time: which tenant an API key names, and each request's lease on its limits.
 
-Both APIs do the same: `authenticate` the key (None: 401 / UNAUTHENTICATED), open a `Lease`,
+Both APIs do the same (the HTTP side's glue is gateway/openai/middleware.py, the gRPC side's
+gateway/grpc_api.py): `authenticate` the key (None: 401 / UNAUTHENTICATED), open a `Lease`,
 `admit` the tokenized request through it (429 / RESOURCE_EXHAUSTED when over a limit), let
 `generate()` `record` the tokens used as they stream, and `close` the lease whatever happened
 (finished, cancelled, failed): the concurrency slot is freed and the token reservation settled.
@@ -15,8 +16,8 @@ from typing import TYPE_CHECKING
 
 from gateway import metrics
 from gateway.errors import RateLimitedError
-from gateway.rate_limit import Admission, TenantLimiter, format_reset, rate_limit_headers
-from gateway.tenants import ANONYMOUS, Tenant, TenantTable, key_digest
+from gateway.tenancy.rate_limit import Admission, TenantLimiter, format_reset, rate_limit_headers
+from gateway.tenancy.tenants import ANONYMOUS, Tenant, TenantTable, key_digest
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.runtime.logging import get_logger
 
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from gateway.generation import GenerationInput
 
 log = get_logger(__name__)
-LEASE_KEY = "pagoda_tenant_lease"  # in an HTTP request's scope["state"] (Starlette's request.state)
 
 
 class Tenancy:
@@ -118,15 +118,3 @@ class Lease:
         return (f"Rate limit reached for tenant {name!r} on {admission.refused_by} per minute: "
                 f"limit {snapshot.limit}, remaining {snapshot.remaining}, requested {requested}. "
                 f"Please try again in {format_reset(admission.retry_after_s)}.")
-
-
-def lease_of(scope) -> Lease:
-    """The lease TenancyMiddleware opened for this HTTP request."""
-    return scope["state"][LEASE_KEY]
-
-
-def admit(http, request: GenerationInput, max_model_len: int) -> tuple[GenerationInput, Lease]:
-    """An HTTP handler's admission (`http`: its Starlette Request): the request with the tenant's
-    cache salt, and the lease, which TenancyMiddleware closes once the response has ended."""
-    lease = lease_of(http.scope)
-    return lease.admit(request, max_model_len), lease

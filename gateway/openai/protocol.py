@@ -1,6 +1,7 @@
-"""Pydantic models of the OpenAI-compatible HTTP API (requests and responses), vLLM's field names.
+"""Pydantic models of the OpenAI-compatible HTTP API's requests, vLLM's field names (the replies
+are in responses.py).
 
-Request fields follow the one table in `openai_fields.py`: honoured, informational, or accepted
+Request fields follow the one table in `request_fields.py`: honoured, informational, or accepted
 only with their default values; an unknown field is a 400 naming it (nothing is silently ignored).
 Ranges are checked by the core SamplingParams.validate(), not here, so both public APIs share one
 set of rules.
@@ -8,8 +9,7 @@ set of rules.
 
 from __future__ import annotations
 
-import time
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import (
     BaseModel,
@@ -17,14 +17,13 @@ from pydantic import (
     Field,
     ValidationInfo,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
-from gateway.openai_fields import CONDITIONAL, check_conditional
-from gateway.openai_messages import ChatMessage
-from gateway.openai_structured import StructuredFields
-from gateway.openai_tools import DeltaToolCall, ToolCall, ToolChoice, ToolDef
+from gateway.openai.chat_messages import ChatMessage
+from gateway.openai.request_fields import CONDITIONAL, check_conditional
+from gateway.openai.structured_outputs import StructuredFields
+from gateway.openai.tool_protocol import ToolChoice, ToolDef
 from gateway.stop_strings import check_stop_strings
 from pagoda.contract.errors import InvalidRequestError
 
@@ -52,7 +51,7 @@ class _GenerationFields(StructuredFields):
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # informational (openai_fields.INFORMATIONAL): accepted, change no output
+    # informational (request_fields.INFORMATIONAL): accepted, change no output
     user: str | None = None
     metadata: Any = None
     safety_identifier: Any = None
@@ -121,7 +120,7 @@ class CompletionRequest(_GenerationFields):
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None  # with use_beam_search: the beam width (>= n); else only 1
-    # accepted only with their defaults (openai_fields.CONDITIONAL)
+    # accepted only with their defaults (request_fields.CONDITIONAL)
     suffix: Any = None
 
     @field_validator("best_of")
@@ -153,7 +152,7 @@ class ChatCompletionRequest(_GenerationFields):
     tools: list[ToolDef] | None = Field(default=None, max_length=128)
     tool_choice: ToolChoice | None = None  # None: "auto" when tools are given, as OpenAI
     parallel_tool_calls: bool | None = None  # False: at most the first call is returned
-    # accepted only with their defaults (openai_fields.CONDITIONAL)
+    # accepted only with their defaults (request_fields.CONDITIONAL)
     audio: Any = None
     modalities: Any = None
     functions: Any = None
@@ -178,138 +177,6 @@ class ChatCompletionRequest(_GenerationFields):
     @property
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class PromptLogprob(BaseModel):
-    """vLLM's Logprob: one entry of a prompt position's {token id: Logprob} map."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# vLLM's `prompt_logprobs`: per prompt token, None for the first, then {token id: Logprob} holding
-# the prompt token and the top k.
-PromptLogprobs = list[dict[str, PromptLogprob] | None]
-
-
-class _OmitNoPromptLogprobs(BaseModel):
-    """`prompt_logprobs` (vLLM's extra) appears only when the request asked for it."""
-
-    @model_serializer(mode="wrap")
-    def _omit_absent_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("prompt_logprobs") is None:
-            data.pop("prompt_logprobs", None)
-        return data
-
-
-class CompletionChoice(_OmitNoPromptLogprobs):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class _OmitNoToolCalls(BaseModel):
-    """`tool_calls` appears only when there are some (OpenAI's messages and deltas omit it)."""
-
-    @model_serializer(mode="wrap")
-    def _omit_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
-        return data
-
-
-class ChatResponseMessage(_OmitNoToolCalls):
-    role: str = "assistant"
-    content: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletionResponse(_OmitNoPromptLogprobs):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-class DeltaMessage(_OmitNoToolCalls):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class TokenizeRequest(BaseModel):

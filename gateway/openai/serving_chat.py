@@ -1,31 +1,36 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, replies out."""
+"""POST /v1/chat/completions: messages rendered with the model's chat template, replies out.
+
+Tools take one path: `tool_plan` reads the request's tools and tool_choice once; the plan's
+`ToolParser` (the model's format, `--tool-call-parser`) renders them into the prompt, gives the
+grammar of a forced call, and takes the calls out of each choice, whole or streamed (one parser
+per choice).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.chat_tools import ToolDeltas, finish_choice, template_messages, tool_plan, with_forced_call
-from gateway.fallback import AdmitOnce, first_answer, prepend
-from gateway.generation import GenerationStep, SequenceChunk, generate, start_request_span
-from gateway.model_pools import ModelPool
-from gateway.openai_common import (
-    build_generation_input,
-    build_sampling,
+from gateway.config import GatewayConfig
+from gateway.generation import (
+    GenerationStep,
+    SequenceChunk,
     check_structured_outputs,
-    new_request_id,
-    sse_stream,
-    until_disconnected,
-    usage_info,
+    generate,
+    start_request_span,
 )
-from gateway.openai_prompt_logprobs import vllm_prompt_logprobs
-from gateway.openai_protocol import (
+from gateway.openai.middleware import admit
+from gateway.openai.prompt_logprobs import vllm_prompt_logprobs
+from gateway.openai.protocol import ChatCompletionRequest
+from gateway.openai.request_inputs import build_generation_input, build_sampling, new_request_id
+from gateway.openai.responses import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,
@@ -33,18 +38,72 @@ from gateway.openai_protocol import (
     ChatTokenLogprob,
     DeltaMessage,
     TopLogprob,
+    usage_info,
 )
+from gateway.openai.streaming import sse_stream, until_disconnected
+from gateway.openai.tool_parsers import ToolParser, ToolParserManager
+from gateway.openai.tool_protocol import NamedToolChoice, ToolDef
 from gateway.state import GatewayState
-from gateway.tenancy import admit
 from gateway.tokenizer import Tokenizer
-from gateway.tool_calls import NO_TOOLS, ToolPlan
+from gateway.upstream.fallback import AdmitOnce, first_answer, prepend
+from gateway.upstream.model_pools import ModelPool
 from pagoda.contract.errors import InvalidRequestError
+from pagoda.contract.params import SamplingParams
+from pagoda.contract.structured import StructuredOutputsParams
 from pagoda.runtime.telemetry import context_from_headers
 
 
-def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer,
-                    plan: ToolPlan = NO_TOOLS) -> list[int]:
-    messages, tool_kwargs = template_messages(body, getattr(tokenizer.hf, "chat_template", None), plan)
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """What a chat request's tools mean for it: the model's tool-call format, the tools it may call
+    (None: it calls none, so none are in its prompt and its replies stay text) and the grammar that
+    forces a call (None: the model chooses)."""
+
+    parser: type[ToolParser]
+    tools: list[ToolDef] | None = None
+    forced: StructuredOutputsParams | None = None
+
+    def parsers(self, n: int, parallel_tool_calls: bool | None) -> list[ToolParser] | None:
+        """One parser per choice (None: no calls to look for)."""
+        return [self.parser(parallel_tool_calls) for _ in range(n)] if self.tools is not None else None
+
+
+def tool_plan(body: ChatCompletionRequest, config: GatewayConfig) -> ToolPlan:
+    """tool_choice "none" calls nothing; "auto" lets the model choose (needs
+    --enable-auto-tool-choice, as vLLM); "required" and a named function force a call in the
+    parser's format with a grammar whose arguments follow the function's JSON schema."""
+    parser = ToolParserManager.get_tool_parser(config.tool_call_parser)
+    tools, tool_choice = body.tools, body.tool_choice
+    if not tools or tool_choice == "none":
+        return ToolPlan(parser)
+    if isinstance(tool_choice, NamedToolChoice):
+        chosen = [t for t in tools if t.function.name == tool_choice.function.name]
+        if not chosen:
+            raise InvalidRequestError(f"tool_choice names {tool_choice.function.name!r}, which is not in tools")
+        return ToolPlan(parser, tools, parser.forced_call_grammar(chosen))
+    if tool_choice == "required":
+        return ToolPlan(parser, tools, parser.forced_call_grammar(tools))
+    if not config.enable_auto_tool_choice:  # "auto", or tools without tool_choice (OpenAI's default is auto)
+        raise InvalidRequestError('"auto" tool choice requires --enable-auto-tool-choice and '
+                                  "--tool-call-parser to be set (or use tool_choice \"required\" "
+                                  "or a named function)")
+    return ToolPlan(parser, tools)
+
+
+def with_forced_call(sampling: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    """The sampling params with the grammar of a required / named call, if the plan forces one."""
+    if plan.forced is None:
+        return sampling
+    if sampling.structured_outputs is not None:
+        raise InvalidRequestError("a required or named tool_choice cannot be combined with "
+                                  "response_format or structured outputs")
+    return dataclasses.replace(sampling, structured_outputs=plan.forced)
+
+
+def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer, plan: ToolPlan) -> list[int]:
+    """The prompt: the messages, with the plan's tools listed only when the model may call them."""
+    messages, tool_kwargs = plan.parser.render_prompt([m.as_template_dict() for m in body.messages], plan.tools,
+                                                      getattr(tokenizer.hf, "chat_template", None))
     try:
         return tokenizer.encode_chat(messages, body.add_generation_prompt,
                                      **tool_kwargs, **(body.chat_template_kwargs or {}))
@@ -73,7 +132,7 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
     route = state.route(body.model)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     config = state.config
-    plan = tool_plan(body, config.tool_call_parser, config.enable_auto_tool_choice)
+    plan = tool_plan(body, config)
     request_id = new_request_id("chatcmpl")
     admit_once = AdmitOnce(lambda r, max_model_len: admit(http, r, max_model_len))
 
@@ -101,14 +160,14 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
         steps = prepend(answer.first, answer.steps)
         prompt_logprobs: list = []
         usage = await until_disconnected(http, _collect(steps, choices, tokenizer, prompt_logprobs))
-        for choice in choices:
-            finish_choice(choice, plan, body.parallel_tool_calls)
+        for choice, parser in zip(choices, plan.parsers(body.n, body.parallel_tool_calls) or (), strict=False):
+            _finish_choice(choice, parser)
         return JSONResponse(ChatCompletionResponse(
             id=request_id, model=model, choices=choices, usage=usage_info(usage),
             prompt_logprobs=(vllm_prompt_logprobs(tokenizer, prompt_ids, prompt_logprobs)
                              if body.prompt_logprobs is not None else None)).model_dump())
     events = _stream(answer.first, answer.steps, body, tokenizer, request_id, model,
-                     ToolDeltas(body.n, plan, body.parallel_tool_calls))
+                     plan.parsers(body.n, body.parallel_tool_calls))
     return StreamingResponse(sse_stream(events), media_type="text/event-stream")
 
 
@@ -130,9 +189,21 @@ async def _collect(steps: AsyncIterator[GenerationStep], choices: list[ChatChoic
     raise RuntimeError("generation ended without usage")  # generate() always ends with usage
 
 
+def _finish_choice(choice: ChatChoice, parser: ToolParser) -> None:
+    """A whole reply: calls out of its text into message.tool_calls (finish_reason "tool_calls")."""
+    if choice.message.content is None:
+        return
+    content, calls = parser.extract_tool_calls(choice.message.content)
+    if calls:
+        choice.message.content = content
+        choice.message.tool_calls = parser.kept(calls)
+        if choice.finish_reason == "stop":
+            choice.finish_reason = "tool_calls"
+
+
 async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], body: ChatCompletionRequest,
                   tokenizer: Tokenizer, request_id: str, model: str,
-                  tools: ToolDeltas) -> AsyncIterator[ChatCompletionChunk]:
+                  parsers: list[ToolParser] | None) -> AsyncIterator[ChatCompletionChunk]:
     created = int(time.time())
 
     def chunk_of(choices: list[ChatStreamChoice], usage=None) -> ChatCompletionChunk:
@@ -146,7 +217,8 @@ async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], b
     while step is not None:
         deltas = []
         for c in step.chunks:
-            text, calls, finish_reason = tools.feed(c.index, c.text, c.finish_reason)
+            text, calls, finish_reason = (parsers[c.index].extract_tool_calls_streaming(c.text, c.finish_reason)
+                                          if parsers is not None else (c.text, None, c.finish_reason))
             if text or calls or finish_reason or (body.logprobs and c.token_ids):
                 deltas.append(ChatStreamChoice(
                     index=c.index, delta=DeltaMessage(content=text or (None if calls else ""), tool_calls=calls),

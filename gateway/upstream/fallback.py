@@ -19,7 +19,7 @@ import grpc
 
 from gateway import metrics
 from gateway.errors import UpstreamError
-from gateway.model_pools import ModelPool, Route
+from gateway.upstream.model_pools import ModelPool, Route
 from pagoda.runtime.logging import get_logger
 
 log = get_logger(__name__)

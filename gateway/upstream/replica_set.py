@@ -2,7 +2,7 @@
 
 `ReplicaSet` owns one EngineClient per scheduler, a background refresher per replica (grpc.health
 + GetStats every `stats_interval_s`: the router's load, and the circuit breaker's probe), and
-routes each `generate` with gateway/routing.py. Failover: a replica that fails a request with
+routes each `generate` with gateway/upstream/routing.py. Failover: a replica that fails a request with
 UNAVAILABLE (or RESOURCE_EXHAUSTED, queue full) before any token was streamed has it re-submitted
 to another replica, transparently; a stream already under way ends with its error (the handlers
 render it as today). Every replica is tried at most once per request. Aborts go to the replica
@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 
 from gateway import metrics
-from gateway.engine_client import EngineClient
 from gateway.errors import UpstreamError
-from gateway.routing import BreakerState, CircuitBreaker, Router, RoutingConfig, routing_key
+from gateway.upstream.engine_client import EngineClient
+from gateway.upstream.routing import BreakerState, CircuitBreaker, Router, RoutingConfig, routing_key
 from pagoda.contract.common_codec import lora_from_pb
 from pagoda.runtime.logging import get_logger
 from pagoda.v1 import engine_pb2

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gateway.tenants import TenantLimits
+from gateway.tenancy.tenants import TenantLimits
 
 PERIOD_S = 60.0
 

@@ -11,19 +11,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
 from gateway.errors import GatewayError, UpstreamError, openai_error_body, to_client_error
-from gateway.http_middleware import BodySizeLimitMiddleware, RequestCounterMiddleware, TenancyMiddleware
-from gateway.json_body import IJSONRoute
-from gateway.openai_chat import chat_prompt_ids, create_chat_completion
-from gateway.openai_completions import create_completion
-from gateway.openai_lora import add_lora_routes
-from gateway.openai_protocol import (
+from gateway.openai.json_body import IJSONRoute
+from gateway.openai.lora_routes import add_lora_routes
+from gateway.openai.middleware import BodySizeLimitMiddleware, RequestCounterMiddleware, TenancyMiddleware
+from gateway.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from gateway.rate_limit import retry_after_header
+from gateway.openai.serving_chat import chat_prompt_ids, create_chat_completion, tool_plan
+from gateway.openai.serving_completion import create_completion
 from gateway.state import GatewayState
+from gateway.tenancy.rate_limit import retry_after_header
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.runtime.logging import get_logger
 
@@ -119,7 +119,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         tokenizer, info = state.pool(body.model).require_ready()
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
-            tokens = chat_prompt_ids(chat, tokenizer)
+            tokens = chat_prompt_ids(chat, tokenizer, tool_plan(chat, state.config))  # tools: none
         elif body.prompt is not None:
             tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:

@@ -1,4 +1,4 @@
-"""Reading the API key a request presents; `tenancy.Tenancy.authenticate` says whose it is."""
+"""Reading the API key a request presents; `leases.Tenancy.authenticate` says whose it is."""
 
 from __future__ import annotations
 

@@ -8,30 +8,34 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.batch_prompts import admit_batch, merge_steps, split_prompts
-from gateway.fallback import AdmitOnce, first_answer, prepend
-from gateway.generation import GenerationStep, SequenceChunk, generate, start_request_span
-from gateway.model_pools import ModelPool
-from gateway.openai_common import (
+from gateway.generation import (
+    GenerationStep,
+    SequenceChunk,
+    check_structured_outputs,
+    generate,
+    start_request_span,
+)
+from gateway.openai.batch_prompts import admit_batch, merge_steps, split_prompts
+from gateway.openai.middleware import admit
+from gateway.openai.prompt_logprobs import add_echo_logprobs, vllm_prompt_logprobs
+from gateway.openai.protocol import CompletionRequest
+from gateway.openai.request_inputs import (
     build_generation_input,
     build_sampling,
-    check_structured_outputs,
     check_token_ids,
     new_request_id,
-    sse_stream,
-    until_disconnected,
-    usage_info,
 )
-from gateway.openai_prompt_logprobs import add_echo_logprobs, vllm_prompt_logprobs
-from gateway.openai_protocol import (
+from gateway.openai.responses import (
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
+    usage_info,
 )
+from gateway.openai.streaming import sse_stream, until_disconnected
 from gateway.state import GatewayState
-from gateway.tenancy import admit
 from gateway.tokenizer import Tokenizer
+from gateway.upstream.fallback import AdmitOnce, first_answer, prepend
+from gateway.upstream.model_pools import ModelPool
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.runtime.telemetry import context_from_headers
 

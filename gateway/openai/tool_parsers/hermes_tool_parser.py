@@ -1,0 +1,100 @@
+"""Hermes tool calls (`--tool-call-parser hermes`, NousResearch's format, Qwen's too): each call is
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of them, and text around
+them is content.
+
+It is also the text every chat template that does not know tools gets (SmolLM2's plain ChatML):
+the Hermes system block listing the tools, past calls as `<tool_call>` text in the assistant turn
+and tool results as `<tool_response>` in the tool's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from gateway.openai.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCalls,
+    ToolParser,
+    ToolParserManager,
+    parse_call,
+)
+from gateway.openai.tool_protocol import ToolDef
+from pagoda.contract.structured import StructuredOutputsParams
+
+HERMES_SYSTEM = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    "<tools></tools> XML tags. You may call one or more functions to assist with the user query. "
+    "Don't make assumptions about what values to plug into functions. Here are the available "
+    "tools: <tools>{tools}</tools> For each function call return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags as follows:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-dict>}}\n</tool_call>')
+_START = "<tool_call>"
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_HEAD = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"([^"]*)"')  # where a call's name is known
+
+
+@ToolParserManager.register_module("hermes")
+class HermesToolParser(ToolParser):
+    arguments_key = "arguments"
+
+    @classmethod
+    def render_tools_as_text(cls, messages: list[dict[str, Any]], tools: list[ToolDef] | None
+                             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        specs = [t.model_dump(exclude_none=True) for t in tools or ()]
+        out = []
+        for message in messages:
+            calls = message.pop("tool_calls", None)
+            if calls:
+                text = "\n".join(f"<tool_call>\n{json.dumps(_call_json(c))}\n</tool_call>" for c in calls)
+                message = {**message, "content": ((message.get("content") or "") + "\n" + text).strip()}
+            if message["role"] == "tool":
+                message = {"role": "tool", "content": f"<tool_response>\n{message.get('content') or ''}\n"
+                                                      "</tool_response>"}
+            out.append(message)
+        if specs:
+            block = HERMES_SYSTEM.format(tools=" ".join(json.dumps(s) for s in specs))
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + block}
+            else:
+                out.insert(0, {"role": "system", "content": block})
+        return out, {}
+
+    @classmethod
+    def forced_call_grammar(cls, tools: list[ToolDef]) -> StructuredOutputsParams:
+        schema = cls.call_schema(tools)
+        return StructuredOutputsParams(
+            grammar=f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(schema)}')
+
+    def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
+        calls = []
+        for match in _CALL.finditer(text):
+            call = parse_call(match.group(1), self.arguments_key)
+            if call is None:
+                return ExtractedToolCalls(text, [])
+            calls.append(call)
+        content = _CALL.sub("", text).strip() if calls else text
+        return ExtractedToolCalls(content or None, calls)
+
+    def content_before_calls(self, text: str) -> int:
+        start = text.find(_START)
+        if start >= 0:
+            return start
+        for keep in range(min(len(text), len(_START) - 1), 0, -1):
+            if _START.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)
+
+    def call_names(self, text: str) -> list[str]:
+        return [m.group(1) for m in _HEAD.finditer(text)]
+
+
+def _call_json(call: dict[str, Any]) -> dict[str, Any]:
+    """A past call as the client sent it (OpenAI's shape) -> Hermes' {"name", "arguments"}."""
+    function = call.get("function") or {}
+    arguments = function.get("arguments") or "{}"
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        pass
+    return {"name": function.get("name"), "arguments": arguments}
