@@ -13,6 +13,7 @@ from gateway.tenancy.tenants import TenantFileError, load_tenant_file
 from gateway.upstream.lora_adapters import parse_lora_module
 from gateway.upstream.routing import POLICIES, RoutingConfig
 from pagoda.runtime.logging import configure_logging
+from pagoda.runtime.service_flags import add_service_flags
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
@@ -38,14 +39,6 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                         help="API keys -> tenants with optional limits, one JSON object per line "
                              "(docs/reliability.md#tenancy)")
     parser.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
-    parser.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--otlp-traces-endpoint", default=None,
-                        help="OTLP gRPC endpoint for traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests may take to finish after SIGTERM")
-    parser.add_argument("--tls-cert", default=None, help="PEM cert of the public gRPC port")
-    parser.add_argument("--tls-key", default=None, help="PEM key of the public gRPC port")
-    parser.add_argument("--tls-ca", default=None, help="PEM CA to verify the scheduler (TLS channel)")
     parser.add_argument("--tool-call-parser", choices=ToolParserManager.names(), default="hermes",
                         help="the model's tool-call format (vLLM's names)")
     parser.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
@@ -53,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                              "(the worker needs --enable-lora; docs/lora.md)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let the model decide to call tools (tool_choice "auto")')
+    add_service_flags(parser, serves="public gRPC", verifies="scheduler")
     args = parser.parse_args(argv)
     try:
         api_keys = load_tenant_file(args.api_keys) if args.api_keys else None
@@ -93,7 +87,7 @@ def _config(args: argparse.Namespace, api_keys) -> GatewayConfig:
                          grpc_port=args.grpc_port,
                          tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                          api_key=args.api_key, api_keys=api_keys, max_request_bytes=args.max_request_bytes,
-                         log_json=args.log_json, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                         log_json=args.log_json, log_level=args.log_level, otlp_traces_endpoint=args.otlp_traces_endpoint,
                          shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert,
                          tls_key=args.tls_key, tls_ca=args.tls_ca, tool_call_parser=args.tool_call_parser,
                          enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -109,7 +103,7 @@ def _pair(text: str) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
-    configure_logging(json=config.log_json, service="gateway")
+    configure_logging(json=config.log_json, level=config.log_level, service="gateway")
     from pagoda.runtime.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("pagoda-gateway", config.otlp_traces_endpoint)

@@ -42,6 +42,7 @@ class GatewayConfig:
     """Retry-After header value sent with 429 when the scheduler's queue is full."""
     log_json: bool | None = None
     """JSON logs; None: JSON unless stdout is a terminal."""
+    log_level: str = "info"
     otlp_traces_endpoint: str | None = None
     """OTLP gRPC endpoint for traces; None: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing."""
     shutdown_timeout_s: float = 30.0

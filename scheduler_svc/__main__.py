@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from pagoda.contract.errors import InvalidRequestError
-from pagoda.runtime.logging import configure_logging
+from pagoda.runtime.service_flags import add_service_flags, configure_service_logging
 from scheduler_svc.core.brownout import BrownoutConfig
 from scheduler_svc.core.config import SpeculativeConfig
 from scheduler_svc.pinned_prompts import PinnedPromptsError, load_pinned_prompts
@@ -40,14 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_brownout_flags(p)
     p.add_argument("--worker-timeout", type=float, default=30.0,
                    help="seconds a lost worker may take to come back before requests fail")
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM")
-    p.add_argument("--tls-cert", default=None, help="PEM cert of the Engine API port")
-    p.add_argument("--tls-key", default=None, help="PEM key of the Engine API port")
-    p.add_argument("--tls-ca", default=None, help="PEM CA to verify the worker (TLS channel)")
-    p.add_argument("--otlp-traces-endpoint", default=None,
-                   help="OTLP gRPC endpoint for traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
+    add_service_flags(p, serves="Engine API", verifies="worker")
     return p.parse_args(argv)
 
 
@@ -111,7 +104,7 @@ def build_config(args: argparse.Namespace) -> EngineServiceConfig:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_logging(level=args.log_level, service="scheduler")
+    configure_service_logging(args, "scheduler")
     from pagoda.runtime.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("pagoda-scheduler", args.otlp_traces_endpoint)

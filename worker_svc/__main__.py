@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from pagoda.runtime.logging import configure_logging, get_logger
+from pagoda.runtime.logging import get_logger
+from pagoda.runtime.service_flags import add_service_flags, configure_service_logging
 from worker_svc.config import DTYPES, KV_CACHE_DTYPES, WorkerConfig
 
 log = get_logger("worker_svc")
@@ -51,11 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=None,
                    help="--fake only: the vocabulary it reports and samples from (default: the "
                         "--model directory's, else 2048)")
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--tls-cert", default=None, help="PEM cert of the Worker port (with --tls-key)")
-    p.add_argument("--tls-key", default=None, help="PEM key of the Worker port")
-    p.add_argument("--otlp-traces-endpoint", default=None,
-                   help="OTLP gRPC endpoint for traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
+    add_service_flags(p, serves="Worker", drains=False)
     return p.parse_args(argv)
 
 
@@ -73,7 +70,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_logging(level=args.log_level, service="worker")
+    configure_service_logging(args, "worker")
     from pagoda.runtime.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("pagoda-worker", args.otlp_traces_endpoint)
