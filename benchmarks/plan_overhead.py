@@ -70,7 +70,7 @@ def _as_new(rid, st) -> NewRequestData:
 
 def model_step_seconds(model: str, batch: int, num_steps: int = 8) -> float:
     """Forward + sample seconds of a decode-only step of the tiny model in-process (CPU, fp32)."""
-    from pagoda.llm import LLM
+    from pagoda.entrypoints.llm import LLM
 
     llm = LLM(model=model, device="cpu", dtype="float32", max_num_seqs=batch,
               max_num_batched_tokens=batch * PROMPT_LEN, num_gpu_blocks_override=batch * 8)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import secrets
 import statistics
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import httpx
 import numpy as np
 
 from benchmarks.datasets import FIRST_ORDINARY_TOKEN
+from benchmarks.result_file import write_result
 from benchmarks.scrape import parse_metrics
 from benchmarks.serve_client import Endpoint, RequestSpec, probe_vocab_size, send_request, served_model
 from benchmarks.serve_metrics import RequestRecord
@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = asyncio.run(measure(args))
     print(report(result))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        write_result(args.out, result)
     return result
 
 

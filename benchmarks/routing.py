@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import secrets
 import socket
@@ -31,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.datasets import WorkloadSpec, make_workload
+from benchmarks.result_file import write_result
 from benchmarks.serve_client import Endpoint, RequestSpec, send_request
 from benchmarks.serve_metrics import arrival_intervals, compute_metrics
 from pagoda.runtime.healthcheck import check_serving
@@ -196,8 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         procs.stop()
     print(table(args, results), flush=True)
     if args.out is not None:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                        "results": results}, indent=2))
+        write_result(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "results": results})
     return results
 
 

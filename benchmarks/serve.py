@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import platform
 import secrets
@@ -28,6 +27,7 @@ import httpx
 from tqdm import tqdm
 
 from benchmarks.datasets import DATASETS, WorkloadSpec, make_workload
+from benchmarks.result_file import write_result
 from benchmarks.scrape import MetricsSampler
 from benchmarks.serve_client import (
     Endpoint,
@@ -194,8 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     result = asyncio.run(benchmark(args))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        write_result(args.out, result)
         print(f"results written to {args.out}")
     if args.plot is not None:
         from benchmarks.plots import plot_results

@@ -5,7 +5,7 @@ gateway -> scheduler -> worker processes, at the same concurrency.
         [--num-prompts 48] [--concurrency 16] [--input-len 256] [--output-len 128] [--dtype float32]
 
 In-process: `pagoda.LLM` with max_num_seqs = concurrency (never more than that many running, as a
-client holding that many in flight). Served: `pagoda.launcher`, the requests sent as token ids with
+client holding that many in flight). Served: `pagoda.entrypoints.launcher`, the requests sent as token ids with
 at most `concurrency` in flight (benchmarks/serve_client.py: streamed, greedy, EOS ignored).
 Both generate exactly the same tokens; prints output tok/s each and served / in-process.
 """
@@ -25,6 +25,7 @@ import httpx
 
 from benchmarks import vllm_peer as peer
 from benchmarks.datasets import WorkloadSpec, make_workload
+from benchmarks.result_file import write_result
 from benchmarks.serve_client import Endpoint, RequestSpec, send_request, served_model
 from benchmarks.serve_metrics import compute_metrics
 from benchmarks.vs_vllm_offline import produced, timed_generate, warm_up
@@ -82,7 +83,7 @@ async def _serve_all(base_url: str, items, concurrency: int) -> dict:
 
 def served(args: argparse.Namespace, items) -> dict:
     ports = {name: peer.free_port() for name in ("http", "grpc", "scheduler", "worker")}
-    argv = [sys.executable, "-m", "pagoda.launcher", "--model", args.model, "--device", "cpu",
+    argv = [sys.executable, "-m", "pagoda.entrypoints.launcher", "--model", args.model, "--device", "cpu",
             "--dtype", args.dtype, "--gateway-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
             "--scheduler-port", str(ports["scheduler"]), "--worker-port", str(ports["worker"])]
     base_url = f"http://127.0.0.1:{ports['http']}"
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"(TPOT p50 {result['served']['tpot_median_ms']:.1f} ms, TTFT p50 {result['served']['ttft_median_ms']:.1f} ms)\n"
           f"served / in-process: {result['served_over_in_process']:.1%}")
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+        write_result(args.out, result)
     return result
 
 

@@ -25,16 +25,15 @@ Prints a table and writes benchmarks/results/spec_decode.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 from benchmarks.datasets import WorkloadSpec, make_workload
 from benchmarks.kv_cache_fp8 import chat_prompts
+from benchmarks.result_file import write_result
 from pagoda.contract.params import SamplingParams
-from pagoda.default_model import DEFAULT_OUT
-from pagoda.llm import LLM
+from pagoda.entrypoints.llm import LLM
+from pagoda.tools.default_model import DEFAULT_OUT
 
 PASSAGES = [
     "PagedAttention stores the key and value cache in fixed-size blocks. Each request keeps a page "
@@ -181,9 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
         rate = extra["acceptance_rate"]
         print(f"{name:<28}{off_tps:>11.1f}{on_tps:>11.1f}{on_tps / off_tps:>7.2f}x"
               f"{'' if rate is None else f'{rate:.0%}':>9}  {same}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_result(args.out, results)
     return results
 
 

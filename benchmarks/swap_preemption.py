@@ -14,14 +14,14 @@ benchmarks/results/swap_preemption.json.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
 
+from benchmarks.result_file import write_result
 from pagoda.contract.params import SamplingParams
-from pagoda.default_model import DEFAULT_OUT
-from pagoda.llm import LLM
+from pagoda.entrypoints.llm import LLM
+from pagoda.tools.default_model import DEFAULT_OUT
 
 RESULTS = Path(__file__).parent / "results" / "swap_preemption.json"
 
@@ -68,8 +68,7 @@ def main() -> None:
         print(f"{name:<10} {r['seconds']:>8} {r['preemptions']:>12} {r['swap_preemptions']:>8} "
               f"{r['blocks_swapped_out']:>6}/{r['blocks_swapped_in']:<7} {r['prefill_tokens']:>15} "
               f"{r.pop('tokens') == want}")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2) + "\n")
+    write_result(RESULTS, {"args": vars(args), "runs": runs})
 
 
 if __name__ == "__main__":

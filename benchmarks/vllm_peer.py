@@ -31,7 +31,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pagoda.launcher import stop_process
+from pagoda.entrypoints.launcher.supervisor import stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 PEER_VENV = REPO / ".venv-vllm"

@@ -9,7 +9,7 @@ in turn, never both at once:
   EOS ignored, a fixed max_tokens per request) through vLLM's `LLM.generate` (a process of the peer
   venv) and Pagoda's `pagoda.LLM` (a process of this venv), once per dtype; output tok/s each.
 - serving: each engine's OpenAI server (vLLM's `vllm.entrypoints.openai.api_server`, Pagoda's
-  `pagoda.launcher`), driven by vLLM's own client `vllm.benchmarks.serve` (random 256±50% in /
+  `pagoda.entrypoints.launcher`), driven by vLLM's own client `vllm.benchmarks.serve` (random 256±50% in /
   128±50% out, 16 in flight); output tok/s, TPOT p50, TTFT p50, and the seconds from start to
   serving. Each server is stopped before the next starts.
 Prints one table with both engines and the ratios and writes everything (vLLM's environment and
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from benchmarks import vllm_peer as peer
 from benchmarks.datasets import WorkloadSpec, make_workload
+from benchmarks.result_file import write_result
 from benchmarks.serve import machine_description
 
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
@@ -126,7 +127,7 @@ def server_argv(engine: str, args: argparse.Namespace, ports: dict[str, int]) ->
         return [str(peer.PEER_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
                 "--dtype", args.serving_dtype, "--host", "127.0.0.1", "--port", str(ports["http"]),
                 "--seed", str(args.seed), "--disable-uvicorn-access-log"]  # Pagoda's gateway logs none
-    argv = [sys.executable, "-m", "pagoda.launcher", "--model", args.model, "--device", "cpu",
+    argv = [sys.executable, "-m", "pagoda.entrypoints.launcher", "--model", args.model, "--device", "cpu",
             "--gateway-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
             "--scheduler-port", str(ports["scheduler"]), "--worker-port", str(ports["worker"])]
     return argv + ["--dtype", args.serving_dtype]
@@ -233,8 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["serving"] = run_serving(args)
     result["table"] = table_rows(result)
     print("\n" + format_table(result["table"]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     print(f"\nresults written to {args.out}; logs in {args.log_dir}")
     return result
 

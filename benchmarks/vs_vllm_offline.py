@@ -21,6 +21,8 @@ import os
 import time
 from pathlib import Path
 
+from benchmarks.result_file import write_result
+
 WARMUP_TOKENS = 4
 # vLLM's CPU backend, and the environment both engines inherit: recorded with the result.
 RECORDED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     result.update(engine=args.engine, dtype=args.dtype, output_tokens_per_s=expected / result["seconds"],
                   env={k: os.environ[k] for k in RECORDED_ENV if k in os.environ}, cpu_count=os.cpu_count(),
                   affinity=sorted(os.sched_getaffinity(0)))
-    args.out.write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     print(f"{args.engine} {args.dtype}: {expected} tokens in {result['seconds']:.2f} s = "
           f"{result['output_tokens_per_s']:.1f} tok/s (load {result['load_s']:.1f} s)", flush=True)
 

@@ -8,20 +8,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagoda.beam_search import BeamSearchParams
     from pagoda.contract.lora import LoRARequest
     from pagoda.contract.params import SamplingParams
     from pagoda.contract.structured import StructuredOutputsParams
-    from pagoda.llm import LLM, CompletionOutput, RequestOutput
+    from pagoda.entrypoints.beam_search import BeamSearchParams
+    from pagoda.entrypoints.llm import LLM, CompletionOutput, RequestOutput
 
 _EXPORTS = {
-    "LLM": "pagoda.llm",
-    "RequestOutput": "pagoda.llm",
-    "CompletionOutput": "pagoda.llm",
+    "LLM": "pagoda.entrypoints.llm",
+    "RequestOutput": "pagoda.entrypoints.llm",
+    "CompletionOutput": "pagoda.entrypoints.llm",
     "SamplingParams": "pagoda.contract.params",
     "LoRARequest": "pagoda.contract.lora",
     "StructuredOutputsParams": "pagoda.contract.structured",
-    "BeamSearchParams": "pagoda.beam_search",
+    "BeamSearchParams": "pagoda.entrypoints.beam_search",
 }
 
 __all__ = ["BeamSearchParams", "CompletionOutput", "LLM", "LoRARequest", "RequestOutput", "SamplingParams",

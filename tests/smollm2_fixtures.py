@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagoda import default_model
 from pagoda.runtime.model_files import load_tokenizer
+from pagoda.tools import default_model
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 24

@@ -29,9 +29,9 @@ from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.input_batch import CachedRequestState, ScheduledSeq, apply_beam_updates, build_model_inputs
 from worker_svc.kv_cache import CacheShape, HostKVPool, KVCache, cpu_num_blocks, cuda_num_blocks
 from worker_svc.kv_cache import num_cpu_blocks as num_host_blocks_for
-from worker_svc.loader import load_model, resolve_dtype
 from worker_svc.lora.manager import LoRAManager
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_loader.loader import load_model, resolve_dtype
+from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.models.packed_linear import can_pack, pack_linear_weights
 from worker_svc.plan_validation import validate_plan
 from worker_svc.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows

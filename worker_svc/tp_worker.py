@@ -37,7 +37,7 @@ from worker_svc.distributed import (
     free_port,
     init_group,
 )
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.model_runner import ModelRunner, resolve_device
 
 log = get_logger(__name__)

@@ -1,6 +1,6 @@
 """What `--model` names, for every process: an HF-format directory or a llama.cpp `.gguf` file.
 
-Shared by the worker's loader, the gateway, the offline `LLM` and `pagoda.default_model`, so every
+Shared by the worker's loader, the gateway, the offline `LLM` and `pagoda.tools.default_model`, so every
 reader of a model path accepts the same two formats.
 """
 

@@ -2,7 +2,7 @@
 
 Reusable pieces (the gateway's e2e tests build on them):
 - `tiny_model_dir` (session): `models/pagoda-tiny` when `make model` made it, else generated once
-  into a session tmp dir with `python -m pagoda.tiny_model --out ...`.
+  into a session tmp dir with `python -m pagoda.tools.tiny_model --out ...`.
 - `ServiceProcess`: one `python -m ...` child with its log file; `wait_serving()` polls
   grpc.health.v1 with a deadline (failing fast, with the log tail, if the process exits);
   `stop()` sends SIGTERM, waits, then kills.
@@ -30,7 +30,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagoda.launcher import stop_process
+from pagoda.entrypoints.launcher.supervisor import stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "models" / "pagoda-tiny"
@@ -138,7 +138,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     if (DEFAULT_MODEL / "model.safetensors").exists():
         return DEFAULT_MODEL
     out = tmp_path_factory.mktemp("model") / "pagoda-tiny"
-    subprocess.run([sys.executable, "-m", "pagoda.tiny_model", "--out", str(out)], cwd=REPO, check=True,
+    subprocess.run([sys.executable, "-m", "pagoda.tools.tiny_model", "--out", str(out)], cwd=REPO, check=True,
                    capture_output=True, timeout=120)
     return out
 

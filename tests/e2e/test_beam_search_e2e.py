@@ -22,7 +22,7 @@ def client(gateway_stack) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def offline(gateway_stack):
     from pagoda.contract.params import SamplingParams
-    from pagoda.llm import LLM
+    from pagoda.entrypoints.llm import LLM
 
     llm = LLM(model=gateway_stack.model_dir, device=ENGINE_WORKER_FLAGS["device"],
               dtype=ENGINE_WORKER_FLAGS["dtype"])

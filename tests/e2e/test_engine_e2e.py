@@ -39,7 +39,7 @@ async def stream_one(stub, rid: str, prompt: list[int], max_tokens: int, n: int)
 
 
 def offline_outputs(model_dir, workload):
-    from pagoda.llm import LLM
+    from pagoda.entrypoints.llm import LLM
 
     llm = LLM(model=str(model_dir), device=ENGINE_WORKER_FLAGS["device"],
               dtype=ENGINE_WORKER_FLAGS["dtype"],

@@ -40,7 +40,7 @@ def test_models_lists_the_model_path(client, gateway_stack):
 
 def test_greedy_completion_equals_the_offline_llm(client, gateway_stack):
     from pagoda.contract.params import SamplingParams
-    from pagoda.llm import LLM
+    from pagoda.entrypoints.llm import LLM
 
     offline = LLM(model=gateway_stack.model_dir, device=ENGINE_WORKER_FLAGS["device"],
                   dtype=ENGINE_WORKER_FLAGS["dtype"])
@@ -190,7 +190,7 @@ async def test_penalties_and_min_tokens_work_through_the_services(async_client, 
 
 def test_echo_with_logprobs_scores_the_prompt_as_the_offline_llm(client, gateway_stack):
     from pagoda.contract.params import SamplingParams
-    from pagoda.llm import LLM
+    from pagoda.entrypoints.llm import LLM
 
     offline = LLM(model=gateway_stack.model_dir, device=ENGINE_WORKER_FLAGS["device"],
                   dtype=ENGINE_WORKER_FLAGS["dtype"])

@@ -1,4 +1,4 @@
-"""`python -m pagoda.launcher` brings the stack up, serves, and stops every child on SIGTERM."""
+"""`python -m pagoda.entrypoints.launcher` brings the stack up, serves, and stops every child on SIGTERM."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_launcher_serves_and_stops_cleanly(tmp_path):
     worker_port, scheduler_port = free_port(), free_port()
     log = open(tmp_path / "launcher.log", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagoda.launcher", "--fake", "--no-gateway", "--device", "cpu",
+        [sys.executable, "-m", "pagoda.entrypoints.launcher", "--fake", "--no-gateway", "--device", "cpu",
          "--worker-port", str(worker_port), "--scheduler-port", str(scheduler_port),
          "--shutdown-timeout", "7"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -56,7 +56,7 @@ def test_launcher_refuses_to_start_over_a_taken_port():
         occupant.listen()
         port = occupant.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "pagoda.launcher", "--fake", "--no-gateway", "--worker-port", str(port)],
+            [sys.executable, "-m", "pagoda.entrypoints.launcher", "--fake", "--no-gateway", "--worker-port", str(port)],
             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert f"address in use on 127.0.0.1: --worker-port {port}" in done.stderr

@@ -39,7 +39,7 @@ def lora_stack(tiny_model_dir, tmp_path_factory):
         processes.append(gateway)
         from transformers import AutoTokenizer
 
-        from worker_svc.model_config import ModelConfig
+        from worker_svc.model_loader.model_config import ModelConfig
 
         yield {"http_url": http_url, "grpc_target": gateway.target, "adapters": adapters,
                "reference": PeftReference(tiny_model_dir, adapters), "model": str(tiny_model_dir),

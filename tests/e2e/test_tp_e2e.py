@@ -35,7 +35,7 @@ def make_workload() -> list[tuple[list[int], int, int]]:
 
 
 def offline_tp1(model_dir: Path, workload) -> list:
-    from pagoda.llm import LLM
+    from pagoda.entrypoints.llm import LLM
 
     with LLM(model=str(model_dir), device="cpu", dtype="float32",
              num_gpu_blocks_override=WORKER_FLAGS["num_gpu_blocks_override"],

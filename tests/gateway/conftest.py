@@ -28,7 +28,7 @@ SCRIPT_TEXTS = ("Hello world. The end is near, friend.", "Another answer, quite 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> str:
     """Only the tiny model's tokenizer files (no weights): what the gateway loads."""
-    from pagoda.tiny_model import PRESETS, tokenizer_config, train_tokenizer
+    from pagoda.tools.tiny_model import PRESETS, tokenizer_config, train_tokenizer
 
     out = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer().save(str(out / "tokenizer.json"))

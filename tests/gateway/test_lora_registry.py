@@ -9,8 +9,8 @@ from gateway.errors import ModelNotFoundError
 from gateway.upstream.lora_adapters import LoRARegistry, parse_lora_module
 from gateway.upstream.model_pools import ModelPool, ModelPools
 from pagoda.contract.errors import InvalidRequestError
-from pagoda.launcher import build_children
-from pagoda.launcher import parse_args as launcher_args
+from pagoda.entrypoints.launcher.cli import parse_args as launcher_args
+from pagoda.entrypoints.launcher.topology import build_children
 from pagoda.v1 import engine_pb2
 
 

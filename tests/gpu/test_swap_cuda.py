@@ -11,7 +11,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.contract.step import BlockCopy
-from pagoda.tiny_model import write_model
+from pagoda.tools.tiny_model import write_model
 from worker_svc.kv_cache import CacheShape, HostKVPool, KVCache
 
 

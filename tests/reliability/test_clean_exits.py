@@ -1,7 +1,7 @@
 """Clean exits (issue 20, acceptance 1): whatever stops the launcher, no process of the stack
 remains and every port it used can be bound again.
 
-- The SIGINT loop: each round starts `python -m pagoda.launcher` (worker, scheduler, gateway) in
+- The SIGINT loop: each round starts `python -m pagoda.entrypoints.launcher` (worker, scheduler, gateway) in
   a process group of its own, sends a few streaming completions, and once every stream has its
   first chunk SIGINTs the whole group, as a terminal's Ctrl-C does. The launcher must exit 0
   within a bound, no process it started may remain (children and grandchildren, found by a marker
@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagoda.launcher import Child, reap_group
+from pagoda.entrypoints.launcher.supervisor import Child, reap_group
 from tests.e2e.conftest import REPO, free_port
 
 ROUNDS = int(os.environ.get("PAGODA_SIGINT_ROUNDS", "2"))
@@ -90,7 +90,7 @@ def wait_for(predicate, deadline_s: float, what: str, on_fail=lambda: "") -> flo
 
 @dataclass
 class Launcher:
-    """`python -m pagoda.launcher` leading a process group of its own (as in a terminal)."""
+    """`python -m pagoda.entrypoints.launcher` leading a process group of its own (as in a terminal)."""
 
     proc: subprocess.Popen
     log_path: Path
@@ -103,7 +103,7 @@ class Launcher:
         if gateway:
             ports |= {"--gateway-port": free_port(), "--grpc-port": free_port()}
         marker = uuid.uuid4().hex
-        argv = [sys.executable, "-m", "pagoda.launcher", "--model", str(model), "--device", "cpu",
+        argv = [sys.executable, "-m", "pagoda.entrypoints.launcher", "--model", str(model), "--device", "cpu",
                 "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), *(["--fake"] if fake else []),
                 *([] if gateway else ["--no-gateway"]), *(str(x) for pair in ports.items() for x in pair)]
         env = {**os.environ, MARKER: marker, "PYTHONUNBUFFERED": "1"}

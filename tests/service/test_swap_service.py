@@ -55,8 +55,8 @@ async def test_swap_mode_without_swap_space_fails_at_start():
 
 
 def test_flags_reach_the_worker_and_the_scheduler():
-    from pagoda.launcher import build_children
-    from pagoda.launcher import parse_args as launcher_args
+    from pagoda.entrypoints.launcher.cli import parse_args as launcher_args
+    from pagoda.entrypoints.launcher.topology import build_children
     from scheduler_svc.__main__ import build_config
     from scheduler_svc.__main__ import parse_args as scheduler_args
     from worker_svc.__main__ import build_runner

@@ -1,6 +1,6 @@
 import json
 
-from pagoda import simulate
+from pagoda.tools import simulate
 from scheduler_svc import plan_capacity
 
 

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from pagoda.launcher import build_children, parse_args, replica_devices, taken_ports
+from pagoda.entrypoints.launcher.cli import parse_args
+from pagoda.entrypoints.launcher.topology import build_children, replica_devices, taken_ports
 
 
 def test_two_replicas_get_offset_ports_and_one_gateway_over_both():

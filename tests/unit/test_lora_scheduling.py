@@ -8,7 +8,7 @@ from pagoda.contract.ids import RequestId
 from pagoda.contract.lora import LoRARequest
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.prefix_hash import block_extra_keys, prefix_hash
-from pagoda.simulate import drive
+from pagoda.tools.simulate import drive
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
 from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
 

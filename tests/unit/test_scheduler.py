@@ -6,7 +6,7 @@ from pagoda.contract.errors import InvalidRequestError, QueueFullError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason, SamplingParams
 from pagoda.contract.step import BlockCopy, Fork, StepResult, TableUpdate
-from pagoda.simulate import drive
+from pagoda.tools.simulate import drive
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
 from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
 

@@ -12,7 +12,7 @@ import pytest
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.step import BlockCopy, TableUpdate
-from pagoda.simulate import drive
+from pagoda.tools.simulate import drive
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
 from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
 

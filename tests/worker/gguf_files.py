@@ -1,5 +1,5 @@
 """Tiny GGUF files for the tests, written with gguf.GGUFWriter the way llama.cpp's converter lays
-them out (its tensor names and q/k row permutation), independently of worker_svc/gguf_loader.py."""
+them out (its tensor names and q/k row permutation), independently of worker_svc/model_loader/gguf_loader.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 from safetensors.torch import load_file
 
 from tests.worker.hf_models import build_hf_model
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_loader.model_config import ModelConfig
 
 Q = gguf.GGMLQuantizationType
 GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}

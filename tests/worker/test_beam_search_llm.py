@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from pagoda import LLM, SamplingParams
-from pagoda.beam_search import BeamSearchParams
+from pagoda.entrypoints.beam_search import BeamSearchParams
 from scheduler_svc.core.request import EngineRequest
 from tests.worker.hf_models import VOCAB, build_hf_model
 

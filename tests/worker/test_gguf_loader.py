@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from tests.worker.gguf_files import GGUF_ARCH, Q, hf_to_gguf
-from worker_svc import gguf_loader
 from worker_svc.distributed import TensorParallel
-from worker_svc.gguf_loader import UnsupportedTensorTypeError
-from worker_svc.loader import load_model, resolve_dtype
-from worker_svc.model_config import ModelConfig, UnsupportedModelError
+from worker_svc.model_loader import gguf_loader
+from worker_svc.model_loader.errors import UnsupportedModelError
+from worker_svc.model_loader.gguf_loader import UnsupportedTensorTypeError
+from worker_svc.model_loader.loader import load_model, resolve_dtype
+from worker_svc.model_loader.model_config import ModelConfig
 
 SUPPORTED = "supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0"
 

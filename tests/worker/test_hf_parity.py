@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.worker.hf_models import ARCHITECTURES, VOCAB, PagedSequence, build_hf_model, hf_logits
-from worker_svc.loader import load_model
+from worker_svc.model_loader.loader import load_model
 from worker_svc.models.packed_linear import can_pack, pack_linear_weights
 
 PROMPT_LEN = 37

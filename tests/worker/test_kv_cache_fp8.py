@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagoda.contract.params import SamplingParams
-from pagoda.llm import LLM
+from pagoda.entrypoints.llm import LLM
 from worker_svc.__main__ import build_config, parse_args
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import ModelRunner

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_loader.model_config import ModelConfig
 
 NUM_PROMPTS = 32
 SYSTEM_PROMPT_LEN = 40

@@ -12,15 +12,16 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from pagoda import tiny_model
+from pagoda.tools import tiny_model
 from tests.worker.hf_models import PagedSequence, build_hf_model
-from worker_svc.loader import WeightLoadError, load_model, resolve_dtype
-from worker_svc.model_config import ModelConfig, UnsupportedModelError
+from worker_svc.model_loader.errors import UnsupportedModelError
+from worker_svc.model_loader.loader import WeightLoadError, load_model, resolve_dtype
+from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.models.llama import LlamaForCausalLM
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tiny_model_dir):  # the session's `python -m pagoda.tiny_model` output (conftest.py)
+def tiny_dir(tiny_model_dir):  # the session's `python -m pagoda.tools.tiny_model` output (conftest.py)
     return Path(tiny_model_dir)
 
 

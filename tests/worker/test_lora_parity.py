@@ -13,7 +13,7 @@ from pagoda import LLM, LoRARequest, SamplingParams
 from pagoda.contract.errors import InvalidRequestError
 from tests.worker.hf_models import build_hf_model
 from tests.worker.lora_adapters import AdapterSpec, PeftReference, make_adapter, make_adapters
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_loader.model_config import ModelConfig
 
 pytest.importorskip("peft")
 MAX_TOKENS = 10

@@ -4,7 +4,7 @@ prefix, and the output equals an unpinned run's."""
 from __future__ import annotations
 
 from pagoda.contract.params import SamplingParams
-from pagoda.llm import LLM
+from pagoda.entrypoints.llm import LLM
 
 SYSTEM = [(7 * i) % 200 + 10 for i in range(37)]  # 9 full blocks of 4
 

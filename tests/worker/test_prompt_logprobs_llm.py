@@ -12,7 +12,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.contract.errors import InvalidRequestError
 from tests.worker.hf_models import build_hf_model
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_loader.model_config import ModelConfig
 
 TOLERANCE = 1e-4
 TOP_K = 5

@@ -14,7 +14,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.runtime.model_files import load_tokenizer
 from tests.smollm2_fixtures import MAX_TOKENS, PROMPTS
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_loader.model_config import ModelConfig
 
 KV_BYTES = 64 << 20  # plenty for 8 short chats; the default 1 GiB is for serving
 

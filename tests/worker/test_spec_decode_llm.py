@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagoda.contract.params import SamplingParams
-from pagoda.llm import LLM
+from pagoda.entrypoints.llm import LLM
 from worker_svc.sampler import Sampler, SamplingRow
 from worker_svc.spec_verify import DraftVerifier
 

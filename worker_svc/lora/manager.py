@@ -5,7 +5,7 @@
 - Device: `max_loras` slots per projection. Each step, `prepare` makes sure every adapter of the
   step's sequences has a slot (evicting the least recently used slot no sequence of this step needs)
   and builds the step's LoRABatch. The scheduler never runs more than `max_loras` distinct adapters
-  at once (scheduler_svc/core/lora_admission.py), so a step always fits.
+  at once (scheduler_svc/core/admission.py), so a step always fits.
 
 Under tensor parallelism every rank runs its own manager over its shard (weights.py splits the
 adapters like the base weights); the ranks apply the same plans, so they fill the same slots.
@@ -29,7 +29,7 @@ from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.input_batch import ScheduledSeq
 from worker_svc.lora.layers import LoRABatch, LoRALinear, build_lora_batch
 from worker_svc.lora.weights import AdapterWeights, fused_shapes, load_adapter
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_loader.model_config import ModelConfig
 
 log = get_logger(__name__)
 

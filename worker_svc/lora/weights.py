@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.contract.lora import WEIGHTS_FILE, read_adapter_config
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_loader.model_config import ModelConfig
 
 # PEFT module -> (fused projection, sub index inside it)
 PEFT_TO_FUSED = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from worker_svc.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from worker_svc.model_loader.errors import UnsupportedModelError
+from worker_svc.model_loader.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from worker_svc.distributed import SINGLE, TensorParallel
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.models.common import AttentionMetadata, RMSNorm, RotaryEmbedding, silu_and_mul
 
 

@@ -1,5 +1,5 @@
 """Load a checkpoint into our model: an HF-format directory (config.json + safetensors, single file
-or sharded) or a llama.cpp `.gguf` file (worker_svc/gguf_loader.py maps its names and dequantises).
+or sharded) or a llama.cpp `.gguf` file (worker_svc/model_loader/gguf_loader.py maps its names and dequantises).
 
 Both formats become one stream of (HF tensor name, tensor) pairs, so everything after is shared:
 HF's separate q/k/v and gate/up weights are copied into the fused `qkv_proj` / `gate_up_proj`
@@ -23,9 +23,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pagoda.runtime.model_files import is_gguf_file
-from worker_svc import gguf_loader
 from worker_svc.distributed import SINGLE, TensorParallel
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_loader import gguf_loader
+from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.models import model_class
 from worker_svc.models.llama import LlamaForCausalLM
 

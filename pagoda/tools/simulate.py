@@ -1,6 +1,6 @@
 """Why paged KV and continuous batching: figures computed by driving the real scheduler core.
 
-    python -m pagoda.simulate [--requests 200] [--seed 0]
+    python -m pagoda.tools.simulate [--requests 200] [--seed 0]
 
 The fake worker stands in for the model (deterministic tokens, EOS off: output lengths are exact).
 """
@@ -15,6 +15,7 @@ from collections import deque
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.step import StepResult
+from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
 from worker_svc.fake.fake_worker import FakeWorker
 
@@ -77,7 +78,7 @@ def static_vs_continuous() -> list[str]:
     config = SchedulerConfig(num_blocks=64, block_size=16, max_model_len=512)
     peak = _run(config, [_request(f"r{i}", [1], n) for i, n in enumerate(OUTPUT_LENGTHS)])
     paged = sum(peak.values())
-    static_blocks = len(OUTPUT_LENGTHS) * -(-longest // 16)
+    static_blocks = len(OUTPUT_LENGTHS) * cdiv(longest, 16)
     return [
         f"== static vs continuous batching, output lengths {OUTPUT_LENGTHS}",
         f"static: {reserved:,} reserved slots for {useful} useful tokens = {useful / reserved:.1%} "
@@ -112,7 +113,7 @@ def _peak_blocks_with_warm_cache(config: SchedulerConfig, warm: EngineRequest,
 def shared_system_prompt(conversations: int = 16, system_len: int = 200, tail_len: int = 24) -> list[str]:
     block_size = 16
     system = [1000 + i for i in range(system_len)]
-    per_conv = -(-system_len // block_size)
+    per_conv = cdiv(system_len, block_size)
     unshared, full_shared = conversations * per_conv, system_len // block_size
     warm = _request("warm", system + [1] * tail_len, 4)
     convs = [_request(f"c{c}", system + [c + 2] * tail_len, 4) for c in range(conversations)]

@@ -1,8 +1,8 @@
 """Read a llama.cpp GGUF file: an HF-style config, and the weights under HF's tensor names.
 
-The loader (worker_svc/loader.py) treats a `.gguf` file as a second checkpoint format: the config
+The loader (worker_svc/model_loader/loader.py) treats a `.gguf` file as a second checkpoint format: the config
 dict goes through the same `ModelConfig.from_dict` as a config.json, and the tensors through the
-same name/shape checks and q/k/v fusing as safetensors. `pagoda.default_model` uses the same two
+same name/shape checks and q/k/v fusing as safetensors. `pagoda.tools.default_model` uses the same two
 functions to write an HF-format directory out of a GGUF.
 
 Quantised blocks are dequantised here in torch, a few lines per supported type, with the same fp32
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker_svc.model_config import UnsupportedModelError
+from worker_svc.model_loader.errors import UnsupportedModelError
 
 # GGUF `general.architecture` -> the HF architecture our model serves. Mistral GGUFs say "llama".
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

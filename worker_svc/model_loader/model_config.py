@@ -1,5 +1,5 @@
 """The model's shape and options, parsed from an HF `config.json` (+ `generation_config.json`), or
-from a GGUF file's metadata (worker_svc/gguf_loader.py turns it into the same two dicts)."""
+from a GGUF file's metadata (worker_svc/model_loader/gguf_loader.py turns it into the same two dicts)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.runtime.model_files import is_gguf_file
+from worker_svc.model_loader.errors import UnsupportedModelError
+from worker_svc.model_loader.gguf_loader import read_config as read_gguf_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint uses an architecture or option this worker does not implement."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +45,7 @@ class ModelConfig:
         """`path`: a local HF-format directory or a `.gguf` file."""
         path = Path(path)
         if is_gguf_file(path):
-            from worker_svc.gguf_loader import read_config  # imports this module
-
-            return cls.from_dict(*read_config(path))
+            return cls.from_dict(*read_gguf_config(path))
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file} not found: --model must be a local HF-format "
