@@ -23,6 +23,7 @@ import time
 
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
+from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
 from scheduler_svc.core.brownout import BrownoutConfig
 from worker_svc.fake.fake_worker import FakeWorker
@@ -33,7 +34,7 @@ WARMUP_STEPS = 20  # admit everything, prefill, settle into decode
 
 
 def build(num_seqs: int, steps: int, brownout: BrownoutConfig | None = None) -> tuple[Scheduler, FakeWorker]:
-    blocks = num_seqs * (-(-(PROMPT_LEN + WARMUP_STEPS + steps + 64) // BLOCK_SIZE)) + 16
+    blocks = num_seqs * cdiv(PROMPT_LEN + WARMUP_STEPS + steps + 64, BLOCK_SIZE) + 16
     config = SchedulerConfig(num_blocks=blocks, block_size=BLOCK_SIZE, max_model_len=8192,
                              max_num_seqs=num_seqs, max_num_batched_tokens=8192,
                              enable_prefix_caching=True, max_inflight_steps=1, brownout=brownout)

@@ -13,15 +13,13 @@ import math
 
 import torch
 
+from pagoda.runtime.math_utils import cdiv
+
 H100_SMS = 132
 SPLIT_UNIT_TOKENS = 256  # the smallest KV span worth a CTA of its own
 MAX_SPLITS = 128
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def num_splits_heuristic(num_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int) -> int:
@@ -35,7 +33,7 @@ def num_splits_heuristic(num_ctas: int, num_sms: int, num_n_blocks: int, max_spl
         return 1
 
     def eligible(splits: int) -> bool:
-        return splits == 1 or _ceil_div(num_n_blocks, splits) != _ceil_div(num_n_blocks, splits - 1)
+        return splits == 1 or cdiv(num_n_blocks, splits) != cdiv(num_n_blocks, splits - 1)
 
     efficiency = {}
     for splits in range(1, max_splits + 1):
@@ -49,12 +47,12 @@ def num_splits_heuristic(num_ctas: int, num_sms: int, num_n_blocks: int, max_spl
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = H100_SMS) -> int:
     # Two resident CTAs per SM count as one wave, as in FA2 (it passes 2 * SM count).
     return num_splits_heuristic(batch * num_kv_heads, 2 * num_sms,
-                                _ceil_div(max(max_seq_len, 1), SPLIT_UNIT_TOKENS), MAX_SPLITS)
+                                cdiv(max(max_seq_len, 1), SPLIT_UNIT_TOKENS), MAX_SPLITS)
 
 
 def tokens_per_split(max_seq_len: int, block_size: int, num_splits: int) -> int:
     """KV tokens per split: a whole number of blocks; trailing splits may be empty."""
-    return _ceil_div(_ceil_div(max(max_seq_len, 1), num_splits), block_size) * block_size
+    return cdiv(cdiv(max(max_seq_len, 1), num_splits), block_size) * block_size
 
 
 def kernel_rows(head_dim: int, threads: int = 128) -> int:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division for non-negative ints: how many blocks of size `b` hold `a` items."""
+def cdiv(a, b):
+    """Ceiling division of non-negative ints (or integer numpy arrays, elementwise): how many
+    blocks of size `b` hold `a` items."""
     return -(-a // b)
 
 

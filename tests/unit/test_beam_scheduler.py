@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams, num_beam_candidates
 from pagoda.contract.step import BeamUpdate, BlockCopy, StepResult, TableUpdate, TokenLogprobs
+from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
 from scheduler_svc.core.beam_search import BeamSearch
 from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
@@ -79,7 +80,7 @@ def reference_beams(sampler: FakeSampler, request: EngineRequest) -> list[list[i
 @st.composite
 def traces(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
-    per_seq = -(-MAX_MODEL_LEN // block_size)
+    per_seq = cdiv(MAX_MODEL_LEN, block_size)
     num_cpu_blocks = draw(st.sampled_from([0, 2, per_seq * 4]))  # swap preemption: 2 is often full
     config = SchedulerConfig(
         num_cpu_blocks=num_cpu_blocks,

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason, SamplingParams
+from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
 from worker_svc.fake.fake_worker import FakeSampler, FakeWorker, fake_prompt_logprob
 
@@ -26,7 +27,7 @@ MAX_MODEL_LEN = 40
 @st.composite
 def traces(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
-    per_seq = -(-MAX_MODEL_LEN // block_size)
+    per_seq = cdiv(MAX_MODEL_LEN, block_size)
     num_cpu_blocks = draw(st.sampled_from([0, 2, per_seq, per_seq * 4]))  # 2: often full
     modes = [None, "recompute", "swap"] if num_cpu_blocks else [None, "recompute"]
     config = SchedulerConfig(

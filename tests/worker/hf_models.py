@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from kernels import default_backend_name, get_backend
+from pagoda.runtime.math_utils import cdiv
 from worker_svc.models.common import AttentionMetadata
 
 VOCAB = 256
@@ -85,7 +86,7 @@ class PagedSequence:
         # the worker's own default ("cpu" wherever it builds): parity must hold through it
         self.backend = get_backend(backend or default_backend_name(torch.device("cpu")))
         self.block_size = block_size
-        num_needed = -(-max_len // block_size)
+        num_needed = cdiv(max_len, block_size)
         num_blocks = 3 * num_needed  # a pool larger than needed, so the table is a real shuffle
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # NaN-poisoned: reading any slot that was not written would poison the logits.

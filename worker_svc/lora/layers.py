@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagoda.runtime.math_utils import cdiv
+
 # Mean rows per adapter from which one matmul per adapter beats one padded batched matmul: below it
 # (decode steps) the fixed cost of each op dominates; above it (prefill) padding and copies do.
 SEGMENT_MIN_ROWS = 32
@@ -68,9 +70,9 @@ def build_lora_batch(token_slots: np.ndarray, targets: frozenset[str],
         chunk_index = slots[starts] - first  # each group's chunk is its slot's
         num_chunks, chunk_slots = span, None
     else:  # by chunk: C = the mean group size, so padding stays below the real rows plus one chunk per group
-        chunk_len = -(-rows.size // starts.size)
+        chunk_len = cdiv(rows.size, starts.size)
         chunk_starts = np.concatenate([np.arange(s, e, chunk_len) for s, e in zip(starts, ends, strict=True)])
-        chunk_ends = np.minimum(chunk_starts + chunk_len, np.repeat(ends, -(-(ends - starts) // chunk_len)))
+        chunk_ends = np.minimum(chunk_starts + chunk_len, np.repeat(ends, cdiv(ends - starts, chunk_len)))
         chunk_index = np.arange(chunk_starts.size)
         num_chunks, chunk_slots = chunk_starts.size, slots[chunk_starts]
     lengths = chunk_ends - chunk_starts
