@@ -1,6 +1,10 @@
 """The launcher's command line: its flags, and `main`, which checks the ports, starts each child in
 order (each must answer its health check before the next starts), supervises them, and stops them
-in reverse order on Ctrl-C / SIGTERM / SIGHUP / SIGQUIT (a second one skips the drains)."""
+in reverse order on Ctrl-C / SIGTERM / SIGHUP / SIGQUIT (a second one skips the drains).
+
+The flags are defined once, by `add_flags`, into groups headed "model", "worker", "scheduler",
+"gateway", "ports", "process": this parser and `pagoda serve` (pagoda/entrypoints/cli/serve.py)
+both take them from there."""
 
 from __future__ import annotations
 
@@ -14,57 +18,110 @@ from pagoda.entrypoints.launcher.topology import build_children, print_addresses
 from worker_svc.config import DTYPES, KV_CACHE_DTYPES
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+DEFAULT_MODEL = "models/smollm2-135m-instruct"
+# The --help headings, in order, and what each group holds.
+GROUPS = {
+    "model": "what is served",
+    "worker": "the worker (python -m worker_svc): device, precision, memory, LoRA",
+    "scheduler": "the scheduler (python -m scheduler_svc)",
+    "gateway": "the gateway (python -m gateway): the OpenAI-compatible HTTP API and its gRPC twin",
+    "ports": "every service binds 127.0.0.1; replica i takes the worker and scheduler ports + 10·i",
+    "process": "replicas, start-up and shutdown",
+}
+
+
+def add_groups(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """One argument group per GROUPS heading, in that order."""
+    return {title: parser.add_argument_group(title, description) for title, description in GROUPS.items()}
+
+
+def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> None:
+    """Every launcher flag, each into its group (keys: GROUPS); model_overrides: add_argument's
+    keywords for --model (`pagoda serve` takes the model positionally too)."""
+    g = groups["model"]
+    g.add_argument("--model", **{
+        "default": DEFAULT_MODEL,
+        "help": "an HF-format model directory or a .gguf file (`make model` writes the default)", **model_overrides})
+    g.add_argument("--fake", action="store_true",
+                   help="a model-less worker (deterministic fake tokens); reads MODEL's vocabulary and "
+                        "tokenizer when MODEL exists")
+    g.add_argument("--extra-model", action="append", default=[], metavar="[NAME=]PATH",
+                   help="one more worker + scheduler pair serving PATH, the gateway's pool for model NAME "
+                        "(default: PATH's file name); repeatable")
+
+    g = groups["worker"]
+    g.add_argument("--device", default="auto", metavar="DEVICE", help="cpu, cuda or auto (default: auto)")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="the worker's compute dtype (auto: the checkpoint's, fp32 for a quantised GGUF)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the worker's KV cache: auto (the compute dtype) or FP8 (one byte per value)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="GPUs (worker ranks) per replica (default: 1)")
+    g.add_argument("--swap-space", type=float, default=0.0, metavar="GiB",
+                   help="the worker's host memory for KV swapped out at preemption (default 0: none)")
+    g.add_argument("--enable-lora", action="store_true", help="LoRA adapters (implied by --lora-modules)")
+    g.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters the gateway serves as model NAME")
+    g.add_argument("--max-loras", type=int, default=1, metavar="N", help="adapters in one batch (default: 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16, metavar="R", help="the largest adapter rank (default: 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="adapters kept in host memory (default: --max-loras)")
+
+    g = groups["scheduler"]
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
+                   help="the scheduler's: recompute or swap a preempted sequence (default: by cost)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="the scheduler's n-gram speculative decoding, as JSON (see its --help)")
+
+    g = groups["gateway"]
+    g.add_argument("--no-gateway", action="store_true", help="start only the workers and schedulers")
+    g.add_argument("--routing-policy", choices=("prefix", "round-robin", "least-loaded"), default=None,
+                   help="the gateway's replica routing (default: prefix with several replicas)")
+    g.add_argument("--fallback-model", action="append", default=[], metavar="A=B",
+                   help="the gateway serves model B when model A's pool is unavailable or shedding")
+    g.add_argument("--api-keys", default=None, metavar="FILE", help="the gateway's tenant key file (JSON Lines)")
+
+    g = groups["ports"]
+    g.add_argument("--worker-port", type=int, default=50061, metavar="PORT", help="gRPC (default: 50061)")
+    g.add_argument("--scheduler-port", type=int, default=50052, metavar="PORT", help="gRPC, pagoda.v1.Engine (default: 50052)")
+    g.add_argument("--gateway-port", type=int, default=8000, metavar="PORT", help="HTTP, the OpenAI API (default: 8000)")
+    g.add_argument("--grpc-port", type=int, default=50051, metavar="PORT", help="the gateway's gRPC (default: 50051)")
+
+    g = groups["process"]
+    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="worker + scheduler replicas behind the one gateway (replica i: port flags + 10·i)")
+    g.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds each service may take to answer its health check (default: 300)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds the gateway and the scheduler may each drain requests in flight (default: 30)")
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse itself cannot check; exits through parser.error."""
+    if args.data_parallel_size < 1:
+        parser.error("--data-parallel-size must be at least 1")
+
+
+def build_parser(prog: str = "python -m pagoda.entrypoints.launcher") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog,
+                                description="The whole Pagoda stack on 127.0.0.1: worker, scheduler, gateway.")
+    add_flags(add_groups(p))
+    return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pagoda.entrypoints.launcher",
-                                description="The whole Pagoda stack on 127.0.0.1: worker, scheduler, gateway.")
-    p.add_argument("--model", default="models/smollm2-135m-instruct",
-                   help="an HF-format model directory or a .gguf file (`make model` writes the default)")
-    p.add_argument("--fake", action="store_true", help="a model-less worker (deterministic fake tokens)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1,
-                   help="worker + scheduler replicas behind the one gateway (replica i: port flags + 10·i)")
-    p.add_argument("--routing-policy", choices=("prefix", "round-robin", "least-loaded"), default=None,
-                   help="the gateway's replica routing (default: prefix with several replicas)")
-    p.add_argument("--extra-model", action="append", default=[], metavar="[NAME=]PATH",
-                   help="one more worker + scheduler pair serving PATH, the gateway's pool for model NAME "
-                        "(default: PATH's file name); repeatable")
-    p.add_argument("--fallback-model", action="append", default=[], metavar="A=B",
-                   help="the gateway serves model B when model A's pool is unavailable or shedding")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="the worker's compute dtype (auto: the checkpoint's, fp32 for a quantised GGUF)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="the worker's KV cache: auto (the compute dtype) or FP8 (one byte per value)")
-    p.add_argument("--swap-space", type=float, default=0.0, metavar="GiB",
-                   help="the worker's host memory for KV swapped out at preemption (default 0: none)")
-    p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
-                   help="the scheduler's: recompute or swap a preempted sequence (default: by cost)")
-    p.add_argument("--worker-port", type=int, default=50061)
-    p.add_argument("--scheduler-port", type=int, default=50052)
-    p.add_argument("--gateway-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--no-gateway", action="store_true")
-    p.add_argument("--speculative-config", default=None,
-                   help="the scheduler's n-gram speculative decoding, as JSON (see its --help)")
-    p.add_argument("--api-keys", default=None, help="the gateway's tenant key file (JSON Lines)")
-    p.add_argument("--enable-lora", action="store_true", help="LoRA adapters (implied by --lora-modules)")
-    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH")
-    p.add_argument("--max-loras", type=int, default=1)
-    p.add_argument("--max-lora-rank", type=int, default=16)
-    p.add_argument("--max-cpu-loras", type=int, default=None)
-    p.add_argument("--startup-timeout", type=float, default=300.0)
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds the gateway and the scheduler may each drain requests in flight")
+    p = build_parser()
     args = p.parse_args(argv)
-    if args.data_parallel_size < 1:
-        p.error("--data-parallel-size must be at least 1")
+    check_args(p, args)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the stack `args` describes, serve until a stop signal, stop it; the exit code."""
     taken = taken_ports(args)
     if taken:
         print(f"[launcher] address in use on 127.0.0.1: {', '.join(taken)}. Is another Pagoda running? "
