@@ -23,6 +23,10 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
+PHI3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+GRANITE_SCALES = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.1,
+                  "logits_scaling": 8.0}
+
 
 def _configs() -> dict[str, transformers.PretrainedConfig]:
     return {
@@ -35,6 +39,13 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
         # q/k RMSNorm, head_dim (32) != hidden / heads (16), MHA-to-GQA ratio 4
         "qwen3": transformers.Qwen3Config(**{**COMMON, "num_attention_heads": 8}, head_dim=32,
                                           tie_word_embeddings=False, use_sliding_window=False),
+        # checkpoint-fused qkv_proj / gate_up_proj, RoPE over half of each head (partial rotary)
+        "phi3": transformers.Phi3Config(**COMMON, tie_word_embeddings=False, pad_token_id=0,
+                                        rope_parameters=PHI3_ROPE),
+        # post-norms, q/k RMSNorm over all heads at once
+        "olmo2": transformers.Olmo2Config(**COMMON, tie_word_embeddings=False, pad_token_id=0),
+        # embedding, residual, attention (0.1, not 16 ** -0.5) and logits scalings; tied embeddings
+        "granite": transformers.GraniteConfig(**COMMON, tie_word_embeddings=True, **GRANITE_SCALES),
     }
 
 

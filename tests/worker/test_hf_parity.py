@@ -26,9 +26,13 @@ def checkpoint(request, tmp_path_factory):
 def test_config_flags_follow_architecture(checkpoint):
     kind, _, cfg, _, _ = checkpoint
     assert cfg.qkv_bias == (kind == "qwen2")
-    assert cfg.qk_norm == (kind == "qwen3")
-    assert cfg.tie_word_embeddings == (kind == "qwen2")
+    assert cfg.qk_norm == (kind == "qwen3")  # per head; OLMo 2's whole-q/k norms are its own layer's
+    assert cfg.tie_word_embeddings == (kind in ("qwen2", "granite"))
     assert (cfg.rope_scaling or {}).get("rope_type") == ("llama3" if kind == "llama" else None)
+    assert cfg.rotary_dim == (cfg.head_dim // 2 if kind == "phi3" else cfg.head_dim)
+    granite = (12.0, 0.22, 0.1, 8.0) if kind == "granite" else (1.0, 1.0, None, 1.0)
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_multiplier,
+            cfg.logits_scaling) == granite
     assert cfg.eos_token_ids == (2,)
 
 

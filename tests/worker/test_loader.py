@@ -80,7 +80,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     with pytest.raises(UnsupportedModelError) as err:
         load_model(tmp_path, torch.float32, "cpu")
     for name in ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                 "Qwen3ForCausalLM"):
+                 "Qwen3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM"):
         assert name in str(err.value)
 
 
@@ -139,3 +139,22 @@ def test_config_parsing_of_rope_and_eos_variants():
         ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="unsupported dtype"):
         resolve_dtype("int8", new)
+
+
+@pytest.mark.parametrize("rope_type", ["longrope", "su"])
+def test_phi3_long_context_rope_is_refused(rope_type):
+    factors = [1.0] * 8
+    with pytest.raises(UnsupportedModelError, match=f"rope type '{rope_type}' is not supported"):
+        ModelConfig.from_dict({"architectures": ["Phi3ForCausalLM"], "hidden_size": 64,
+                               "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+                               "vocab_size": 10, "rope_scaling": {"type": rope_type, "short_factor": factors,
+                                                                  "long_factor": factors}})
+
+
+def test_phi3_fused_tensor_with_the_wrong_rows_is_an_error(tmp_path):
+    model_dir = build_hf_model("phi3", tmp_path / "phi3")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_key_value_heads"] = 4  # the checkpoint's qkv_proj stacks 2 KV heads' rows
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightLoadError, match=r"qkv_proj\.weight: checkpoint has 128 rows, the config implies 192"):
+        load_model(model_dir, torch.float32, "cpu")

@@ -3,8 +3,9 @@ or sharded) or a llama.cpp `.gguf` file (worker_svc/model_loader/gguf_loader.py 
 
 Both formats become one stream of (HF tensor name, tensor) pairs, so everything after is shared:
 HF's separate q/k/v and gate/up weights are copied into the fused `qkv_proj` / `gate_up_proj`
-parameters row-slice by row-slice, cast to the compute dtype. Every parameter must be filled
-exactly once; an unknown or missing tensor is an error naming it.
+parameters row-slice by row-slice, cast to the compute dtype. A checkpoint that stores them fused
+already (Phi-3) is first split back into the separate tensors, so TP slices it like any other.
+Every parameter must be filled exactly once; an unknown or missing tensor is an error naming it.
 
 Tensor parallelism: each rank takes only its slice of a sharded tensor: rows of q/k/v and gate/up
 (column-parallel), columns of o_proj and down_proj (row-parallel); everything else, biases of
@@ -14,8 +15,9 @@ row-parallel layers included, is read whole (replicated). Safetensors are sliced
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -111,6 +113,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     expected = _expected_shards(params)
     loaded: dict[str, set[str]] = {name: set() for name in params}
     tensors = _gguf_tensors(model_dir, tp) if is_gguf_file(model_dir) else _safetensors(model_dir, tp)
+    tensors = _unfused(tensors, cfg, tp)
     for name, read in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
             continue
@@ -144,6 +147,40 @@ def _safetensors(model_dir: Path, tp: TensorParallel) -> Iterator[tuple[str, Ten
 def _gguf_tensors(path: Path, tp: TensorParallel) -> Iterator[tuple[str, TensorReader]]:
     for name, tensor in gguf_loader.read_tensors(path):  # dequantised to fp32 one by one (progress bar)
         yield name, lambda name=name, tensor=tensor: _narrow_shard(tensor, name, tp)
+
+
+# Checkpoint-fused projections (Phi-3) -> the separate HF projections their rows stack, in order.
+_PREFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _unfused(tensors: Iterable[tuple[str, TensorReader]], cfg: ModelConfig,
+             tp: TensorParallel) -> Iterator[tuple[str, TensorReader]]:
+    """Split each pre-fused tensor into the separate ones it stacks (`...qkv_proj.weight` into
+    `...q_proj.weight`, `...k_proj.weight`, `...v_proj.weight`), each narrowed to this rank's slice;
+    every other tensor passes as it is. The fused tensor is read whole, once."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    rows = {"qkv_proj": (q, kv, kv), "gate_up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
+    for name, read in tensors:
+        parts = name.split(".")
+        module = parts[-2] if len(parts) >= 2 else ""
+        if module not in _PREFUSED:
+            yield name, read
+            continue
+        whole = functools.cache(functools.partial(_read_rows, name, read, sum(rows[module])))
+        start = 0
+        for part, count in zip(_PREFUSED[module], rows[module], strict=True):
+            sub = ".".join([*parts[:-2], part, parts[-1]])
+            yield sub, lambda sub=sub, whole=whole, start=start, count=count: _narrow_shard(
+                whole().narrow(0, start, count), sub, tp)
+            start += count
+
+
+def _read_rows(name: str, read: TensorReader, rows: int) -> torch.Tensor:
+    tensor = read()
+    if tensor.shape[0] != rows:
+        raise WeightLoadError(f"{name}: checkpoint has {tensor.shape[0]} rows, the config implies "
+                              f"{rows} (config mismatch?)")
+    return tensor
 
 
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split output rows

@@ -13,7 +13,8 @@ from worker_svc.model_loader.errors import UnsupportedModelError
 from worker_svc.model_loader.gguf_loader import read_config as read_gguf_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+                           "Qwen3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
+                           "GraniteForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -39,6 +40,18 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     sliding_window: int | None = None  # set when the model uses one (Mistral v0.1); not implemented
+    partial_rotary_factor: float = 1.0  # Phi-3 family: RoPE turns only the first rotary_dim dims
+    # Granite's scalings (1.0 / None elsewhere): embeddings times embedding_multiplier, each block's
+    # output times residual_multiplier before the residual add, attention scale attention_multiplier
+    # (None: head_dim ** -0.5), logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -86,6 +99,11 @@ class ModelConfig:
             eos_token_ids=_eos_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
             sliding_window=_sliding_window(raw),
+            partial_rotary_factor=_partial_rotary_factor(raw),
+            embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+            attention_multiplier=_optional_float(raw.get("attention_multiplier")),
+            logits_scaling=float(raw.get("logits_scaling", 1.0)),
         )
 
 
@@ -109,9 +127,18 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return theta, None
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
     scaling["rope_type"] = rope_type
     return theta, scaling
+
+
+def _partial_rotary_factor(raw: dict[str, Any]) -> float:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    return float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _as_ids(value: Any) -> list[int]:

@@ -10,8 +10,11 @@ from worker_svc.model_loader.model_config import SUPPORTED_ARCHITECTURES, ModelC
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
     from worker_svc.models.llama import LlamaForCausalLM
+    from worker_svc.models.olmo2 import Olmo2ForCausalLM
 
-    # One implementation serves the whole Llama family; flags in ModelConfig select the variants.
+    if cfg.architecture == "Olmo2ForCausalLM":
+        return Olmo2ForCausalLM
+    # One implementation serves the rest of the Llama family; flags in ModelConfig select the variants.
     if cfg.architecture in SUPPORTED_ARCHITECTURES:
         return LlamaForCausalLM
     raise UnsupportedModelError(

@@ -48,9 +48,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in fp32, computed exactly as HF does."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim // 2] in fp32, computed exactly as HF does."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
@@ -78,8 +78,10 @@ class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE over a precomputed cos/sin cache indexed by position."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None) -> None:
+                 scaling: dict[str, Any] | None, rotary_dim: int | None = None) -> None:
         super().__init__()
+        # Partial rotary (Phi-3 family): only the first rotary_dim of each head's dims turn.
+        self.rotary_dim = rotary_dim or head_dim
         self.head_dim, self.max_positions = head_dim, max_positions
         self.theta, self.scaling = theta, scaling
         # Not persistent: rebuilt from the config, never loaded. Kept in the model dtype (HF casts
@@ -87,11 +89,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", self._build_cache(), persistent=False)
 
     def _build_cache(self, device: torch.device | None = None) -> torch.Tensor:
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)  # [D/2]
+        inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling).to(device)  # [R/2]
         positions = torch.arange(self.max_positions, dtype=torch.int64, device=device).float()
-        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        return torch.cat((emb.cos(), emb.sin()), dim=-1)  # [P, 2D]
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, R]
+        return torch.cat((emb.cos(), emb.sin()), dim=-1)  # [P, 2R]
 
     def reset_cache(self, device: torch.device, dtype: torch.dtype) -> None:
         """Recompute after the module was materialised from the meta device."""
@@ -99,10 +101,19 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
-        cos, sin = self.cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)  # [T, D] each
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> the same shapes
+        cos, sin = self.cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)  # [T, R] each
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos, sin: [T, 1, R] with R <= D: dims past R pass through unturned
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turned, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((turned * cos + _rotate_half(turned) * sin, passed), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

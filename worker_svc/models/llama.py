@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2 with QKV bias, Qwen3 with q/k RMSNorm) over flat batches.
+"""Llama-family decoder over flat batches: Llama, Mistral, Qwen2 (QKV bias), Qwen3 (q/k RMSNorm),
+Phi-3 (partial rotary; its checkpoints come pre-fused), Granite (embedding, residual, attention and
+logits scalings); OLMo 2 (worker_svc/models/olmo2.py) swaps in its own decoder layer.
 
 Plain eager PyTorch over `[num_tokens, hidden]`, no padding; q/k/v and gate/up are fused projections
 (the loader fuses HF's separate weights). Attention goes only through the paged-KV backend.
@@ -50,7 +52,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim  # this rank's heads
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_multiplier or cfg.head_dim**-0.5  # Granite sets its own
         # rows: [q (Hq/N*D) | k (Hkv/N*D) | v (Hkv/N*D)]
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -69,15 +71,19 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rotary(positions, *self.norm_qk(q, k))
         k_cache, v_cache = kv_cache
         attn.backend.write_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
         out = attn.backend.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
                                            attn.query_start_loc, self.scale, attn.max_query_len,
                                            attn.max_seq_len)  # [T, Hq, D]
         return row_parallel(self.o_proj, out.reshape(num_tokens, self.q_size), self.tp)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D], k: [T, Hkv, D] (this rank's heads) -> the same; Qwen3 norms each head
+        if self.q_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
 
 class MLP(nn.Module):
@@ -101,33 +107,41 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
+        self.residual_multiplier = cfg.residual_multiplier  # Granite; 1.0 (skipped) elsewhere
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self._scaled(self.self_attn(self.input_layernorm(x), positions, rotary, attn, kv_cache))
+        return x + self._scaled(self.mlp(self.post_attention_layernorm(x)))
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE,
+                 layer: type[nn.Module] = DecoderLayer, norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(layer(cfg, tp) for _ in range(cfg.num_layers))
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
+                                      cfg.rope_scaling, cfg.rotary_dim)
 
 
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow HF's (`model.layers.N....`, `lm_head`), except the fused
-    `qkv_proj` and `gate_up_proj`."""
+    `qkv_proj` and `gate_up_proj`. A family with other layers subclasses and names its own."""
+
+    decoder_layer: type[nn.Module] = DecoderLayer
+    final_norm: type[nn.Module] = RMSNorm
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp
-        self.model = LlamaModel(cfg, tp)
+        self.model = LlamaModel(cfg, tp, self.decoder_layer, self.final_norm)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -142,10 +156,15 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T] int64; kv_caches[layer] = (k, v) [num_blocks, BS, Hkv, D]
         # -> final-normed hidden states [T, hidden]
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            x = x * self.config.embedding_multiplier
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, positions, self.model.rotary, attn, kv_cache)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] float32
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite: divided in the model dtype, as HF does
+            logits = logits / self.config.logits_scaling
+        return logits.float()
