@@ -91,7 +91,7 @@ class ResponseWriter:
 
     async def events(self, first: GenerationStep, steps: AsyncIterator[GenerationStep]
                      ) -> AsyncIterator[dict[str, Any]]:
-        stream = _EventStream(self)
+        stream = _EventStream()
         yield stream.event("response.created", response=self.response([], "in_progress", None))
         yield stream.event("response.in_progress", response=self.response([], "in_progress", None))
         step: GenerationStep | None = first
@@ -110,17 +110,16 @@ class ResponseWriter:
                 finish_reason = chunk.finish_reason or finish_reason
             usage = step.usage
             step = await anext(steps, None) if step.usage is None else None
-        for event in stream.finish(_status(finish_reason)):
-            yield event
         status = _status(finish_reason)
+        for event in stream.finish(status):
+            yield event
         yield stream.event(f"response.{status}", response=self.response(stream.output, status, usage))
 
 
 class _EventStream:
     """The open items of a streamed response and the events that grow them."""
 
-    def __init__(self, writer: ResponseWriter) -> None:
-        self.writer = writer
+    def __init__(self) -> None:
         self.sequence_number = 0
         self.output: list[dict[str, Any]] = []  # every item, in output order
         self.message: dict[str, Any] | None = None  # the message item text goes into now
