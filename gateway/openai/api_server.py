@@ -20,6 +20,8 @@ from gateway.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from gateway.openai.responses_api.protocol import ResponsesRequest
+from gateway.openai.responses_api.serving import create_response
 from gateway.openai.serving_chat import chat_prompt_ids, create_chat_completion, tool_plan
 from gateway.openai.serving_completion import create_completion
 from gateway.state import GatewayState
@@ -107,6 +109,10 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, state)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(body, request, state)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -24,25 +24,34 @@ T = TypeVar("T")
 _UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def sse_event(payload: BaseModel | dict[str, Any]) -> str:
+def sse_event(payload: BaseModel | dict[str, Any], name: str | None = None) -> str:
     body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {body.translate(_UNICODE_LINE_BREAKS)}\n\n"
+    head = f"event: {name}\n" if name else ""
+    return f"{head}data: {body.translate(_UNICODE_LINE_BREAKS)}\n\n"
 
 
-async def sse_stream(events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+async def sse_stream(events: AsyncIterator[BaseModel | dict[str, Any]],
+                     named: bool = False) -> AsyncIterator[str]:
     """SSE framing: each event as `data: ...`, a failure as an error event, always `[DONE]` last.
+    `named` (the Responses API's framing): each event also as `event: <its type>`, and no `[DONE]`.
 
     A client disconnect cancels this generator (CancelledError is not caught), which closes
     `events` and so cancels the upstream call.
     """
     try:
         async for event in events:
-            yield sse_event(event)
+            yield sse_event(event, _type_of(event) if named else None)
     except Exception as error:  # noqa: BLE001 - headers are gone: report in-band, then [DONE]
         client_error = to_client_error(error)
         log.warning("stream_failed", error=client_error.message, status=client_error.http_status)
-        yield sse_event(openai_error_body(client_error.http_status, client_error.message))
-    yield "data: [DONE]\n\n"
+        yield sse_event(openai_error_body(client_error.http_status, client_error.message),
+                        "error" if named else None)
+    if not named:
+        yield "data: [DONE]\n\n"
+
+
+def _type_of(event: BaseModel | dict[str, Any]) -> str | None:
+    return event.get("type") if isinstance(event, dict) else getattr(event, "type", None)
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -1,0 +1,232 @@
+"""POST /v1/responses: the request read as a chat completion (one choice) and started on the chat
+path (`start_chat`: prompt, tools, structured outputs, admission, fallback), its reply written as a
+Response object, whole or as the Responses API's events.
+
+A reply's output is a `message` item holding its text as one `output_text` part, then a
+`function_call` item per call the tool parser finds (the chat's `tool_calls`). A reply cut by
+`max_output_tokens` is `"incomplete"`, with `incomplete_details.reason` "max_output_tokens".
+
+Streamed: response.created, response.in_progress; per message item output_item.added,
+content_part.added, output_text.delta..., output_text.done, content_part.done, output_item.done;
+per function call output_item.added, function_call_arguments.delta..., function_call_arguments.done,
+output_item.done; response.completed (response.incomplete when cut short), which carries the
+whole Response. Every event has a `sequence_number`, from 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.generation import GenerationStep, Usage
+from gateway.openai.responses_api.protocol import ResponsesRequest
+from gateway.openai.serving_chat import start_chat
+from gateway.openai.streaming import sse_stream, until_disconnected
+from gateway.openai.tool_parsers import ToolParser
+from gateway.openai.tool_protocol import DeltaToolCall, ToolCall
+from gateway.state import GatewayState
+from gateway.upstream.fallback import prepend
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.total_tokens}
+
+
+def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """An assistant message; `text` None: its part is not added yet (a stream's first event)."""
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [] if text is None else [text_part(text)]}
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def function_call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.function.name,
+            "arguments": call.function.arguments, "status": status}
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+class ResponseWriter:
+    """One response's Response objects: whole (`whole`) or as events (`events`)."""
+
+    def __init__(self, body: ResponsesRequest, response_id: str, model: str, parser: ToolParser | None) -> None:
+        self.body, self.id, self.model, self.parser = body, response_id, model, parser
+        self.created_at = int(time.time())
+
+    def response(self, output: list[dict[str, Any]], status: str, usage: Usage | None) -> dict[str, Any]:
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "completed_at": int(time.time()) if status == "completed" else None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "error": None, "model": self.model, "output": output,
+                "usage": usage_object(usage) if usage is not None else None, **self.body.echo()}
+
+    def whole(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
+        """A finished reply: its text, and the calls in it as function_call items."""
+        content, calls = self.parser.extract_tool_calls(text) if self.parser is not None else (text, [])
+        calls = self.parser.kept(calls) if calls else []
+        status = _status(finish_reason)
+        output = []
+        if content is not None and (content.strip() or not calls):
+            output.append(message_item(new_id("msg"), content, status))
+        output += [function_call_item(new_id("fc"), call) for call in calls]
+        return self.response(output, status, usage)
+
+    async def events(self, first: GenerationStep, steps: AsyncIterator[GenerationStep]
+                     ) -> AsyncIterator[dict[str, Any]]:
+        stream = _EventStream()
+        yield stream.event("response.created", response=self.response([], "in_progress", None))
+        yield stream.event("response.in_progress", response=self.response([], "in_progress", None))
+        step: GenerationStep | None = first
+        usage: Usage | None = None
+        finish_reason: str | None = None
+        while step is not None:
+            for chunk in step.chunks:
+                if self.parser is not None:
+                    text, calls, _ = self.parser.extract_tool_calls_streaming(chunk.text, chunk.finish_reason)
+                else:
+                    text, calls = chunk.text, None
+                for event in stream.text(text):
+                    yield event
+                for event in stream.call_deltas(calls or ()):
+                    yield event
+                finish_reason = chunk.finish_reason or finish_reason
+            usage = step.usage
+            step = await anext(steps, None) if step.usage is None else None
+        status = _status(finish_reason)
+        for event in stream.finish(status):
+            yield event
+        yield stream.event(f"response.{status}", response=self.response(stream.output, status, usage))
+
+
+class _EventStream:
+    """The open items of a streamed response and the events that grow them."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+        self.output: list[dict[str, Any]] = []  # every item, in output order
+        self.message: dict[str, Any] | None = None  # the message item text goes into now
+        self.pending = ""  # blank text before any message item (it opens one only if nothing else comes)
+        self.calls: dict[int, dict[str, Any]] = {}  # the parser's call index -> its item
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self.sequence_number, **copy.deepcopy(fields)}
+        self.sequence_number += 1
+        return event
+
+    def _where(self, item: dict[str, Any]) -> dict[str, Any]:
+        return {"item_id": item["id"], "output_index": self.output.index(item)}
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        if self.message is not None:
+            return [self._delta(text)]
+        if not (self.pending + text).strip():
+            self.pending += text
+            return []
+        text, self.pending = self.pending + text, ""
+        return [*self._open_message(), self._delta(text)]
+
+    def _delta(self, text: str) -> dict[str, Any]:
+        self.message["content"][0]["text"] += text
+        return self.event("response.output_text.delta", **self._where(self.message), content_index=0,
+                          delta=text, logprobs=[])
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        self.message = message_item(new_id("msg"), None, "in_progress")
+        self.output.append(self.message)
+        events = [self.event("response.output_item.added", output_index=len(self.output) - 1, item=self.message)]
+        self.message["content"].append(text_part(""))
+        events.append(self.event("response.content_part.added", **self._where(self.message), content_index=0,
+                                 part=self.message["content"][0]))
+        return events
+
+    def _close_message(self, status: str) -> list[dict[str, Any]]:
+        if self.message is None:
+            return []
+        message, self.message = self.message, None
+        part = message["content"][0]
+        message["status"] = status
+        return [self.event("response.output_text.done", **self._where(message), content_index=0,
+                           text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", **self._where(message), content_index=0, part=part),
+                self.event("response.output_item.done", output_index=self.output.index(message), item=message)]
+
+    def call_deltas(self, deltas: list[DeltaToolCall] | tuple[()]) -> list[dict[str, Any]]:
+        events = []
+        for delta in deltas:
+            function = delta.function
+            item = self.calls.get(delta.index)
+            if item is None:  # a new call: the text before it is done
+                events += self._close_message("completed")
+                call = ToolCall.of((function.name or "") if function else "", "")
+                item = function_call_item(new_id("fc"), call, "in_progress")
+                item["call_id"] = delta.id or call.id
+                self.calls[delta.index] = item
+                self.output.append(item)
+                events.append(self.event("response.output_item.added", output_index=len(self.output) - 1,
+                                         item=item))
+            if function is not None and function.arguments:
+                item["arguments"] += function.arguments
+                events.append(self.event("response.function_call_arguments.delta", **self._where(item),
+                                         delta=function.arguments))
+        return events
+
+    def finish(self, status: str) -> list[dict[str, Any]]:
+        """Close every open item; a reply with nothing else still gets its (blank) message."""
+        events = []
+        if not self.output:
+            events += self._open_message()
+            if self.pending:
+                events.append(self._delta(self.pending))
+        events += self._close_message(status)
+        for item in self.calls.values():
+            item["status"] = "completed"
+            events.append(self.event("response.function_call_arguments.done", **self._where(item),
+                                     arguments=item["arguments"]))
+            events.append(self.event("response.output_item.done", output_index=self.output.index(item),
+                                     item=item))
+        return events
+
+
+async def create_response(body: ResponsesRequest, http: Request, state: GatewayState) -> Response:
+    chat = body.chat_request()
+    response_id = new_id("resp")
+    answer, plan = await start_chat(chat, http, state, response_id)
+    parsers = plan.parsers(1, chat.parallel_tool_calls)
+    writer = ResponseWriter(body, response_id, answer.pool.name, parsers[0] if parsers else None)
+    if body.stream:
+        return StreamingResponse(sse_stream(writer.events(answer.first, answer.steps), named=True),
+                                 media_type="text/event-stream")
+    text, finish_reason, usage = await until_disconnected(http, _collect(prepend(answer.first, answer.steps)))
+    return JSONResponse(writer.whole(text, finish_reason, usage))
+
+
+async def _collect(steps: AsyncIterator[GenerationStep]) -> tuple[str, str | None, Usage]:
+    """The one choice's text, its finish reason, and the usage."""
+    text, finish_reason = [], None
+    async for step in steps:
+        for chunk in step.chunks:
+            text.append(chunk.text)
+            finish_reason = chunk.finish_reason or finish_reason
+        if step.usage is not None:
+            return "".join(text), finish_reason, step.usage
+    raise RuntimeError("generation ended without usage")  # generate() always ends with usage
