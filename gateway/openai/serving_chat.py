@@ -45,7 +45,7 @@ from gateway.openai.tool_parsers import ToolParser, ToolParserManager
 from gateway.openai.tool_protocol import NamedToolChoice, ToolDef
 from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizer
-from gateway.upstream.fallback import AdmitOnce, first_answer, prepend
+from gateway.upstream.fallback import AdmitOnce, Answer, first_answer, prepend
 from gateway.upstream.model_pools import ModelPool
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.contract.params import SamplingParams
@@ -127,13 +127,14 @@ def chat_logprobs(tokenizer: Tokenizer, chunk: SequenceChunk) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
-async def create_chat_completion(body: ChatCompletionRequest, http: Request,
-                                 state: GatewayState) -> Response:
+async def start_chat(body: ChatCompletionRequest, http: Request, state: GatewayState,
+                     request_id: str) -> tuple[Answer, ToolPlan]:
+    """Start `body` on the first pool of its model's route that answers (the fallback model when
+    the first refuses), and the request's tool plan. The answer's context is (tokenizer, prompt ids).
+    Every chat-shaped API starts here: /v1/chat/completions and Anthropic's /v1/messages."""
     route = state.route(body.model)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    config = state.config
-    plan = tool_plan(body, config)
-    request_id = new_request_id("chatcmpl")
+    plan = tool_plan(body, state.config)
     admit_once = AdmitOnce(lambda r, max_model_len: admit(http, r, max_model_len))
 
     async def start(pool: ModelPool, _attempt: int):  # the request prepared for `pool`'s model
@@ -151,7 +152,13 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
                 (tokenizer, request.prompt_token_ids))
 
     # Upstream errors before the first step keep their HTTP status (and may move to the fallback).
-    answer = await first_answer(route, start, lambda first: until_disconnected(http, first))
+    return await first_answer(route, start, lambda first: until_disconnected(http, first)), plan
+
+
+async def create_chat_completion(body: ChatCompletionRequest, http: Request,
+                                 state: GatewayState) -> Response:
+    request_id = new_request_id("chatcmpl")
+    answer, plan = await start_chat(body, http, state, request_id)
     model, (tokenizer, prompt_ids) = answer.pool.name, answer.context
     if not body.stream:
         choices = [ChatChoice(index=i, message=ChatResponseMessage(content=""),
