@@ -102,3 +102,24 @@ def openai_error_body(status: int, message: str, param: str | None = None) -> di
     """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
     error_type = _TYPE_NAMES.get(status, "InternalServerError")
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+# Anthropic's error types by HTTP status (its Messages API: POST /v1/messages).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}."""
+    error_type = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def error_body(path: str, status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """The error body in the shape of the API `path` belongs to: Anthropic's under /v1/messages,
+    OpenAI's everywhere else."""
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+        return anthropic_error_body(status, message)
+    return openai_error_body(status, message, param)

@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
-from gateway.errors import GatewayError, UpstreamError, openai_error_body, to_client_error
+from gateway.anthropic.routes import add_anthropic_routes
+from gateway.errors import GatewayError, UpstreamError, error_body, to_client_error
 from gateway.openai.json_body import IJSONRoute
 from gateway.openai.lora_routes import add_lora_routes
 from gateway.openai.middleware import BodySizeLimitMiddleware, RequestCounterMiddleware, TenancyMiddleware
@@ -33,7 +34,7 @@ log = get_logger(__name__)
 VERSION = "0.1.0"
 
 
-def error_response(error: BaseException, retry_after_s: int = 1) -> JSONResponse:
+def error_response(error: BaseException, retry_after_s: int = 1, path: str = "") -> JSONResponse:
     client_error = to_client_error(error)
     if client_error.http_status >= 500:
         log.warning("request_failed", status=client_error.http_status, error=str(error),
@@ -41,7 +42,7 @@ def error_response(error: BaseException, retry_after_s: int = 1) -> JSONResponse
     retry_after = (retry_after_header(client_error.retry_after_s) if client_error.retry_after_s is not None
                    else str(retry_after_s))
     headers = {"Retry-After": retry_after} if client_error.http_status in (429, 503) else None
-    return JSONResponse(openai_error_body(client_error.http_status, client_error.message, client_error.param),
+    return JSONResponse(error_body(path, client_error.http_status, client_error.message, client_error.param),
                         status_code=client_error.http_status, headers=headers)
 
 
@@ -69,6 +70,7 @@ def create_app(state: GatewayState) -> FastAPI:
     app.router.route_class = IJSONRoute  # bodies read as I-JSON: a lone surrogate is a 400
     _add_routes(app, state)
     add_lora_routes(app, state)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+    add_anthropic_routes(app, state)  # /v1/messages: Anthropic's Messages API
     _add_error_handlers(app, state.config.retry_after_s)
     routes = frozenset(route.path for route in app.routes)
     # Outermost first at run time: count, then auth, then the size cap.
@@ -80,20 +82,20 @@ def create_app(state: GatewayState) -> FastAPI:
 
 def _add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(error)  # 400, not FastAPI's 422 (as vLLM)
-        return JSONResponse(openai_error_body(400, message, param), status_code=400)
+        return JSONResponse(error_body(request.url.path, 400, message, param), status_code=400)
 
     # FastAPI's own refusals (a body that is not JSON, 404 for an unknown path, 405): the same
     # OpenAI error shape as every other 4xx, with FastAPI's status code and message.
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         message = error.detail if isinstance(error.detail, str) else "invalid request"
-        return JSONResponse(openai_error_body(error.status_code, message), status_code=error.status_code,
+        return JSONResponse(error_body(request.url.path, error.status_code, message), status_code=error.status_code,
                             headers=error.headers)
 
-    async def on_error(_request: Request, error: Exception) -> JSONResponse:
-        return error_response(error, retry_after_s)
+    async def on_error(request: Request, error: Exception) -> JSONResponse:
+        return error_response(error, retry_after_s, request.url.path)
 
     # The specific classes are handled in ExceptionMiddleware; Exception (anything unexpected) by
     # Starlette's outermost handler, which also logs the traceback.

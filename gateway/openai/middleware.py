@@ -11,7 +11,7 @@ import json
 from typing import TYPE_CHECKING
 
 from gateway import metrics
-from gateway.errors import openai_error_body
+from gateway.errors import error_body
 from gateway.tenancy.auth import OPEN_HTTP_PATHS, bearer_token
 from gateway.tenancy.leases import Lease, Tenancy
 
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 LEASE_KEY = "pagoda_tenant_lease"  # in an HTTP request's scope["state"] (Starlette's request.state)
 
 
-async def _send_error(send, status: int, message: str, headers: list | None = None) -> None:
-    body = json.dumps(openai_error_body(status, message)).encode()
+async def _send_error(send, status: int, message: str, headers: list | None = None, path: str = "") -> None:
+    body = json.dumps(error_body(path, status, message)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()), *(headers or [])]})
@@ -49,10 +49,12 @@ class TenancyMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_HTTP_PATHS:
             await self.app(scope, receive, send)
             return
-        tenant = self.tenancy.authenticate(bearer_token(_header(scope, b"authorization")))
+        # Authorization: Bearer KEY, or Anthropic's x-api-key: KEY (what its clients send)
+        key = bearer_token(_header(scope, b"authorization")) or _header(scope, b"x-api-key")
+        tenant = self.tenancy.authenticate(key)
         if tenant is None:
             await _send_error(send, 401, "Unauthorized: a valid API key is required",
-                              [(b"www-authenticate", b"Bearer")])
+                              [(b"www-authenticate", b"Bearer")], scope["path"])
             return
         lease = self.tenancy.lease(tenant)
         scope.setdefault("state", {})[LEASE_KEY] = lease
@@ -93,7 +95,7 @@ class BodySizeLimitMiddleware:
             return
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(send)
+            await self._reject(send, scope["path"])
             return
         messages, size = [], 0
         while True:  # bounded: stops at max_bytes; chunked bodies are read before routing
@@ -101,14 +103,14 @@ class BodySizeLimitMiddleware:
             messages.append(message)
             size += len(message.get("body", b""))
             if size > self.max_bytes:
-                await self._reject(send)
+                await self._reject(send, scope["path"])
                 return
             if message["type"] != "http.request" or not message.get("more_body", False):
                 break
         await self.app(scope, _replay(messages, receive), send)
 
-    async def _reject(self, send) -> None:
-        await _send_error(send, 413, f"request body larger than {self.max_bytes} bytes")
+    async def _reject(self, send, path: str) -> None:
+        await _send_error(send, 413, f"request body larger than {self.max_bytes} bytes", path=path)
 
 
 def _replay(messages: list, receive):

@@ -129,9 +129,10 @@ def chat_logprobs(tokenizer: Tokenizer, chunk: SequenceChunk) -> ChatLogprobs:
 
 async def start_chat(body: ChatCompletionRequest, http: Request, state: GatewayState,
                      request_id: str) -> tuple[Answer, ToolPlan]:
-    """Admit and start a chat request on the first pool that answers (the fallback model's if
-    the first refuses): its first step and the rest, and the plan of its tools. The answer's
-    context is (the pool's tokenizer, the prompt ids)."""
+    """Start `body` on the first pool of its model's route that answers (the fallback model when
+    the first refuses), and the request's tool plan. The answer's context is (tokenizer, prompt ids).
+    Every chat-shaped API starts here: /v1/chat/completions, /v1/responses and Anthropic's
+    /v1/messages."""
     route = state.route(body.model)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     plan = tool_plan(body, state.config)
@@ -152,8 +153,7 @@ async def start_chat(body: ChatCompletionRequest, http: Request, state: GatewayS
                 (tokenizer, request.prompt_token_ids))
 
     # Upstream errors before the first step keep their HTTP status (and may move to the fallback).
-    answer = await first_answer(route, start, lambda first: until_disconnected(http, first))
-    return answer, plan
+    return await first_answer(route, start, lambda first: until_disconnected(http, first)), plan
 
 
 async def create_chat_completion(body: ChatCompletionRequest, http: Request,

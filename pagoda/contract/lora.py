@@ -58,9 +58,13 @@ def read_adapter_config(path: str | Path, max_lora_rank: int | None = None) -> A
     """Parse and check a PEFT LoRA directory; InvalidRequestError says what is wrong."""
     directory = Path(path)
     config_path = directory / CONFIG_FILE
-    if not config_path.is_file():
+    try:  # is_file() raises past ENOENT: a name too long for the file system, say
+        has_config, has_weights = config_path.is_file(), (directory / WEIGHTS_FILE).is_file()
+    except OSError as error:
+        raise InvalidRequestError(f"no LoRA adapter at {path}: {error.strerror}") from None
+    if not has_config:
         raise InvalidRequestError(f"no LoRA adapter at {path}: {CONFIG_FILE} not found")
-    if not (directory / WEIGHTS_FILE).is_file():
+    if not has_weights:
         raise InvalidRequestError(f"no LoRA adapter at {path}: {WEIGHTS_FILE} not found")
     try:
         raw = json.loads(config_path.read_text())

@@ -73,6 +73,8 @@ def test_load_checks_name_rank_and_lora_support(tmp_path):
     with pytest.raises(InvalidRequestError, match="max-lora-rank"):
         registry.load("big", adapter_dir(tmp_path, "big", rank=64), base, ["base"])
     assert registry.get("big") is None  # a refused load leaves nothing behind
+    with pytest.raises(InvalidRequestError, match="no LoRA adapter"):  # a 400, not an OSError's 500
+        registry.load("long", str(tmp_path / ("x" * 300)), base, ["base"])
     base.info = engine_pb2.EngineInfo(model_name="base")
     with pytest.raises(InvalidRequestError, match="--enable-lora"):
         registry.load("c", adapter_dir(tmp_path, "c"), base, ["base"])

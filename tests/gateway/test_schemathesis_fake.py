@@ -1,4 +1,5 @@
-"""Every error the gateway's HTTP API gives is OpenAI-shaped, and none is a 5xx (issue 20, item 2).
+"""Every error the gateway's HTTP API gives is in its API's shape (OpenAI's; Anthropic's under
+/v1/messages), and none is a 5xx (issue 20, item 2).
 
 schemathesis generates requests from the gateway's own OpenAPI schema (/openapi.json, FastAPI's)
 for every operation, both schema-valid ("positive") and schema-violating ("negative") ones, and
@@ -8,7 +9,8 @@ what a schema-driven generator does not send: bytes that are not JSON, other con
 array, huge numbers, nested nulls, lone surrogates, an empty body.
 
 Every response is checked: status < 500, and for 4xx a body of exactly
-`{"error": {"message", "type", "param", "code"}}` with `code` the status. The figures (examples,
+`{"error": {"message", "type", "param", "code"}}` with `code` the status (under /v1/messages,
+Anthropic's `{"type": "error", "error": {"type", "message"}}`). The figures (examples,
 responses, bad ones) are printed with `-s`; docs/reliability.md records a run.
 """
 
@@ -68,16 +70,41 @@ def openai_error_problem(status: int, body: bytes) -> str | None:
     return None
 
 
+def anthropic_error_problem(status: int, body: bytes) -> str | None:
+    """The same for Anthropic's Messages API (/v1/messages): {"type": "error", "error": {"type", "message"}}."""
+    if status >= 500:
+        return f"server error {status}"
+    if status < 400:
+        return None
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return f"{status} with a body that is not JSON"
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if (not isinstance(payload, dict) or set(payload) != {"type", "error"} or payload["type"] != "error"
+            or not isinstance(error, dict) or set(error) != {"type", "message"}):
+        return f"{status} without the Anthropic error shape"
+    if not isinstance(error["type"], str) or not isinstance(error["message"], str) or not error["message"]:
+        return f"{status} with type {error['type']!r}, message {error['message']!r}"
+    return None
+
+
+def error_problem(path: str, status: int, body: bytes) -> str | None:
+    """Each API's errors in its own shape: Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
+    return (anthropic_error_problem if anthropic else openai_error_problem)(status, body)
+
+
 @dataclass
 class Tally:
     examples: int = 0
     statuses: Counter = field(default_factory=Counter)
     bad: list[str] = field(default_factory=list)
 
-    def record(self, what: str, status: int, body: bytes) -> None:
+    def record(self, path: str, what: str, status: int, body: bytes) -> None:
         self.examples += 1
         self.statuses[status] += 1
-        if (problem := openai_error_problem(status, body)) is not None:
+        if (problem := error_problem(path, status, body)) is not None:
             self.bad.append(f"{what}: {problem}: {body[:300]!r}")
 
 
@@ -152,7 +179,7 @@ def test_schemathesis_every_error_is_openai_shaped_and_none_is_5xx(served):
                       phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
             def send(case) -> None:
                 response = case.call(base_url=served.url, session=session, timeout=20)
-                tally.record(f"{case.method} {case.formatted_path} {case.body!r:.200}",
+                tally.record(case.formatted_path, f"{case.method} {case.formatted_path} {case.body!r:.200}",
                              response.status_code, response.content)
 
             try:

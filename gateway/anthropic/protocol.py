@@ -1,0 +1,196 @@
+"""Pydantic models of Anthropic's Messages API: the request (`MessagesRequest`) and the reply
+(`MessagesResponse`, also the `message` of a stream's message_start).
+
+An unknown field is a 400 naming it (nothing is silently ignored); content blocks the served models
+cannot read (images, documents, server tools) are a 400 too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from gateway.openai.tool_protocol import ToolCall
+from gateway.stop_strings import check_stop_strings
+from pagoda.contract.errors import InvalidRequestError
+
+
+class _Forbid(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CacheControl(_Forbid):
+    type: Literal["ephemeral"] = "ephemeral"
+    ttl: str | None = None  # a hint: the prefix cache is automatic and keeps what fits
+
+
+class TextBlock(_Forbid):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: list[Any] | None = None  # echoed back by clients; none are produced
+
+
+class ToolUseBlock(_Forbid):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(_Forbid):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content or ())
+        return f"Error: {text}" if self.is_error else text
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+_SERVED_BLOCKS = ("text", "tool_use", "tool_result")
+
+
+class InputMessage(_Forbid):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _served_blocks(cls, content: Any) -> Any:
+        for block in content if isinstance(content, list) else ():
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind not in _SERVED_BLOCKS:
+                raise PydanticCustomError("unsupported_content", f"content blocks of type {kind!r} are not "
+                                          f"supported (served: {', '.join(_SERVED_BLOCKS)})")
+        return content
+
+
+class ToolSpec(_Forbid):
+    """A client tool (Anthropic's server tools, which have other `type`s, are not served)."""
+
+    type: Literal["custom"] | None = None
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolChoice(_Forbid):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None  # type "tool": the tool to call
+    disable_parallel_tool_use: bool | None = None
+
+
+class Metadata(_Forbid):
+    user_id: str | None = None
+
+
+class MessagesRequest(_Forbid):
+    model: str | None = None
+    messages: list[InputMessage] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)  # required, as Anthropic's
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[ToolSpec] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    metadata: Metadata | None = None  # informational
+    service_tier: Literal["auto", "standard_only"] | None = None  # informational
+    cache_control: CacheControl | None = None  # informational: the prefix cache is automatic
+    thinking: dict[str, Any] | None = None  # only {"type": "disabled"}: the served models do not reason
+    stream: bool = False
+
+    @field_validator("thinking")
+    @classmethod
+    def _no_thinking(cls, thinking: dict[str, Any] | None) -> dict[str, Any] | None:
+        if thinking is not None and thinking.get("type") != "disabled":
+            raise ValueError('not supported: extended thinking (only {"type": "disabled"})')
+        return thinking
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _bounded_stop_sequences(cls, stop: list[str] | None) -> list[str] | None:
+        try:
+            check_stop_strings(stop or [])
+        except InvalidRequestError as error:
+            raise ValueError(str(error)) from None
+        return stop
+
+
+# -- the reply -------------------------------------------------------------------------------------
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+
+
+class OutputText(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class OutputToolUse(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class MessagesResponse(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText | OutputToolUse]
+    model: str
+    stop_reason: StopReason | None = None
+    stop_sequence: str | None = None
+    usage: Usage
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's tool_use id for a parsed call's id (its ids start with toolu_)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments (JSON text) as a tool_use block's input object."""
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except ValueError:
+        value = {}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def message_content(text: str, calls: list[ToolCall]) -> list[OutputText | OutputToolUse]:
+    """A text block (always, unless the reply is calls only), then one tool_use block per call."""
+    content: list[OutputText | OutputToolUse] = [OutputText(text=text)] if text or not calls else []
+    content += [OutputToolUse(id=tool_use_id(c.id), name=c.function.name, input=tool_input(c.function.arguments))
+                for c in calls]
+    return content
+
+
+def stop_reason(finish_reason: str | None, stop: str | int | None, has_calls: bool) -> StopReason:
+    """Anthropic's stop_reason for a finished reply: "length" is max_tokens, a stop string
+    stop_sequence, a reply that made calls tool_use, anything else end_turn."""
+    if has_calls:
+        return "tool_use"
+    if finish_reason == "length":
+        return "max_tokens"
+    if finish_reason == "stop" and isinstance(stop, str):
+        return "stop_sequence"
+    return "end_turn"
