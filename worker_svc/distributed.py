@@ -59,12 +59,14 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
-def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
-    """Heads and MLP columns are split evenly; raise a clear error when they cannot be."""
+def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int,
+                    moe_intermediate_size: int = 0) -> None:
+    """Heads and MLP (and experts') columns are split evenly; raise a clear error when they cannot be."""
     if size < 1:
         raise TensorParallelError(f"tensor_parallel_size must be >= 1, got {size}")
     for name, value in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads),
-                        ("intermediate_size", intermediate_size)):
+                        ("intermediate_size", intermediate_size),
+                        ("moe_intermediate_size", moe_intermediate_size)):
         if value % size:
             raise TensorParallelError(
                 f"tensor_parallel_size {size} must divide the model's {name} ({value}): each rank "

@@ -64,7 +64,7 @@ class TPDriver:
         model_config = ModelConfig.from_dir(config.model)
         size = config.tensor_parallel_size
         check_divisible(model_config.num_heads, model_config.num_kv_heads,
-                        model_config.intermediate_size, size)
+                        model_config.intermediate_size, size, model_config.moe_intermediate_size)
         self._exit_on_failure = exit_on_failure
         self._lock = threading.Lock()  # one command at a time on the control group
         self._stopping = False

@@ -46,6 +46,18 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
         "olmo2": transformers.Olmo2Config(**COMMON, tie_word_embeddings=False, pad_token_id=0),
         # embedding, residual, attention (0.1, not 16 ** -0.5) and logits scalings; tied embeddings
         "granite": transformers.GraniteConfig(**COMMON, tie_word_embeddings=True, **GRANITE_SCALES),
+        # mixture of experts: 8 experts, top-2. Mixtral renormalises the top-k weights (always).
+        "mixtral": transformers.MixtralConfig(**{**COMMON, "intermediate_size": 64}, tie_word_embeddings=False,
+                                              num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
+        # per-head q/k norms, renormalised top-k, experts narrower than the dense MLP of layer 1
+        "qwen3_moe": transformers.Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 3}, tie_word_embeddings=False,
+                                                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 norm_topk_prob=True, mlp_only_layers=[1],
+                                                 use_sliding_window=False),
+        # OLMo 2's whole-q/k norms, top-k weights not renormalised
+        "olmoe": transformers.OlmoeConfig(**{**COMMON, "intermediate_size": 64}, tie_word_embeddings=False,
+                                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                          pad_token_id=0),
     }
 
 

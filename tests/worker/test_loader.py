@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from pagoda.tools import tiny_model
 from tests.worker.hf_models import PagedSequence, build_hf_model
+from worker_svc.lora.manager import LoRAManager
 from worker_svc.model_loader.errors import UnsupportedModelError
 from worker_svc.model_loader.loader import WeightLoadError, load_model, resolve_dtype
 from worker_svc.model_loader.model_config import ModelConfig
@@ -80,7 +81,8 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     with pytest.raises(UnsupportedModelError) as err:
         load_model(tmp_path, torch.float32, "cpu")
     for name in ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                 "Qwen3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM"):
+                 "Qwen3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
+                 "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
         assert name in str(err.value)
 
 
@@ -158,3 +160,50 @@ def test_phi3_fused_tensor_with_the_wrong_rows_is_an_error(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(WeightLoadError, match=r"qkv_proj\.weight: checkpoint has 128 rows, the config implies 192"):
         load_model(model_dir, torch.float32, "cpu")
+
+
+def _stack_experts(weights: dict[str, torch.Tensor]) -> None:
+    """Rewrite per-expert `mlp.experts.N.*_proj.weight` as transformers 5's stacked tensors."""
+    for layer in sorted({n.split(".experts.")[0] for n in weights if ".experts." in n}):
+        count = len({n for n in weights if n.startswith(f"{layer}.experts.") and n.endswith("down_proj.weight")})
+        take = [{part: weights.pop(f"{layer}.experts.{e}.{part}_proj.weight") for part in ("gate", "up", "down")}
+                for e in range(count)]
+        weights[f"{layer}.experts.gate_up_proj"] = torch.stack([torch.cat((t["gate"], t["up"])) for t in take])
+        weights[f"{layer}.experts.down_proj"] = torch.stack([t["down"] for t in take])
+
+
+def test_stacked_expert_tensors_load_like_per_expert_ones(tmp_path):
+    per_expert = build_hf_model("qwen3_moe", tmp_path / "per_expert")
+    stacked = _copy_with_weights(per_expert, tmp_path / "stacked", _stack_experts)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(stacked / "model.safetensors")
+    a, _ = load_model(per_expert, torch.float32, "cpu")
+    b, _ = load_model(stacked, torch.float32, "cpu")
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(pa, pb), name
+    assert a.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 2 * 32, 64)
+
+
+def test_missing_expert_weight_is_named(tmp_path):
+    model_dir = build_hf_model("mixtral", tmp_path / "mixtral")
+    broken = _copy_with_weights(model_dir, tmp_path / "broken",
+                                lambda w: w.pop("model.layers.1.block_sparse_moe.experts.5.w3.weight"))
+    with pytest.raises(WeightLoadError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj\[5\.up\]"):
+        load_model(broken, torch.float32, "cpu")
+
+
+def test_moe_config_parsing():
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "vocab_size": 10, "num_experts_per_tok": 2}
+    qwen = ModelConfig.from_dict({**base, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 16,
+                                  "moe_intermediate_size": 32, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert (qwen.num_experts, qwen.moe_intermediate_size, qwen.norm_topk_prob, qwen.qk_norm) == (16, 32, False, True)
+    assert [qwen.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+    mixtral = ModelConfig.from_dict({**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8})
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (8, 128, True)
+    assert all(mixtral.is_moe_layer(i) for i in range(4))
+    dense = ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"]})
+    assert dense.num_experts == 0 and not dense.is_moe_layer(0)
+    with pytest.raises(UnsupportedModelError, match="clip_qkv"):
+        ModelConfig.from_dict({**base, "architectures": ["OlmoeForCausalLM"], "num_experts": 8, "clip_qkv": 8.0})
+    with pytest.raises(ValueError, match="LoRA is not supported on mixture-of-experts"):
+        LoRAManager(torch.nn.Module(), mixtral, 1, 8, None, torch.float32, torch.device("cpu"))

@@ -46,6 +46,8 @@ class LoRAManager:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if max_cpu_loras is not None and max_cpu_loras < max_loras:  # vLLM's rule too
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
+        if cfg.num_experts:  # the experts are stacked tensors, not the Linear layers LoRA wraps
+            raise ValueError(f"LoRA is not supported on mixture-of-experts models ({cfg.architecture})")
         self.cfg, self.dtype, self.device, self.tp = cfg, dtype, device, tp
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras or max_loras

@@ -7,8 +7,13 @@ parameters row-slice by row-slice, cast to the compute dtype. A checkpoint that 
 already (Phi-3) is first split back into the separate tensors, so TP slices it like any other.
 Every parameter must be filled exactly once; an unknown or missing tensor is an error naming it.
 
+Mixture of experts (worker_svc/models/moe.py): each expert's `mlp.experts.N.{gate,up,down}_proj`
+is copied into slot N of the stacked `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`.
+Mixtral's names (`block_sparse_moe`, experts' w1/w3/w2) are renamed to those; a checkpoint that
+stores the experts stacked already (transformers 5's in-memory layout) is split per expert first.
+
 Tensor parallelism: each rank takes only its slice of a sharded tensor: rows of q/k/v and gate/up
-(column-parallel), columns of o_proj and down_proj (row-parallel); everything else, biases of
+(column-parallel, every expert's too), columns of o_proj and down_proj (row-parallel); everything else, biases of
 row-parallel layers included, is read whole (replicated). Safetensors are sliced on read
 (`safe_open.get_slice`); GGUF tensors are dequantised whole, then narrowed.
 """
@@ -91,8 +96,12 @@ def _fused_targets(cfg: ModelConfig, tp_size: int = 1) -> dict[str, tuple[str, s
 
 def _expected_shards(params: dict[str, torch.nn.Parameter]) -> dict[str, set[str]]:
     expected = {}
-    for name in params:
-        if ".qkv_proj." in name:
+    for name, param in params.items():
+        if name.endswith(".experts.gate_up_proj"):
+            expected[name] = {f"{e}.{part}" for e in range(param.shape[0]) for part in ("gate", "up")}
+        elif name.endswith(".experts.down_proj"):
+            expected[name] = {str(e) for e in range(param.shape[0])}
+        elif ".qkv_proj." in name:
             expected[name] = {"q", "k", "v"}
         elif ".gate_up_proj." in name:
             expected[name] = {"gate", "up"}
@@ -113,14 +122,15 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     expected = _expected_shards(params)
     loaded: dict[str, set[str]] = {name: set() for name in params}
     tensors = _gguf_tensors(model_dir, tp) if is_gguf_file(model_dir) else _safetensors(model_dir, tp)
-    tensors = _unfused(tensors, cfg, tp)
+    tensors = _unfused(_renamed(tensors), cfg, tp)
     for name, read in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
             continue
-        target, shard, start, rows = _target(name, fused, params)
+        target, shard, expert, start, rows = _target(name, fused, params)
         tensor = read()
         dest = params[target].data
-        dest = dest if shard == "" else dest.narrow(0, start, rows)
+        dest = dest if expert is None else dest[expert]
+        dest = dest if rows == 0 else dest.narrow(0, start, rows)
         if tuple(tensor.shape) != tuple(dest.shape):
             raise WeightLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
                                   f"model shape {tuple(dest.shape)} (config mismatch?)")
@@ -151,6 +161,46 @@ def _gguf_tensors(path: Path, tp: TensorParallel) -> Iterator[tuple[str, TensorR
 
 # Checkpoint-fused projections (Phi-3) -> the separate HF projections their rows stack, in order.
 _PREFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Mixtral's expert projections -> the names Qwen3-MoE / OLMoE (and our model) use.
+_MIXTRAL_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _renamed(tensors: Iterable[tuple[str, TensorReader]]) -> Iterator[tuple[str, TensorReader]]:
+    """Mixtral's `block_sparse_moe.gate` / `block_sparse_moe.experts.N.w1|w3|w2` -> `mlp.gate` /
+    `mlp.experts.N.gate_proj|up_proj|down_proj` (the reader keeps the original name for slicing)."""
+    for name, read in tensors:
+        parts = name.split(".")
+        if "block_sparse_moe" in parts:
+            parts[parts.index("block_sparse_moe")] = "mlp"
+            if len(parts) >= 2 and parts[-2] in _MIXTRAL_EXPERTS and "experts" in parts:
+                parts[-2] = _MIXTRAL_EXPERTS[parts[-2]]
+            name = ".".join(parts)
+        yield name, read
+
+
+def _stacked_experts(name: str, read: TensorReader, cfg: ModelConfig,
+                     tp: TensorParallel) -> Iterator[tuple[str, TensorReader]]:
+    """`...experts.gate_up_proj` [E, 2 I, hidden] / `...experts.down_proj` [E, hidden, I], read
+    whole once -> each expert's `...experts.N.gate_proj.weight` etc., narrowed to this rank's slice."""
+    prefix, kind = name.rsplit(".", 1)
+    whole = functools.cache(read)
+    inter = cfg.moe_intermediate_size
+    for e in range(cfg.num_experts):
+        if kind == "down_proj":
+            pieces = (("down_proj", None),)
+        else:
+            pieces = (("gate_proj", (0, inter)), ("up_proj", (inter, inter)))
+        for part, rows in pieces:
+            sub = f"{prefix}.{e}.{part}.weight"
+
+            def piece(e=e, rows=rows, sub=sub) -> torch.Tensor:
+                tensor = whole()
+                if tensor.shape[0] != cfg.num_experts:
+                    raise WeightLoadError(f"{name}: checkpoint has {tensor.shape[0]} experts, the "
+                                          f"config says {cfg.num_experts} (config mismatch?)")
+                tensor = tensor[e] if rows is None else tensor[e].narrow(0, *rows)
+                return _narrow_shard(tensor, sub, tp)
+            yield sub, piece
 
 
 def _unfused(tensors: Iterable[tuple[str, TensorReader]], cfg: ModelConfig,
@@ -163,6 +213,9 @@ def _unfused(tensors: Iterable[tuple[str, TensorReader]], cfg: ModelConfig,
     for name, read in tensors:
         parts = name.split(".")
         module = parts[-2] if len(parts) >= 2 else ""
+        if module == "experts" and parts[-1] in ("gate_up_proj", "down_proj"):
+            yield from _stacked_experts(name, read, cfg, tp)
+            continue
         if module not in _PREFUSED:
             yield name, read
             continue
@@ -183,14 +236,17 @@ def _read_rows(name: str, read: TensorReader, rows: int) -> torch.Tensor:
     return tensor
 
 
-_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split output rows
-_ROW_PARALLEL = ("o_proj", "down_proj")  # split input columns (weights only; biases replicated)
+# (Mixtral's experts: w1 = gate, w3 = up, w2 = down; the stacked experts are split per expert first.)
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")  # output rows
+_ROW_PARALLEL = ("o_proj", "down_proj", "w2")  # split input columns (weights only; biases replicated)
 
 
 def _split_dim(name: str) -> int | None:
     """The dimension TP splits this tensor along; None when every rank holds it whole."""
     parts = name.split(".")
     module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+    if module == "experts":  # stacked experts: read whole, split per expert (_stacked_experts)
+        return None
     if module in _COLUMN_PARALLEL:
         return 0
     if module in _ROW_PARALLEL and kind == "weight":
@@ -233,15 +289,30 @@ def _num_tensors(file: Path) -> int:
 
 
 def _target(name: str, fused: dict[str, tuple[str, str, int, int]],
-            params: dict[str, torch.nn.Parameter]) -> tuple[str, str, int, int]:
-    """Checkpoint tensor name -> (our parameter name, shard key, first row, row count)."""
+            params: dict[str, torch.nn.Parameter]) -> tuple[str, str, int | None, int, int]:
+    """Checkpoint tensor name -> (our parameter name, shard key, expert index or None, first row,
+    row count; 0 rows: the whole parameter, or the expert's whole slot)."""
     parts = name.split(".")
+    if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() and parts[-1] == "weight":
+        expert, module = int(parts[-3]), parts[-2]
+        prefix = ".".join(parts[:-3])
+        stacked = params.get(f"{prefix}.down_proj")
+        if stacked is not None and expert >= stacked.shape[0]:
+            raise WeightLoadError(f"{name}: expert {expert} is past the config's num_experts "
+                                  f"({stacked.shape[0]})")
+        if module == "down_proj" and f"{prefix}.down_proj" in params:
+            return f"{prefix}.down_proj", str(expert), expert, 0, 0
+        if module in ("gate_proj", "up_proj") and f"{prefix}.gate_up_proj" in params:
+            inter = params[f"{prefix}.gate_up_proj"].shape[1] // 2
+            part = module.removesuffix("_proj")
+            return (f"{prefix}.gate_up_proj", f"{expert}.{part}", expert,
+                    0 if part == "gate" else inter, inter)
     for i, part in enumerate(parts):
         if part in fused:
             ours, shard, start, rows = fused[part]
             target = ".".join(parts[:i] + [ours] + parts[i + 1:])
             if target in params:
-                return target, shard, start, rows
+                return target, shard, None, start, rows
     if name in params:
-        return name, "", 0, 0
+        return name, "", None, 0, 0
     raise WeightLoadError(f"unknown weight {name!r} in checkpoint: the model has no such parameter")

@@ -14,7 +14,9 @@ from worker_svc.model_loader.gguf_loader import read_config as read_gguf_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
-                           "GraniteForCausalLM")
+                           "GraniteForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+                           "OlmoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -48,10 +50,25 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Mixture of experts (0 experts: a dense model). Each MoE layer routes every token to its
+    # num_experts_per_tok best experts (softmax over the router logits, then top-k; the k weights
+    # renormalised to sum to 1 when norm_topk_prob); each expert is a SiLU-gated MLP of width
+    # moe_intermediate_size. Qwen3-MoE keeps a dense MLP (intermediate_size) on mlp_only_layers
+    # and on layers whose 1-based index is not a multiple of decoder_sparse_step.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -94,7 +111,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             o_bias=attention_bias and arch != "Qwen2ForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             eos_token_ids=_eos_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
@@ -104,6 +121,7 @@ class ModelConfig:
             residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
             attention_multiplier=_optional_float(raw.get("attention_multiplier")),
             logits_scaling=float(raw.get("logits_scaling", 1.0)),
+            **_moe(raw, arch),
         )
 
 
@@ -115,6 +133,27 @@ def _architecture(raw: dict[str, Any]) -> str:
     found = ", ".join(archs) or f"model_type={raw.get('model_type')!r}"
     raise UnsupportedModelError(
         f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _moe(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The MoE fields of ModelConfig (none for a dense architecture)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    if raw.get("clip_qkv") is not None:  # OLMoE's option to clamp q/k/v
+        raise UnsupportedModelError("clip_qkv is not supported")
+    # Qwen3-MoE's config says num_experts; transformers 5 saves it as num_local_experts (Mixtral's).
+    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    if num_experts < 1:
+        raise UnsupportedModelError(f"{arch} config has no num_experts / num_local_experts")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+        # Mixtral always renormalises the top-k weights; Qwen3-MoE and OLMoE say so in the config.
+        "norm_topk_prob": arch == "MixtralForCausalLM" or bool(raw.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(raw.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+    }
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

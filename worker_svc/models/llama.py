@@ -1,6 +1,7 @@
 """Llama-family decoder over flat batches: Llama, Mistral, Qwen2 (QKV bias), Qwen3 (q/k RMSNorm),
 Phi-3 (partial rotary; its checkpoints come pre-fused), Granite (embedding, residual, attention and
-logits scalings); OLMo 2 (worker_svc/models/olmo2.py) swaps in its own decoder layer.
+logits scalings); OLMo 2 (worker_svc/models/olmo2.py) swaps in its own decoder layer, and the
+mixture-of-experts families (worker_svc/models/moe.py) their own MLP.
 
 Plain eager PyTorch over `[num_tokens, hidden]`, no padding; q/k/v and gate/up are fused projections
 (the loader fuses HF's separate weights). Attention goes only through the paged-KV backend.
@@ -101,12 +102,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+    """Pre-norm block. A family that only swaps the attention or the MLP (the MoE families,
+    worker_svc/models/moe.py) overrides `attention` or `make_mlp`."""
+
+    attention: type[nn.Module] = Attention
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, tp)
+        self.self_attn = self.attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = self.make_mlp(cfg, tp, layer_idx)
         self.residual_multiplier = cfg.residual_multiplier  # Granite; 1.0 (skipped) elsewhere
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
@@ -118,13 +124,16 @@ class DecoderLayer(nn.Module):
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
+    def make_mlp(self, cfg: ModelConfig, tp: TensorParallel, layer_idx: int) -> nn.Module:
+        return MLP(cfg, tp)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE,
                  layer: type[nn.Module] = DecoderLayer, norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layer(cfg, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer(cfg, tp, i) for i in range(cfg.num_layers))
         self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling, cfg.rotary_dim)

@@ -23,7 +23,10 @@ from worker_svc.models.llama import MLP, Attention, LlamaForCausalLM
 
 class Olmo2RMSNorm(RMSNorm):
     """RMSNorm over `dim` features, of which each of the `tp.size` ranks holds a contiguous
-    1/tp.size slice (the whole of them without TP)."""
+    1/tp.size slice (the whole of them without TP). OLMoE's norms are the same but cast before
+    multiplying by the weight (Llama's order): `weight_in_fp32 = False`."""
+
+    weight_in_fp32 = True
 
     def __init__(self, dim: int, eps: float, tp: TensorParallel = SINGLE) -> None:
         super().__init__(dim, eps)  # the whole weight, on every rank
@@ -38,7 +41,10 @@ class Olmo2RMSNorm(RMSNorm):
             width = x.shape[-1]
             weight = self.weight[self.tp.rank * width:(self.tp.rank + 1) * width]
             variance = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True)) / self.weight.shape[0]
-        return (weight * (x32 * torch.rsqrt(variance + self.eps))).to(x.dtype)
+        normed = x32 * torch.rsqrt(variance + self.eps)
+        if self.weight_in_fp32:
+            return (weight * normed).to(x.dtype)
+        return weight * normed.to(x.dtype)
 
 
 class Olmo2Attention(Attention):
@@ -53,7 +59,7 @@ class Olmo2Attention(Attention):
 
 
 class Olmo2DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, layer_idx: int = 0) -> None:
         super().__init__()
         self.self_attn = Olmo2Attention(cfg, tp)
         self.post_attention_layernorm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
