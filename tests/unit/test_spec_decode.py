@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pagoda.contract.ids import RequestId
@@ -19,8 +19,9 @@ from pagoda.contract.params import FinishReason, SamplingParams
 from scheduler_svc.core import EngineRequest, SchedulerConfig
 from scheduler_svc.core.config import SpeculativeConfig
 from scheduler_svc.core.spec_decode import propose_ngram
-from tests.unit.test_fake_worker_property import expected, traces
+from tests.unit.test_fake_worker_property import EOS, expected, traces
 from tests.unit.test_poison_isolation import Run
+from worker_svc.fake.fake_worker import FakeSampler
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
 
@@ -60,6 +61,15 @@ def small_vocab_run(config: SchedulerConfig, fails, vocab_size: int, eos_probabi
     return run
 
 
+def samplable(sampling: SamplingParams, vocab_size: int) -> bool:
+    """Whether the fake sampler has a token to give: it always bans EOS (EOS comes only through
+    eos_probability) and bans the stop ids until min_tokens, and with every token of a tiny
+    vocabulary banned its `while token in banned` never ends (vocab 3, stop ids {1, 2} and
+    min_tokens >= 1 once hung the random-trace test below)."""
+    banned = {EOS} | (set(sampling.stop_token_ids) if sampling.min_tokens > 0 else set())
+    return not set(range(vocab_size)) <= banned
+
+
 def repeating(rid: str, max_tokens: int) -> EngineRequest:
     prompt = [3, 1, 2, 3, 1, 2, 3, 1]
     return EngineRequest(RequestId(rid), tuple(prompt),
@@ -86,6 +96,7 @@ def test_drafts_are_accepted_on_a_small_vocabulary_and_streams_stay_exact() -> N
        st.sampled_from([(0.0, 0.0), (0.05, 0.0001), (0.01, 0.002), (0.001, 0.01)]))
 def test_random_traces_with_speculation_keep_invariants_and_streams(trace, vocab, k, step_cost) -> None:
     config, requests, aborts, eos_probability, worker_loss_step = trace
+    assume(all(samplable(request.sampling, vocab) for _, request in requests))
     spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3, prompt_lookup_min=1)
     config = dataclasses.replace(config, speculative=spec)
     lost = []
@@ -114,6 +125,24 @@ def test_random_traces_with_speculation_keep_invariants_and_streams(trace, vocab
     assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
 
 
+def test_a_tiny_vocabulary_keeps_a_token_to_sample_or_the_trace_is_not_drawn() -> None:
+    # The trace that hung: vocab 3 = {EOS=0, 1, 2}, stop ids {1, 2}, min_tokens 1: nothing to sample.
+    assert not samplable(SamplingParams(min_tokens=1, stop_token_ids=(1, 2)), 3)
+    assert samplable(SamplingParams(min_tokens=0, stop_token_ids=(1, 2)), 3)  # stop ids allowed
+    assert samplable(SamplingParams(min_tokens=2, stop_token_ids=(1, 2)), 5)
+    # One token left (2): it is what the first min_tokens tokens must be, speculation or not.
+    config = SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=4,
+                             max_num_batched_tokens=64, eos_token_ids=(EOS,), speculative=SPEC)
+    request = EngineRequest(RequestId("r0"), (2, 1, 2, 1, 2),
+                            SamplingParams(temperature=0.0, max_tokens=12, min_tokens=2, stop_token_ids=(1,)))
+    assert samplable(request.sampling, 3)
+    run = small_vocab_run(config, lambda plan, result: False, 3)
+    run.go([(0, request)], max_steps=200)
+    want = expected(run.sampler, request, 0)
+    assert run.streams[("r0", 0)] == want and want[:2] == [2, 2]
+    assert run.scheduler.stats().num_used_blocks == 0
+
+
 def test_the_scheduler_flag_parses_vllms_json_and_refuses_bad_json(capsys) -> None:
     from scheduler_svc.__main__ import build_config, parse_args
 
@@ -137,3 +166,11 @@ def test_drafts_never_take_a_step_past_its_token_budget() -> None:
     for plan, result, _ in run.steps:
         drafts = sum(map(len, plan.draft_token_ids.values()))
         assert len(result.request_ids) - drafts <= 4 and drafts <= 3, plan
+
+
+def test_the_fake_sampler_refuses_a_vocabulary_with_every_token_banned():
+    """It once looped forever here (the random-trace test hung on a replayed example)."""
+    sampler = FakeSampler(vocab_size=3, eos_token_id=0)
+    with pytest.raises(ValueError, match="every token"):
+        sampler.sample(1, 0, 0, SamplingParams(min_tokens=1, stop_token_ids=(1, 2)))
+    assert sampler.sample(1, 0, 1, SamplingParams(min_tokens=1, stop_token_ids=(1, 2))) in (1, 2)
