@@ -48,18 +48,29 @@ OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
 pytestmark = pytest.mark.timeout(240)
 
 
-def openai_error_problem(status: int, body: bytes) -> str | None:
-    """What is wrong with a response, or None: no 5xx; a 4xx body in OpenAI's error shape."""
+def _error_body(status: int, body: bytes) -> tuple[str | None, dict | None]:
+    """(a problem, None) for a 5xx or a body that is not a JSON object; (None, None) below 400;
+    else (None, the parsed body) for the API's own shape check."""
     if status >= 500:
-        return f"server error {status}"
+        return f"server error {status}", None
     if status < 400:
-        return None
+        return None, None
     try:
         payload = json.loads(body)
     except ValueError:
-        return f"{status} with a body that is not JSON"
-    error = payload.get("error") if isinstance(payload, dict) else None
-    if not isinstance(payload, dict) or set(payload) != {"error"} or not isinstance(error, dict):
+        return f"{status} with a body that is not JSON", None
+    if not isinstance(payload, dict):
+        return f"{status} with a body that is not a JSON object", None
+    return None, payload
+
+
+def openai_error_problem(status: int, body: bytes) -> str | None:
+    """What is wrong with a response, or None: no 5xx; a 4xx body in OpenAI's error shape."""
+    problem, payload = _error_body(status, body)
+    if payload is None:
+        return problem
+    error = payload.get("error")
+    if set(payload) != {"error"} or not isinstance(error, dict):
         return f"{status} without the OpenAI error shape"
     if set(error) != OPENAI_ERROR_KEYS:
         return f"{status} error keys {sorted(error)}"
@@ -72,16 +83,11 @@ def openai_error_problem(status: int, body: bytes) -> str | None:
 
 def anthropic_error_problem(status: int, body: bytes) -> str | None:
     """The same for Anthropic's Messages API (/v1/messages): {"type": "error", "error": {"type", "message"}}."""
-    if status >= 500:
-        return f"server error {status}"
-    if status < 400:
-        return None
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        return f"{status} with a body that is not JSON"
-    error = payload.get("error") if isinstance(payload, dict) else None
-    if (not isinstance(payload, dict) or set(payload) != {"type", "error"} or payload["type"] != "error"
+    problem, payload = _error_body(status, body)
+    if payload is None:
+        return problem
+    error = payload.get("error")
+    if (set(payload) != {"type", "error"} or payload["type"] != "error"
             or not isinstance(error, dict) or set(error) != {"type", "message"}):
         return f"{status} without the Anthropic error shape"
     if not isinstance(error["type"], str) or not isinstance(error["message"], str) or not error["message"]:
