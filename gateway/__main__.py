@@ -70,13 +70,16 @@ def _add_routing_args(parser: argparse.ArgumentParser) -> None:
                        help="consecutive failures that take a replica out of rotation")
     group.add_argument("--breaker-cooldown", type=float, default=defaults.breaker_cooldown_s,
                        help="seconds before a replica out of rotation is probed again")
+    group.add_argument("--max-stream-failovers", type=int, default=defaults.max_stream_failovers,
+                       help="times a stream under way may move to another replica when its replica "
+                            "fails (0: never)")
 
 
 def _routing(args: argparse.Namespace) -> RoutingConfig:
     return RoutingConfig(policy=args.routing_policy, prefix_blocks=args.routing_prefix_blocks,
                          overload_threshold=args.routing_overload_threshold,
                          stats_interval_s=args.replica_stats_interval, breaker_failures=args.breaker_failures,
-                         breaker_cooldown_s=args.breaker_cooldown)
+                         breaker_cooldown_s=args.breaker_cooldown, max_stream_failovers=args.max_stream_failovers)
 
 
 def _config(args: argparse.Namespace, api_keys) -> GatewayConfig:

@@ -40,14 +40,15 @@ def request_from_pb(pb: engine_pb2.GenerateRequest, arrival_time: float,
         request_id=RequestId(pb.request_id or f"req-{uuid.uuid4().hex}"),
         prompt_token_ids=tuple(pb.prompt_token_ids), sampling=sampling_from_pb(pb.sampling),
         arrival_time=arrival_time, priority=pb.priority, cache_salt=pb.cache_salt or None,
-        lora=lora_from_pb(pb))
+        lora=lora_from_pb(pb), num_prior_output_tokens=pb.num_prior_output_tokens)
 
 
 def request_to_pb(request: EngineRequest) -> engine_pb2.GenerateRequest:
     return engine_pb2.GenerateRequest(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_pb(request.sampling), priority=request.priority,
-        cache_salt=request.cache_salt or "", lora=lora_to_pb(request.lora))
+        cache_salt=request.cache_salt or "", lora=lora_to_pb(request.lora),
+        num_prior_output_tokens=request.num_prior_output_tokens)
 
 
 def delta_to_pb(delta: SequenceDelta) -> engine_pb2.SequenceDelta:

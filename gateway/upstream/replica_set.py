@@ -4,9 +4,15 @@
 + GetStats every `stats_interval_s`: the router's load, and the circuit breaker's probe), and
 routes each `generate` with gateway/upstream/routing.py. Failover: a replica that fails a request with
 UNAVAILABLE (or RESOURCE_EXHAUSTED, queue full) before any token was streamed has it re-submitted
-to another replica, transparently; a stream already under way ends with its error (the handlers
-render it as today). Every replica is tried at most once per request. Aborts go to the replica
-that holds the request. Ready when at least one replica serves.
+to another replica, transparently. A stream already under way whose replica fails (UNAVAILABLE:
+connection lost, scheduler gone, or its worker lost) goes on on another replica (mid-stream
+failover, `continuation`): the prompt plus the tokens already streamed, marked as earlier output
+(`num_prior_output_tokens`), with max_tokens / min_tokens reduced by them, so greedy and seeded
+streams continue with exactly the tokens the first replica would have sampled. Request errors
+(INVALID_ARGUMENT, INTERNAL: a poison request) and the caller leaving are never failed over.
+Every replica is tried at most once per request, and at most `max_stream_failovers` continuations;
+then the error ends the stream (the handlers render it as before). Aborts go to the replica that
+holds the request. Ready when at least one replica serves.
 """
 
 from __future__ import annotations
@@ -30,6 +36,40 @@ log = get_logger(__name__)
 # Failures before the first token that another replica may take over. UNAVAILABLE also opens the
 # breaker; RESOURCE_EXHAUSTED (that replica's queue is full) is load, not a fault.
 _RESUBMIT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def can_continue(request: engine_pb2.GenerateRequest, produced: Sequence[int]) -> bool:
+    """Whether a stream of `request` can move on after `produced`: one sequence (n > 1 and beam
+    search keep several, which one prompt cannot carry on) with tokens left to sample."""
+    sampling = request.sampling
+    if (sampling.n if sampling.HasField("n") else 1) != 1 or sampling.beam_width:
+        return False
+    return not sampling.HasField("max_tokens") or sampling.max_tokens > len(produced)
+
+
+def continuation(request: engine_pb2.GenerateRequest, produced: Sequence[int]) -> engine_pb2.GenerateRequest:
+    """`request` carried on after `produced` (sequence 0's tokens already streamed): they join the
+    prompt as earlier output, which the worker counts as output (the seeded sampler's position,
+    frequency / presence penalties, bad words, grammar), while the new limits count new tokens."""
+    carried = engine_pb2.GenerateRequest()
+    carried.CopyFrom(request)
+    carried.prompt_token_ids.extend(produced)
+    carried.num_prior_output_tokens = request.num_prior_output_tokens + len(produced)
+    sampling = carried.sampling
+    if sampling.HasField("max_tokens"):  # absent: up to the context, the same total either way
+        sampling.max_tokens -= len(produced)
+    sampling.min_tokens = max(0, sampling.min_tokens - len(produced))
+    sampling.ClearField("prompt_logprobs")  # streamed with the first token already
+    return carried
+
+
+def _as_continued(response: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse:
+    """A continuation's response with its prompt facts dropped: the caller keeps the first
+    replica's (the original prompt's tokens and cache hits, its queue time)."""
+    response.num_prompt_tokens = response.num_cached_tokens = 0
+    response.queue_seconds = 0.0
+    del response.prompt_logprobs[:]
+    return response
 
 
 class Replica:
@@ -128,6 +168,9 @@ class ReplicaSet:
                            self._config.prefix_blocks, lora.cache_key if lora else None)
                if self.block_size else None)
         tried: set[int] = set()
+        attempt = request  # the original, or its continuation after a mid-stream failover
+        produced: list[int] = []  # sequence 0's tokens streamed so far, on every replica
+        failovers = 0
         while True:
             candidates = self.available(tried)
             if tried:  # failover: the least-loaded of the rest, whatever the policy
@@ -140,11 +183,14 @@ class ReplicaSet:
             self._holders[request.request_id] = replica
             started = False
             try:
-                async with contextlib.aclosing(replica.client.generate(request, metadata)) as stream:
+                async with contextlib.aclosing(replica.client.generate(attempt, metadata)) as stream:
                     async for response in stream:
                         if not started and any(d.token_ids or d.finish_reason for d in response.sequences):
                             started = True
                             self._succeeded(replica)  # it serves (the caller may stop reading early)
+                        if attempt is not request:
+                            _as_continued(response)
+                        produced += [t for d in response.sequences if d.index == 0 for t in d.token_ids]
                         yield response
                 return
             except UpstreamError as error:
@@ -152,9 +198,19 @@ class ReplicaSet:
                     self._failed(replica, "request failed: UNAVAILABLE")
                 if error.grpc_code not in _RESUBMIT:
                     raise
-                if started:
-                    metrics.ROUTER_STREAMS_FAILED.labels(replica.label).inc()
-                    raise
+                # Under way: this replica streamed tokens, or a continuation's replica is gone
+                # before its first (a continuation refused for load is re-submitted as it is).
+                if started or (produced and error.grpc_code == grpc.StatusCode.UNAVAILABLE):
+                    if (error.grpc_code != grpc.StatusCode.UNAVAILABLE or not can_continue(request, produced)
+                            or failovers >= self._config.max_stream_failovers or len(tried) == len(self.replicas)):
+                        metrics.ROUTER_STREAMS_FAILED.labels(replica.label).inc()
+                        raise
+                    failovers += 1
+                    attempt = continuation(request, produced)
+                    metrics.ROUTER_STREAM_FAILOVERS.labels(replica.label).inc()
+                    log.warning("stream_failed_over", request_id=request.request_id, failed_replica=replica.index,
+                                tokens_streamed=len(produced), failover=failovers, reason=str(error))
+                    continue
                 if len(tried) == len(self.replicas):
                     raise
                 metrics.ROUTER_RESUBMITTED.labels(replica.label).inc()

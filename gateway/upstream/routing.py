@@ -48,6 +48,8 @@ class RoutingConfig:
     """Consecutive failures (UNAVAILABLE, NOT_SERVING, no answer) that open a replica's breaker."""
     breaker_cooldown_s: float = 5.0
     """How long an open breaker keeps its replica out before a half-open probe."""
+    max_stream_failovers: int = 2
+    """Mid-stream failovers per request (a stream under way moved to another replica); 0: none."""
 
     def __post_init__(self) -> None:
         if self.policy is not None and self.policy not in POLICIES:
@@ -60,6 +62,8 @@ class RoutingConfig:
             raise ValueError("stats_interval_s must be positive and breaker_cooldown_s not negative")
         if self.breaker_failures < 1:
             raise ValueError("breaker_failures must be at least 1")
+        if self.max_stream_failovers < 0:
+            raise ValueError("max_stream_failovers must not be negative")
 
     def policy_for(self, num_replicas: int) -> str:
         return self.policy or ("prefix" if num_replicas > 1 else "least-loaded")

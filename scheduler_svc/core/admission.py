@@ -80,8 +80,8 @@ class Admission:
         if seq.host_blocks:  # swapped out: its KV comes back from the host
             self._swap.swap_in(seq, len(hits), draft.plan)
         draft.plan.new_requests.append(NewRequestData(
-            seq.seq_id, list(seq.token_ids), req.num_prompt_tokens, list(seq.block_table),
-            start, num_new, req.sampling, seq.seq_index, req.lora))
+            seq.seq_id, list(seq.token_ids), req.worker_num_prompt_tokens, list(seq.block_table),
+            start, num_new, req.worker_sampling, seq.seq_index, req.lora))
         seq.resident = True
         self._queues.add_running(seq)
         draft.commit(seq, num_new)

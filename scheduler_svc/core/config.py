@@ -102,6 +102,14 @@ def check_request(cfg: SchedulerConfig, request: EngineRequest, num_waiting: int
     if not prompt:
         raise InvalidRequestError("the prompt is empty: at least one token is required")
     check_context_length(cfg.max_model_len, len(prompt), sampling.max_tokens)
+    if request.num_prior_output_tokens:
+        if request.num_prior_output_tokens >= len(prompt):
+            raise InvalidRequestError("num_prior_output_tokens must be less than the prompt's length")
+        if sampling.n > 1 or sampling.beam_width or sampling.prompt_logprobs is not None:
+            # One sequence's earlier output: n > 1 and beams have several; prompt logprobs would
+            # cover the earlier output as if it were prompt.
+            raise InvalidRequestError("num_prior_output_tokens needs n=1, no beam search and no "
+                                      "prompt_logprobs")
     max_tokens = cfg.max_model_len - len(prompt) if sampling.max_tokens is None else sampling.max_tokens
     num_seqs = sampling.beam_width or sampling.n
     if num_seqs > cfg.max_num_seqs:

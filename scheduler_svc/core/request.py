@@ -8,6 +8,7 @@ ranking in beam_search.py): every other core module may import it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -39,6 +40,10 @@ class EngineRequest:
     priority: int = 0  # lower runs first (vLLM's convention); ties break by arrival
     cache_salt: str | None = None  # keeps one tenant's prefix cache invisible to another
     lora: LoRARequest | None = None  # the adapter to run under; None: the base model
+    # A mid-stream failover's continuation (the gateway's): the last this-many prompt tokens are
+    # output this request already produced elsewhere. The scheduler's own limits (max_tokens,
+    # min_tokens) count new tokens only; the worker is told they are output (Request.worker_*).
+    num_prior_output_tokens: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -61,6 +66,7 @@ class Request:
     # sets it in add_request, so a step calls stop_reason() only for such a token or at the limit.
     stop_token_set: frozenset[int] = frozenset()
     beam: BeamGroup | None = None  # beam search (beam_group.py); None: n independent sequences
+    num_prior_output_tokens: int = 0  # EngineRequest's
     # Fields, not properties: read for every sequence on every step.
     num_prompt_tokens: int = field(init=False)
     max_num_tokens: int = field(init=False)  # prompt + max_tokens: no token is sampled beyond it
@@ -69,9 +75,18 @@ class Request:
     # With sampling.prompt_logprobs: those of prompt tokens 1.. received so far (the worker reports
     # them chunk by chunk); handed out whole with sequence 0's first token. None: not asked.
     prompt_logprobs: list[TokenLogprobs] | None = field(init=False)
+    # What the worker is told (a continuation's earlier output counted as output there, so seeded
+    # draws, penalties, bad words, grammar and min_tokens masking go on where they stopped).
+    worker_num_prompt_tokens: int = field(init=False)
+    worker_sampling: SamplingParams = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        prior = self.num_prior_output_tokens
+        self.worker_num_prompt_tokens = self.num_prompt_tokens - prior
+        s = self.sampling
+        self.worker_sampling = s if not prior else dataclasses.replace(
+            s, min_tokens=s.min_tokens + prior, max_tokens=None if s.max_tokens is None else s.max_tokens + prior)
         self.max_num_tokens = self.num_prompt_tokens + self.max_tokens
         self.lora_key = self.lora.cache_key if self.lora is not None else None
         self.prompt_logprobs = [] if self.sampling.prompt_logprobs is not None else None

@@ -103,7 +103,7 @@ class Scheduler:
         stop_set = sampling.stop_tokens(self.config.eos_token_ids)
         req = Request(rid, tuple(prompt), sampling, max_tokens, request.priority, request.arrival_time,
                       next(self._arrivals), request.cache_salt, request.lora, num_unfinished=num_seqs,
-                      stop_token_set=stop_set)
+                      stop_token_set=stop_set, num_prior_output_tokens=request.num_prior_output_tokens)
         seq = Sequence(rid, 0, req, list(prompt), pending_fork=num_seqs > 1)
         req.seqs.append(seq)
         if sampling.beam_width:

@@ -1,5 +1,5 @@
 """gateway/upstream/replica_set.py against two in-process fake Engines: failover before the first token,
-no failover after it, aborts to the holder, breakers fed by failures and probes, stats merged."""
+none after it without a mid-stream failover budget, aborts to the holder, breakers fed by failures and probes, stats merged."""
 
 from __future__ import annotations
 
@@ -89,10 +89,11 @@ async def test_a_request_refused_unavailable_before_its_first_token_completes_on
         assert len(down.requests) == before
 
 
-async def test_a_stream_already_under_way_ends_with_its_error_and_is_not_resubmitted():
+async def test_without_a_failover_budget_a_stream_under_way_ends_with_its_error():
+    # Mid-stream failover itself: tests/gateway/test_stream_failover.py.
     failing, other = _engine(MidStreamOutage), _engine()
     failed = _count(metrics.ROUTER_STREAMS_FAILED, "0")
-    async with replica_set(failing, other) as replicas:
+    async with replica_set(failing, other, max_stream_failovers=0) as replicas:
         received = []
         with pytest.raises(UpstreamError) as error:
             async for response in replicas.generate(_request("x")):

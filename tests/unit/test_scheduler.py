@@ -221,3 +221,34 @@ def test_fail_all_ends_every_sequence_once_including_unforked_children():
         ("r", i, FinishReason.ERROR) for i in range(3)]
     assert not sched.has_unfinished_requests() and sched.stats().num_free_blocks == 16
     sched.check_invariants()
+
+
+def test_a_failover_continuation_samples_what_the_original_would_have():
+    """A continuation (prompt + earlier output, num_prior_output_tokens) is told to the worker as
+    the original prompt with that output as output, so min_tokens masking (and, on a real worker,
+    seeded positions and penalties) go on where they stopped; its own limits count new tokens."""
+    stops = tuple(range(1, 45))  # most tokens stop the request, once past min_tokens
+    prompt = (3, 1, 4, 1, 5)
+    sched, worker = setup()
+    sched.add_request(req("a", prompt, min_tokens=6, max_tokens=8, stop_token_ids=stops))
+    original = drive(sched, worker)[("a", 0)]
+    assert len(original) > 6  # masked until 6 outputs: the continuation below crosses that
+    tokens = original[:-1]
+    sched, worker = setup()
+    sched.add_request(EngineRequest(RequestId("a"), prompt + tuple(tokens[:3]),
+                                    SamplingParams(min_tokens=3, max_tokens=5, stop_token_ids=stops),
+                                    num_prior_output_tokens=3))
+    plan, _ = step(sched, worker)
+    (new,) = plan.new_requests
+    assert (new.num_prompt_tokens, new.sampling.min_tokens) == (len(prompt), 6)
+    rest = drive(sched, worker)[("a", 0)]
+    assert [*worker.sampled["a"][:1], *rest] == [*tokens[3:], original[-1]]
+
+
+@pytest.mark.parametrize("sampling", [{"n": 2}, {"beam_width": 2}, {"prompt_logprobs": 1}, {}])
+def test_a_continuation_must_be_one_sequence_and_shorter_than_its_prompt(sampling):
+    sched, _ = setup()
+    prior = 5 if not sampling else 2  # {}: all of its prompt would be earlier output
+    with pytest.raises(InvalidRequestError, match="num_prior_output_tokens"):
+        sched.add_request(EngineRequest(RequestId("c"), (1, 2, 3, 4, 5), SamplingParams(max_tokens=4, **sampling),
+                                        num_prior_output_tokens=prior))
