@@ -22,5 +22,15 @@ def load_tokenizer(model: str | Path, **kwargs: Any) -> Any:
 
     if is_gguf_file(model):
         path = Path(model)
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
+        try:
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
+        except ValueError as error:  # "GGUF model with architecture olmo2 is not supported yet."
+            if "architecture" not in str(error):
+                raise
+        # AutoTokenizer parses the file's model config to pick a tokenizer class, which transformers
+        # does for some GGUF architectures only (not OLMo 2, OLMoE or Granite); the tokenizer itself
+        # converts from the metadata alone, into the same class AutoTokenizer gives a Llama GGUF.
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
     return AutoTokenizer.from_pretrained(model, **kwargs)

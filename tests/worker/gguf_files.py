@@ -1,9 +1,12 @@
 """Tiny GGUF files for the tests, written with gguf.GGUFWriter the way llama.cpp's converter lays
-them out (its tensor names and q/k row permutation), independently of worker_svc/model_loader/gguf_loader.py."""
+them out (its tensor names and q/k row permutation, its stacked experts), independently of
+worker_svc/model_loader/gguf_loader.py."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections import defaultdict
 from pathlib import Path
 
 import gguf
@@ -19,16 +22,44 @@ LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
                "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-GGUF_ARCH = {"mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # hf_models kind -> GGUF arch
+               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused ones
+               "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}  # MoE routers
+# OLMo 2's post-norms: llama.cpp's olmo2 has no ffn_norm, its post_attention_layernorm is a post-norm.
+OLMO2_NAMES = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+# HF's per-expert projections (Mixtral's w1/w3/w2 too) -> the stacked GGUF tensor of that layer.
+EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+# hf_models kind -> GGUF arch. Mistral and Mixtral are "llama" (Mixtral with llama.expert_count).
+GGUF_ARCH = {"mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "olmo2": "olmo2",
+             "granite": "granite", "mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+PERMUTED = ("llama", "granite")  # convert_hf_to_gguf.py's LlamaModel and its subclass GraniteModel
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str = "llama") -> str:
     stem, kind = hf.rsplit(".", 1)
     if stem in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[stem]}.{kind}"
     _, _, layer, module = stem.split(".", 3)
-    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+    names = {**LAYER_NAMES, **OLMO2_NAMES} if arch == "olmo2" else LAYER_NAMES
+    return f"blk.{layer}.{names[module]}.{kind}"
+
+
+def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each layer's per-expert projections -> one [experts, rows, cols] array per projection, under
+    its GGUF name (the converter's torch.stack); every other tensor stays, under its HF name."""
+    stacks: dict[tuple[str, str], dict[int, np.ndarray]] = defaultdict(dict)
+    rest = {}
+    for name, array in tensors.items():
+        match = EXPERT.fullmatch(name)
+        if match:
+            stacks[match[1], EXPERT_NAMES[match[3]]][int(match[2])] = array
+        else:
+            rest[name] = array
+    for (layer, stacked), experts in stacks.items():
+        rest[f"blk.{layer}.{stacked}.weight"] = np.stack([experts[e] for e in range(len(experts))])
+    return rest
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -36,7 +67,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_metadata(writer: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+def _write_metadata(writer: gguf.GGUFWriter, cfg: ModelConfig, arch: str) -> None:
     writer.add_block_count(cfg.num_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -50,6 +81,18 @@ def _write_metadata(writer: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_ids[0])
+    if arch == "phi3":  # Phi3MiniModel writes it always: int(partial_rotary_factor * hidden) // heads
+        writer.add_rope_dimension_count(cfg.rotary_dim)
+    if arch == "granite":  # GraniteModel: HF's multipliers, under llama.cpp's names
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
+    if cfg.num_experts:
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":  # its feed_forward_length is the dense MLP's; Mixtral's and OLMoE's the experts'
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path) -> None:
@@ -70,10 +113,13 @@ def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path) -> None:
 def write_gguf(path: Path, model_dir: Path, arch: str, types: dict[str, Q] | None = None,
                tokenizer: bool = False) -> Path:
     """The HF directory `model_dir` (config + safetensors) as a GGUF for `arch`; tensors in F32
-    unless `types` names another type for them."""
+    unless `types` names another type for them (stacked experts: by their GGUF name)."""
     cfg = ModelConfig.from_dir(model_dir)
     writer = gguf.GGUFWriter(str(path), arch)
-    _write_metadata(writer, cfg)
+    _write_metadata(writer, cfg, arch)
+    pad = json.loads((model_dir / "config.json").read_text()).get("pad_token_id")
+    if pad is not None:  # the converter's SpecialVocab takes it from config.json
+        writer.add_pad_token_id(pad)
     if tokenizer:
         _write_tokenizer(writer, model_dir)
     tensors = {}
@@ -81,12 +127,12 @@ def write_gguf(path: Path, model_dir: Path, arch: str, types: dict[str, Q] | Non
         tensors.update({k: v.numpy() for k, v in load_file(file).items()})
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    for name, array in tensors.items():
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+    for name, array in stack_experts(tensors).items():
+        if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             array = llama_cpp_permute(array, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         qtype = (types or {}).get(name, Q.F32)
         data = array if qtype == Q.F32 else gguf.quants.quantize(array, qtype)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
+        writer.add_tensor(name if name.startswith("blk.") else gguf_name(name, arch), data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -3,6 +3,7 @@ a GGUF made from the tiny model, the download's failure modes, and the fallback 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import zipfile
 from pathlib import Path
@@ -13,7 +14,8 @@ from safetensors.torch import load_file
 
 from pagoda.runtime.model_files import load_tokenizer
 from pagoda.tools import default_model
-from tests.worker.gguf_files import write_gguf
+from tests.worker.gguf_files import GGUF_ARCH, write_gguf
+from tests.worker.hf_models import build_hf_model, hf_logits
 from worker_svc.model_loader.model_config import ModelConfig
 
 
@@ -35,6 +37,28 @@ def test_a_gguf_converts_to_the_same_hf_model(tiny_model_dir, tmp_path):
     chat = [{"role": "user", "content": "Hi there"}]
     assert tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
         ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+
+
+@pytest.mark.parametrize("kind", ["phi3", "olmo2", "mixtral", "qwen3_moe"])
+def test_a_gguf_of_each_layout_converts_to_what_transformers_loads(kind, tiny_model_dir, tmp_path):
+    # Phi-3's fused tensors stay fused, OLMo 2's post-norms, stacked experts become HF's per-expert
+    # tensors (Mixtral's block_sparse_moe w1/w3/w2): the same files, so transformers' logits match.
+    hf_dir = build_hf_model(kind, tmp_path / kind)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer to carry; its vocabulary is not used
+        shutil.copy(Path(tiny_model_dir) / name, hf_dir / name)
+    gguf = write_gguf(tmp_path / f"{kind}.gguf", hf_dir, GGUF_ARCH[kind], tokenizer=True)
+    out = tmp_path / "converted"
+    assert default_model.main(["--gguf", str(gguf), "--out", str(out)]) == 0
+    theirs = {k: v for f in hf_dir.glob("*.safetensors") for k, v in load_file(f).items()}
+    ours = load_file(out / "model.safetensors")
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    prompt = list(range(3, 40))
+    torch.testing.assert_close(hf_logits(out, prompt), hf_logits(hf_dir, prompt), atol=1e-5, rtol=0)
+    # transformers' AutoTokenizer refuses an olmo2 GGUF (no config mapping): load_tokenizer falls back
+    text = "  two  spaces, é and 123\n"
+    expected = load_tokenizer(tiny_model_dir)(text, add_special_tokens=False)["input_ids"]
+    for tokenizer in (load_tokenizer(gguf), load_tokenizer(out)):
+        assert tokenizer(text, add_special_tokens=False)["input_ids"] == expected
 
 
 def test_without_network_it_falls_back_to_the_tiny_model(tmp_path, monkeypatch, capsys):

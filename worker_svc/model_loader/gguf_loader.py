@@ -12,7 +12,15 @@ Anything else (K-quants, IQ types...) is refused up front with the list of what 
 
 llama.cpp's converter permutes the rows of Llama's q/k projections (`LlamaModel.permute`) so that
 its RoPE rotates interleaved pairs; HF's and ours rotate halves, so `_unpermute` reverses that.
-Qwen2/Qwen3 are converted without the permutation (llama.cpp uses NEOX RoPE for them).
+Granite and Mixtral are converted by `LlamaModel` subclasses, so theirs are permuted too; Qwen2,
+Qwen3, Qwen3-MoE, Phi-3, OLMo 2 and OLMoE are converted without it (llama.cpp uses NEOX RoPE for them).
+
+Families beyond the Llama layout: Phi-3 stores q/k/v fused (`attn_qkv`) and gate+up fused in
+`ffn_up`, as its HF checkpoints do (the loader splits both); OLMo 2 has post-norms
+(`post_attention_norm`, `post_ffw_norm`) and no pre-norms; the mixture-of-experts families store
+each layer's experts stacked into one 3-D tensor per projection (`ffn_gate_exps` [experts, inter,
+hidden]...), which `read_tensors` splits back into HF's per-expert tensors. Mixtral has no GGUF
+architecture of its own: it is `llama` with `llama.expert_count` set.
 """
 
 from __future__ import annotations
@@ -29,9 +37,18 @@ import torch
 
 from worker_svc.model_loader.errors import UnsupportedModelError
 
-# GGUF `general.architecture` -> the HF architecture our model serves. Mistral GGUFs say "llama".
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_PERMUTED_QK = ("llama",)
+# GGUF `general.architecture` -> the HF architecture our model serves. Mistral GGUFs say "llama",
+# and so do Mixtral's (with experts: MIXTRAL below).
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+MIXTRAL = "MixtralForCausalLM"
+# HF's model_type where it is not the GGUF architecture's name (config.json written by default_model).
+_MODEL_TYPES = {"Qwen3MoeForCausalLM": "qwen3_moe", MIXTRAL: "mixtral"}
+# convert_hf_to_gguf.py's LlamaModel (Llama, Mistral, Mixtral) and its subclass GraniteModel.
+_PERMUTED_QK = ("llama", "granite")
+# llama.cpp renormalises the top-k expert weights for these (hard-coded in its graphs, no GGUF key).
+_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -39,7 +56,18 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",  # OLMo 2
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
 }
+# Per HF architecture, where a GGUF name means something else than in _LAYER_NAMES.
+_ARCH_LAYER_NAMES = {
+    "Phi3ForCausalLM": {"ffn_up": "mlp.gate_up_proj"},  # llama.cpp's phi3 has no ffn_gate: up holds both
+    MIXTRAL: {"ffn_gate_inp": "block_sparse_moe.gate"},
+}
+# Stacked experts -> HF's per-expert projection (Mixtral's: w1, w3, w2 under block_sparse_moe).
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -82,19 +110,24 @@ def config_from_reader(reader: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:  # Llama 3.1-style frequency factors: not in the metadata
         raise UnsupportedModelError("GGUF rope_freqs (llama3 RoPE scaling) is not supported")
+    if "rope_factors_long.weight" in names:  # Phi-3's LongRoPE (128k-context) factors
+        raise UnsupportedModelError("GGUF rope_factors_long (Phi-3 LongRoPE scaling) is not supported")
 
     def meta(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
 
+    architecture = gguf_architecture(reader)
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length") or hidden // heads)
-    if meta("rope.dimension_count", head_dim) != head_dim:
-        raise UnsupportedModelError(f"partial rotary ({meta('rope.dimension_count')} of {head_dim} "
-                                    "dims) is not supported")
+    rotary_dims = int(meta("rope.dimension_count", head_dim))
+    # Phi-3's HF config may rotate part of each head (Phi-4-mini: 3/4); the other families' none.
+    if rotary_dims != head_dim and arch != "phi3":
+        raise UnsupportedModelError(f"partial rotary ({rotary_dims} of {head_dim} dims) is not "
+                                    f"supported for GGUF architecture {arch!r}")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     config = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [architecture],
+        "model_type": _MODEL_TYPES.get(architecture, arch),
         "hidden_size": hidden,
         "intermediate_size": int(meta("feed_forward_length")),
         "num_hidden_layers": int(meta("block_count")),
@@ -111,8 +144,18 @@ def config_from_reader(reader: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
+        # HF's Phi-3 config defaults it to 32000, past a smaller vocabulary: written out for transformers
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": _stored_dtype(reader),
     }
+    if rotary_dims != head_dim:
+        config["partial_rotary_factor"] = rotary_dims / head_dim
+    if arch == "granite":  # a key the file lacks keeps ModelConfig's default (no scaling)
+        scales = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+                  "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
+        config.update({hf: float(meta(key)) for hf, key in scales.items() if meta(key) is not None})
+    if meta("expert_count"):
+        config.update(_moe_config(arch, architecture, meta, names))
     scaling = meta("rope.scaling.type")
     if scaling not in (None, "none"):
         config["rope_scaling"] = {"rope_type": scaling, "factor": float(meta("rope.scaling.factor", 1.0))}
@@ -120,6 +163,35 @@ def config_from_reader(reader: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     stop_ids = [i for i in (eos, _field(reader, "tokenizer.ggml.eot_token_id")) if i is not None]
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": list(dict.fromkeys(stop_ids))}
     return config, generation
+
+
+def gguf_architecture(reader: Any) -> str:
+    """The HF architecture of a GGUF (its `general.architecture` must be supported)."""
+    arch = _field(reader, "general.architecture")
+    if arch == "llama" and _field(reader, "llama.expert_count"):
+        return MIXTRAL
+    return GGUF_ARCHITECTURES[arch]
+
+
+def _moe_config(arch: str, architecture: str, meta: Callable[..., Any], names: set[str]) -> dict[str, Any]:
+    """The config.json keys of a mixture-of-experts GGUF (as HF's config of that family names them)."""
+    if arch not in _NORM_TOPK:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} with experts is not supported")
+    if meta("attention.clamp_kqv") is not None:  # OLMoE's clip_qkv, which ModelConfig refuses too
+        raise UnsupportedModelError("GGUF attention.clamp_kqv (clip_qkv) is not supported")
+    layers = int(meta("block_count"))
+    # A layer without a router is a dense one (Qwen3-MoE's mlp_only_layers; llama.cpp itself expects
+    # every layer to be MoE, so its converter writes none such).
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    experts = "num_local_experts" if architecture == MIXTRAL else "num_experts"
+    return {
+        experts: int(meta("expert_count")),
+        "num_experts_per_tok": int(meta("expert_used_count")),
+        # Mixtral's and OLMoE's feed_forward_length is the experts' width; Qwen3-MoE writes both.
+        "moe_intermediate_size": int(meta("expert_feed_forward_length") or meta("feed_forward_length")),
+        "norm_topk_prob": bool(meta("expert_weights_norm", _NORM_TOPK[arch])),
+        "mlp_only_layers": dense,
+    }
 
 
 def _stored_dtype(reader: Any) -> str:
@@ -180,15 +252,23 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torc
 
 # -- weights -----------------------------------------------------------------------------------------
 
-def hf_name(gguf_name: str) -> str | None:
-    """GGUF tensor name -> HF parameter name; None for a name this mapping does not know."""
+def hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | None:
+    """GGUF tensor name -> HF parameter name (of `architecture`, the HF one); None for a name this
+    mapping does not know. Stacked experts map to a template with `{}` for the expert's index."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{kind}"
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match and match[2] in _LAYER_NAMES:
-        return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
-    return None
+    if not match:
+        return None
+    layer, module = match[1], match[2]
+    if module in _EXPERT_NAMES:
+        projection = _EXPERT_NAMES[module]
+        if architecture == MIXTRAL:
+            return f"model.layers.{layer}.block_sparse_moe.experts.{{}}.{_MIXTRAL_EXPERTS[projection]}.{kind}"
+        return f"model.layers.{layer}.mlp.experts.{{}}.{projection}.{kind}"
+    hf = _ARCH_LAYER_NAMES.get(architecture, {}).get(module) or _LAYER_NAMES.get(module)
+    return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
 
 
 def _unpermute(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -205,13 +285,18 @@ def read_tensors(path: str | Path, desc: str | None = None) -> Iterator[tuple[st
     reader = _reader(path)
     config, _ = read_config(path)
     _check_supported({t.tensor_type.name for t in reader.tensors})  # before dequantising anything
-    permute = config["model_type"] in _PERMUTED_QK
+    architecture = config["architectures"][0]
+    permute = _field(reader, "general.architecture") in _PERMUTED_QK
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for t in tqdm(reader.tensors, desc=desc or f"dequantising {Path(path).name}", unit="tensor",
                   disable=None):
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
         tensor = dequantize(t.data, t.tensor_type.name, shape)
-        name = hf_name(t.name) or t.name
+        name = hf_name(t.name, architecture) or t.name
+        if "{}" in name:  # stacked experts [experts, rows, cols]: HF's checkpoints hold one per expert
+            # cloned: a view would keep the whole stack alive, and safetensors refuses shared storage
+            yield from ((name.format(e), tensor[e].clone()) for e in range(tensor.shape[0]))
+            continue
         module = name.split(".")[-2] if "." in name else ""
         if permute and module in heads:
             tensor = _unpermute(tensor, heads[module])
