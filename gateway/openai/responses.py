@@ -87,19 +87,22 @@ class ChatLogprobs(BaseModel):
 
 
 class _OmitNoToolCalls(BaseModel):
-    """`tool_calls` appears only when there are some (OpenAI's messages and deltas omit it)."""
+    """`tool_calls` and `reasoning_content` appear only when there are some (OpenAI's messages and
+    deltas omit tool_calls; a model without --reasoning-parser has no reasoning)."""
 
     @model_serializer(mode="wrap")
     def _omit_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
 class ChatResponseMessage(_OmitNoToolCalls):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's: the thinking, with --reasoning-parser
     tool_calls: list[ToolCall] | None = None
 
 
@@ -124,6 +127,7 @@ class ChatCompletionResponse(_OmitNoPromptLogprobs):
 class DeltaMessage(_OmitNoToolCalls):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
