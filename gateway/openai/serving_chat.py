@@ -42,6 +42,7 @@ from gateway.openai.responses import (
     ChatTokenLogprob,
     DeltaMessage,
     TopLogprob,
+    timings_of,
     usage_info,
 )
 from gateway.openai.streaming import sse_stream, until_disconnected
@@ -179,23 +180,26 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
                    for i in range(body.n)]
         steps = prepend(answer.first, answer.steps)
         prompt_logprobs: list = []
-        usage = await until_disconnected(http, _collect(steps, choices, tokenizer, prompt_logprobs))
+        last = await until_disconnected(http, _collect(steps, choices, tokenizer, prompt_logprobs))
         tools = plan.parsers(body.n, body.parallel_tool_calls) or [None] * body.n
         reasoners = reasoning_parsers(state.config, body.n) or [None] * body.n
         for choice, parser, reasoner in zip(choices, tools, reasoners, strict=True):
             _finish_choice(choice, parser, reasoner)
         return JSONResponse(ChatCompletionResponse(
-            id=request_id, model=model, choices=choices, usage=usage_info(usage),
+            id=request_id, model=model, choices=choices, usage=usage_info(last.usage),
+            timings=timings_of(last, state.config.enable_request_timings),
             prompt_logprobs=(vllm_prompt_logprobs(tokenizer, prompt_ids, prompt_logprobs)
                              if body.prompt_logprobs is not None else None)).model_dump())
     events = _stream(answer.first, answer.steps, body, tokenizer, request_id, model,
-                     plan.parsers(body.n, body.parallel_tool_calls), reasoning_parsers(state.config, body.n))
+                     plan.parsers(body.n, body.parallel_tool_calls), reasoning_parsers(state.config, body.n),
+                     state.config.enable_request_timings)
     return StreamingResponse(sse_stream(events), media_type="text/event-stream")
 
 
 async def _collect(steps: AsyncIterator[GenerationStep], choices: list[ChatChoice], tokenizer: Tokenizer,
                    prompt_logprobs: list):
-    """Fold the steps into `choices` (and the request's prompt logprobs into `prompt_logprobs`)."""
+    """Fold the steps into `choices` (and the request's prompt logprobs into `prompt_logprobs`); the
+    last step (usage, timings)."""
     async for step in steps:
         for chunk in step.chunks:
             if chunk.prompt_logprobs and not prompt_logprobs:
@@ -207,7 +211,7 @@ async def _collect(steps: AsyncIterator[GenerationStep], choices: list[ChatChoic
             if chunk.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = chunk.finish_reason, chunk.stop_reason
         if step.usage is not None:
-            return step.usage
+            return step
     raise RuntimeError("generation ended without usage")  # generate() always ends with usage
 
 
@@ -228,13 +232,13 @@ def _finish_choice(choice: ChatChoice, parser: ToolParser | None, reasoner: Reas
 
 async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], body: ChatCompletionRequest,
                   tokenizer: Tokenizer, request_id: str, model: str,
-                  parsers: list[ToolParser] | None, reasoners: list[ReasoningParser] | None
-                  ) -> AsyncIterator[ChatCompletionChunk]:
+                  parsers: list[ToolParser] | None, reasoners: list[ReasoningParser] | None,
+                  with_timings: bool) -> AsyncIterator[ChatCompletionChunk]:
     created = int(time.time())
 
-    def chunk_of(choices: list[ChatStreamChoice], usage=None) -> ChatCompletionChunk:
+    def chunk_of(choices: list[ChatStreamChoice], usage=None, timings=None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
-                                   usage=usage)
+                                   usage=usage, timings=timings)
 
     # OpenAI's first chunk of each choice carries the role only.
     yield chunk_of([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -253,9 +257,11 @@ async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], b
                                                       reasoning_content=reasoning or None, tool_calls=calls),
                     logprobs=chat_logprobs(tokenizer, c) if body.logprobs else None,
                     finish_reason=finish_reason, stop_reason=c.stop_reason))
+        timings = timings_of(step, with_timings)  # on the stream's last chunk
         if deltas:
             continuous = body.continuous_usage and step.progress is not None
-            yield chunk_of(deltas, usage_info(step.progress) if continuous else None)
-        if step.usage is not None and body.include_usage:
-            yield chunk_of([], usage_info(step.usage))
+            yield chunk_of(deltas, usage_info(step.progress) if continuous else None,
+                           None if body.include_usage else timings)
+        if step.usage is not None and (body.include_usage or (timings is not None and not deltas)):
+            yield chunk_of([], usage_info(step.usage) if body.include_usage else None, timings)
         step = await anext(steps, None) if step.usage is None else None
