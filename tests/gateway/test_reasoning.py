@@ -195,3 +195,42 @@ async def test_a_response_cut_while_thinking_is_only_reasoning(make_gateway, ups
     final = events[-1].response
     assert final.status == "incomplete" and [i.type for i in final.output] == ["reasoning"]
     assert final.output[0].content[0].text == whole.output[0].content[0].text
+
+
+async def test_anthropic_messages_have_a_thinking_block_whole_and_streamed(make_gateway, upstream, tokenizer):
+    from anthropic.types import Message, RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    from tests.gateway.test_anthropic_messages import events_of as anthropic_events
+
+    script(upstream, tokenizer, QWEN3_TEXT)
+    gateway = await make_gateway(reasoning_parser="qwen3")
+    body = {"messages": [*ASK, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "earlier", "signature": "x"}, {"type": "text", "text": "Earlier."}]},
+        {"role": "user", "content": "And now?"}], "max_tokens": 64, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    reply = await gateway.http.post("/v1/messages", json=body)
+    assert reply.status_code == 200, reply.text
+    message = Message.model_validate(reply.json())
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content] == [
+        ("thinking", "\nThe user wants Paris."), ("text", "\n\nSure, Paris.")]
+    assert "earlier" not in tokenizer.decode(list(upstream.engine.requests[-1].prompt_token_ids))  # past thinking: dropped
+    events = anthropic_events((await gateway.http.post("/v1/messages", json={**body, "stream": True})).text)
+    adapter = TypeAdapter(RawMessageStreamEvent)
+    for kind, payload in events:
+        if kind != "ping":  # not one of the client's stream event types
+            adapter.validate_python(payload)
+    starts = [p["content_block"]["type"] for kind, p in events if kind == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    assert [p["index"] for kind, p in events if kind == "content_block_stop"] == [0, 1]
+    thought = "".join(p["delta"].get("thinking", "") for kind, p in events if kind == "content_block_delta")
+    said = "".join(p["delta"].get("text", "") for kind, p in events if kind == "content_block_delta")
+    assert (thought, said) == (message.content[0].thinking, message.content[1].text)
+    kinds = [kind for kind, _ in events]
+    assert kinds.index("content_block_stop") < [i for i, p in enumerate(events)
+                                                if p[0] == "content_block_start"][1]  # thinking closed first
+
+
+async def test_anthropic_thinking_needs_a_reasoning_parser(gateway):
+    reply = await gateway.http.post("/v1/messages", json={
+        "messages": ASK, "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert reply.status_code == 400 and reply.json()["type"] == "error" and "--reasoning-parser" in reply.text
