@@ -234,3 +234,14 @@ async def test_anthropic_thinking_needs_a_reasoning_parser(gateway):
     reply = await gateway.http.post("/v1/messages", json={
         "messages": ASK, "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 1024}})
     assert reply.status_code == 400 and reply.json()["type"] == "error" and "--reasoning-parser" in reply.text
+
+
+async def test_a_responses_round_trip_sends_the_reasoning_item_back(make_gateway, upstream, tokenizer):
+    script(upstream, tokenizer, QWEN3_TEXT)
+    gateway = await make_gateway(reasoning_parser="qwen3")
+    first = (await gateway.http.post("/v1/responses", json={"input": "Hi"})).json()
+    follow_up = [{"role": "user", "content": "Hi"}, *first["output"], {"role": "user", "content": "Again?"}]
+    reply = await gateway.http.post("/v1/responses", json={"input": follow_up})
+    assert reply.status_code == 200, reply.text
+    prompt = tokenizer.decode(list(upstream.engine.requests[-1].prompt_token_ids))
+    assert "Sure, Paris." in prompt and "The user wants Paris." not in prompt  # past thinking: dropped
