@@ -7,6 +7,7 @@ import asyncio
 import os
 
 from gateway.config import GatewayConfig
+from gateway.openai.reasoning_parsers import ReasoningParserManager
 from gateway.openai.tool_parsers import ToolParserManager
 from gateway.server import serve
 from gateway.tenancy.tenants import TenantFileError, load_tenant_file
@@ -41,6 +42,11 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     parser.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--tool-call-parser", choices=ToolParserManager.names(), default="hermes",
                         help="the model's tool-call format (vLLM's names)")
+    parser.add_argument("--reasoning-parser", choices=ReasoningParserManager.names(), default=None,
+                        help="split the model's <think> reasoning into reasoning_content (vLLM's names)")
+    parser.add_argument("--enable-request-timings", action="store_true",
+                        help="add per-request timings (queue, prefill, decode, first token, cached tokens) "
+                             "to responses")
     parser.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                         help="LoRA adapters (PEFT directories) served by the default model under NAME "
                              "(the worker needs --enable-lora; docs/lora.md)")
@@ -94,6 +100,8 @@ def _config(args: argparse.Namespace, api_keys) -> GatewayConfig:
                          shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert,
                          tls_key=args.tls_key, tls_ca=args.tls_ca, tool_call_parser=args.tool_call_parser,
                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                         reasoning_parser=args.reasoning_parser,
+                         enable_request_timings=args.enable_request_timings,
                          lora_modules=tuple(parse_lora_module(m) for m in args.lora_modules))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.openai.reasoning_parsers import ReasoningParserManager
 from gateway.openai.tool_parsers import ToolParserManager
 from gateway.tenancy.tenants import TenantTable, tenant_table
 from gateway.upstream.routing import RoutingConfig
@@ -57,6 +58,12 @@ class GatewayConfig:
     JSON) or llama3_json (gateway/openai/tool_parsers/)."""
     enable_auto_tool_choice: bool = False
     """Let the model decide whether to call tools (tool_choice "auto"); required/named work without."""
+    reasoning_parser: str | None = None
+    """The model's reasoning format, a registered ReasoningParser's name (vLLM's): deepseek_r1 or qwen3
+    (gateway/openai/reasoning_parsers/); None: replies are not split, `<think>` stays in the content."""
+    enable_request_timings: bool = False
+    """Add the scheduler's per-request `timings` (queue, prefill, decode, first token, cached tokens)
+    to chat / completion responses and to the public gRPC API's final chunk."""
     lora_modules: tuple[tuple[str, str], ...] = ()
     """(name, path) LoRA adapters served by the default model (`--lora-modules name=path`)."""
 
@@ -77,6 +84,8 @@ class GatewayConfig:
             raise ValueError("shutdown_timeout_s must not be negative")
         if self.tool_call_parser not in (parsers := ToolParserManager.names()):
             raise ValueError(f"tool_call_parser must be {' or '.join(parsers)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in (names := ReasoningParserManager.names()):
+            raise ValueError(f"reasoning_parser must be {' or '.join(names)}, got {self.reasoning_parser!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
         self.tenant_table()  # raises when api_key is also in the file

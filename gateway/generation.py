@@ -8,6 +8,7 @@ usage. Leaving the iteration early (client gone) cancels the upstream Generate c
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -85,6 +86,7 @@ class GenerationStep:
     chunks: list[SequenceChunk]
     usage: Usage | None = None  # set on the last step only
     progress: Usage | None = None  # the usage so far, on every step (continuous_usage_stats)
+    timings: common_pb2.RequestTimings | None = None  # set on the last step only
 
 
 class _Sequence:
@@ -222,7 +224,11 @@ async def generate(client: EngineClient, tokenizer: Tokenizer, request: Generati
             timer.on_tokens(sum(len(c.token_ids) for c in chunks))
             progress = Usage(num_prompt_tokens, sum(s.num_tokens for s in sequences), num_cached_tokens)
             if all(s.finished for s in sequences):
-                final = GenerationStep(chunks, progress, progress)
+                # The scheduler's timings come with its last response; a stop string ends the
+                # request before that one (and aborts it upstream): then the gateway's clock.
+                timings = (response.timings if response.HasField("timings")
+                           else timings_seen_here(timer, queue_s or 0.0))
+                final = GenerationStep(chunks, progress, progress, timings)
                 break
             yield GenerationStep(chunks, progress=progress)
         if final is None:
@@ -242,6 +248,18 @@ async def generate(client: EngineClient, tokenizer: Tokenizer, request: Generati
     timer.finish(queue_s)
     end_span()
     yield final
+
+
+def timings_seen_here(timer: metrics.RequestTimer, queue_s: float) -> common_pb2.RequestTimings:
+    """A request's timings from the gateway's clock and the scheduler's queue time: its time to
+    first token and total include the hops to the scheduler, its prefill is what is left of the
+    time to first token after the queue."""
+    total = time.monotonic() - timer.arrival
+    ttft = min(timer.time_to_first_token_s or total, total)
+    queue_s = min(queue_s, ttft)
+    return common_pb2.RequestTimings(queue_seconds=queue_s, prefill_seconds=ttft - queue_s,
+                                     decode_seconds=total - ttft, time_to_first_token_seconds=ttft,
+                                     total_seconds=total)
 
 
 def _raise_on_engine_error(chunks: list[SequenceChunk]) -> None:

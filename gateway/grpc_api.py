@@ -63,7 +63,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
 
             answer = await first_answer(route, start)
             async for step in prepend(answer.first, answer.steps):
-                for chunk in to_chunks(answer.context.request_id, step, answer.pool.name):
+                for chunk in to_chunks(answer.context.request_id, step, answer.pool.name,
+                                       self._state.config.enable_request_timings):
                     yield chunk
         except Exception as error:  # noqa: BLE001 - every failure leaves with a status code
             client_error = to_client_error(error)
@@ -105,9 +106,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             cache_salt=request.cache_salt), info.max_model_len
 
 
-def to_chunks(request_id: str, step: GenerationStep, model: str = "") -> list[gateway_pb2.GenerationChunk]:
+def to_chunks(request_id: str, step: GenerationStep, model: str = "",
+              with_timings: bool = False) -> list[gateway_pb2.GenerationChunk]:
     """One chunk per sequence with news, each naming the `model` that answered; the request's usage
-    rides on the step's last chunk."""
+    (and with --enable-request-timings its timings) rides on the step's last chunk."""
     chunks = [gateway_pb2.GenerationChunk(
         request_id=request_id, index=c.index, text=c.text, token_ids=c.token_ids, logprobs=c.logprobs,
         finish_reason=finish_reason_to_pb(c.finish_reason), model=model,
@@ -119,4 +121,6 @@ def to_chunks(request_id: str, step: GenerationStep, model: str = "") -> list[ga
         chunks[-1].usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=step.usage.prompt_tokens, completion_tokens=step.usage.completion_tokens,
             cached_tokens=step.usage.cached_tokens))
+        if with_timings and step.timings is not None:
+            chunks[-1].timings.CopyFrom(step.timings)
     return chunks

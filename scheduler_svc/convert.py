@@ -23,7 +23,7 @@ from pagoda.contract.errors import InvalidRequestError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason
 from pagoda.contract.step import WorkerInfo
-from pagoda.v1 import engine_pb2
+from pagoda.v1 import common_pb2, engine_pb2
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.request import EngineRequest
@@ -66,7 +66,8 @@ def delta_from_pb(pb: engine_pb2.SequenceDelta, request_id: str) -> SequenceDelt
 
 
 def response_to_pb(request_id: str, deltas: Iterable[SequenceDelta], finished: bool,
-                   queue_seconds: float = 0.0) -> engine_pb2.GenerateResponse:
+                   queue_seconds: float = 0.0,
+                   timings: common_pb2.RequestTimings | None = None) -> engine_pb2.GenerateResponse:
     deltas = list(deltas)
     first = deltas[0] if deltas else None
     prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), ())
@@ -75,7 +76,7 @@ def response_to_pb(request_id: str, deltas: Iterable[SequenceDelta], finished: b
         num_prompt_tokens=first.num_prompt_tokens if first else 0,
         num_cached_tokens=first.num_cached_tokens if first else 0,
         queue_seconds=queue_seconds, finished=finished,
-        prompt_logprobs=[logprobs_to_pb(lp) for lp in prompt_logprobs])
+        prompt_logprobs=[logprobs_to_pb(lp) for lp in prompt_logprobs], timings=timings)
 
 
 def finish_reason_name(reason: FinishReason | None) -> str:

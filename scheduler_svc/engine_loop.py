@@ -33,6 +33,7 @@ from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason
 from pagoda.contract.step import StepPlan
 from pagoda.runtime.logging import get_logger
+from pagoda.v1 import common_pb2
 from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.request import EngineRequest
 from scheduler_svc.core.scheduler import Scheduler
@@ -265,6 +266,8 @@ class EngineLoop:
                 continue
             if not stream.sent_first and request_deltas[0].new_token_ids:
                 self._tracing.first_token(request_id)
+            if stream.first_token is None and any(d.new_token_ids for d in request_deltas):
+                stream.first_token = time.monotonic()
             stream.num_finished += sum(d.finished for d in request_deltas)
             if stream.num_finished >= stream.n:
                 self._close(stream, request_deltas, request_deltas[-1].finish_reason)
@@ -288,6 +291,8 @@ class EngineLoop:
             stream.sent_first = True
             started = stream.first_scheduled or time.monotonic()
             update.queue_seconds = max(started - stream.arrival, 0.0)
+        if finished:
+            update.timings = request_timings(stream, time.monotonic())
         return update
 
     # -- health and shutdown ----------------------------------------------------------------------
@@ -330,3 +335,16 @@ class EngineLoop:
             stream.queue.put_nowait(error)
             self._tracing.finished(stream.request_id, "error")
         log.warning("requests_failed", reason=str(error))
+
+
+def request_timings(stream: RequestStream, now: float) -> common_pb2.RequestTimings:
+    """The finished request's timings from its stream's instants; one never scheduled or without a
+    token (aborted early) counts the missing instants as `now`, so every figure stays >= 0 and
+    queue + prefill = time to first token, time to first token + decode = total, exactly."""
+    scheduled = min(stream.first_scheduled or now, now)
+    first_token = min(max(stream.first_token or now, scheduled), now)
+    arrival = min(stream.arrival, scheduled)
+    return common_pb2.RequestTimings(
+        queue_seconds=scheduled - arrival, prefill_seconds=first_token - scheduled,
+        decode_seconds=now - first_token, time_to_first_token_seconds=first_token - arrival,
+        total_seconds=now - arrival)

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from pagoda.contract.ids import RequestId
+from pagoda.v1 import common_pb2
 from scheduler_svc.core.outputs import SequenceDelta
 
 
@@ -14,6 +15,7 @@ class StreamUpdate:
     deltas: list[SequenceDelta]
     finished: bool  # every sequence of the request has finished: the last update
     queue_seconds: float = 0.0  # arrival to first scheduled; set on the first update only
+    timings: common_pb2.RequestTimings | None = None  # set on the last update only
 
 
 @dataclass(slots=True)
@@ -26,5 +28,6 @@ class RequestStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_finished: int = 0
     first_scheduled: float | None = None
+    first_token: float | None = None  # when its first token reached the loop (time.monotonic())
     sent_first: bool = False
     done: bool = False

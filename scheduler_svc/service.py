@@ -67,7 +67,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         await abort_with(context, update)
                     finished = update.finished
                     yield convert.response_to_pb(request_id, update.deltas, update.finished,
-                                                 update.queue_seconds)
+                                                 update.queue_seconds, update.timings)
             finally:
                 if not finished:  # cancelled by the client: free its blocks now
                     self._engine.abort(request_id, reason="client_cancelled")

@@ -3,7 +3,8 @@ content_block_start / content_block_delta (text_delta, input_json_delta) / conte
 message_delta (stop_reason, stop_sequence, usage) and message_stop. A failure after the headers is
 an `error` event in Anthropic's error shape.
 
-Text streams as it is generated (the tool parser holds back only what may be a call); tool_use
+With --reasoning-parser the thinking streams first, as a thinking block (thinking_delta). Text
+streams as it is generated (the tool parser holds back only what may be a call); tool_use
 blocks follow the text block once the reply is complete, each one whole (its arguments as one
 input_json_delta): Anthropic's blocks are sequential, and a call's arguments are final only then.
 """
@@ -17,6 +18,7 @@ from typing import Any
 from gateway.anthropic.protocol import MessagesResponse, Usage, stop_reason, tool_input, tool_use_id
 from gateway.errors import anthropic_error_body, to_client_error
 from gateway.generation import GenerationStep
+from gateway.openai.reasoning_parsers import ReasoningParser
 from gateway.openai.streaming import sse_event
 from gateway.openai.tool_parsers import ToolParser
 from pagoda.runtime.logging import get_logger
@@ -35,6 +37,7 @@ class _Blocks:
     def __init__(self) -> None:
         self.count = 0
         self.text_open = False
+        self.thinking_open = False
 
     def start(self, block: dict[str, Any]) -> str:
         self.count += 1
@@ -46,14 +49,27 @@ class _Blocks:
     def stop(self) -> str:
         return event({"type": "content_block_stop", "index": self.count - 1})
 
+    def thinking(self, text: str) -> list[str]:
+        """Thinking text: into the thinking block, opened by the first (it comes before any other)."""
+        out = [] if self.thinking_open else [self.start({"type": "thinking", "thinking": "", "signature": ""})]
+        self.thinking_open = True
+        return [*out, self.delta({"type": "thinking_delta", "thinking": text})]
+
+    def end_thinking(self) -> list[str]:
+        if not self.thinking_open:
+            return []
+        self.thinking_open = False
+        return [self.stop()]
+
     def text(self, text: str) -> list[str]:
-        out = [] if self.text_open else [self.start({"type": "text", "text": ""})]
+        out = [] if self.text_open else [*self.end_thinking(), self.start({"type": "text", "text": ""})]
         self.text_open = True
         return [*out, self.delta({"type": "text_delta", "text": text})]
 
 
 async def message_events(first: GenerationStep, steps: AsyncIterator[GenerationStep], message_id: str,
-                         model: str, input_tokens: int, parser: ToolParser | None) -> AsyncIterator[str]:
+                         model: str, input_tokens: int, parser: ToolParser | None,
+                         reasoner: ReasoningParser | None = None) -> AsyncIterator[str]:
     blocks = _Blocks()
     calls: dict[int, dict[str, str]] = {}  # call index -> id, name, arguments (as they arrive)
     finish, stop, usage = None, None, None
@@ -65,8 +81,12 @@ async def message_events(first: GenerationStep, steps: AsyncIterator[GenerationS
         step: GenerationStep | None = first
         while step is not None:
             for chunk in step.chunks:
-                text, deltas, _ = (parser.extract_tool_calls_streaming(chunk.text, chunk.finish_reason)
-                                   if parser is not None else (chunk.text, None, None))
+                thinking, text = (reasoner.stream(chunk.text, chunk.finish_reason is not None)
+                                  if reasoner is not None else ("", chunk.text))
+                for line in blocks.thinking(thinking) if thinking else ():
+                    yield line
+                text, deltas, _ = (parser.extract_tool_calls_streaming(text, chunk.finish_reason)
+                                   if parser is not None else (text, None, None))
                 for line in blocks.text(text) if text else ():
                     yield line
                 for delta in deltas or ():
@@ -79,7 +99,9 @@ async def message_events(first: GenerationStep, steps: AsyncIterator[GenerationS
                     finish, stop = chunk.finish_reason, chunk.stop_reason
             usage = step.usage
             step = await anext(steps, None) if usage is None else None
-        if not calls and not blocks.text_open:  # an empty reply: one empty text block, as the whole reply
+        for line in blocks.end_thinking():
+            yield line
+        if not calls and not blocks.text_open and not blocks.count:  # an empty reply: one empty text block
             yield blocks.start({"type": "text", "text": ""})
             blocks.text_open = True
         if blocks.text_open:

@@ -54,10 +54,20 @@ class ToolResultBlock(_Forbid):
         return f"Error: {text}" if self.is_error else text
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Forbid):
+    """A reply's thinking sent back in a later turn: accepted and left out of the prompt (chat
+    templates drop past reasoning too)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None  # redacted_thinking's
 
 
-_SERVED_BLOCKS = ("text", "tool_use", "tool_result")
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+
+
+_SERVED_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
 class InputMessage(_Forbid):
@@ -109,15 +119,21 @@ class MessagesRequest(_Forbid):
     metadata: Metadata | None = None  # informational
     service_tier: Literal["auto", "standard_only"] | None = None  # informational
     cache_control: CacheControl | None = None  # informational: the prefix cache is automatic
-    thinking: dict[str, Any] | None = None  # only {"type": "disabled"}: the served models do not reason
+    # The model thinks or not by its chat template; "enabled" needs --reasoning-parser (checked by
+    # the route), budget_tokens is not enforced (max_tokens bounds thinking and text together).
+    thinking: dict[str, Any] | None = None
     stream: bool = False
 
     @field_validator("thinking")
     @classmethod
-    def _no_thinking(cls, thinking: dict[str, Any] | None) -> dict[str, Any] | None:
-        if thinking is not None and thinking.get("type") != "disabled":
-            raise ValueError('not supported: extended thinking (only {"type": "disabled"})')
+    def _known_thinking(cls, thinking: dict[str, Any] | None) -> dict[str, Any] | None:
+        if thinking is not None and thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+            raise ValueError('thinking.type must be "enabled", "disabled" or "adaptive"')
         return thinking
+
+    @property
+    def wants_thinking(self) -> bool:
+        return self.thinking is not None and self.thinking.get("type") != "disabled"
 
     @field_validator("stop_sequences")
     @classmethod
@@ -144,6 +160,12 @@ class OutputText(BaseModel):
     text: str
 
 
+class OutputThinking(BaseModel):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""  # Anthropic's proof of its own thinking; nothing to prove here
+
+
 class OutputToolUse(BaseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -155,7 +177,7 @@ class MessagesResponse(BaseModel):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
-    content: list[OutputText | OutputToolUse]
+    content: list[OutputThinking | OutputText | OutputToolUse]
     model: str
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
@@ -176,9 +198,14 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def message_content(text: str, calls: list[ToolCall]) -> list[OutputText | OutputToolUse]:
-    """A text block (always, unless the reply is calls only), then one tool_use block per call."""
-    content: list[OutputText | OutputToolUse] = [OutputText(text=text)] if text or not calls else []
+def message_content(text: str, calls: list[ToolCall], thinking: str | None = None
+                    ) -> list[OutputThinking | OutputText | OutputToolUse]:
+    """The thinking block (with --reasoning-parser), a text block (always, unless the reply is
+    thinking or calls only), then one tool_use block per call."""
+    content: list[OutputThinking | OutputText | OutputToolUse] = (
+        [OutputThinking(thinking=thinking)] if thinking is not None else [])
+    if text or not (calls or content):
+        content.append(OutputText(text=text))
     content += [OutputToolUse(id=tool_use_id(c.id), name=c.function.name, input=tool_input(c.function.arguments))
                 for c in calls]
     return content

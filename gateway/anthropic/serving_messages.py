@@ -6,7 +6,9 @@ as Anthropic's event stream (events.py).
 Mappings: `system` is the first (system) message; a `tool_use` block is an assistant tool call and a
 `tool_result` block a tool message; tool_choice auto / any / tool / none is "auto" / "required" /
 a named function / "none". Finish reasons: "length" is max_tokens, a stop string stop_sequence,
-a reply with calls tool_use, anything else end_turn.
+a reply with calls tool_use, anything else end_turn. With --reasoning-parser the model's thinking
+is a `thinking` block before the text (thinking blocks sent back are accepted and left out of the
+prompt).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from gateway.anthropic.protocol import (
 from gateway.generation import GenerationStep
 from gateway.openai.chat_messages import ChatMessage
 from gateway.openai.protocol import ChatCompletionRequest
-from gateway.openai.serving_chat import start_chat
+from gateway.openai.serving_chat import reasoning_parsers, start_chat
 from gateway.openai.streaming import until_disconnected
 from gateway.openai.tool_parsers import ToolParser
 from gateway.openai.tool_protocol import FunctionDef, NamedFunction, NamedToolChoice, ToolDef
@@ -124,22 +126,29 @@ async def _collect(steps: AsyncIterator[GenerationStep]) -> _Reply:
 
 
 async def create_message(body: MessagesRequest, http: Request, state: GatewayState) -> Response:
+    if body.wants_thinking and state.config.reasoning_parser is None:
+        raise InvalidRequestError("thinking needs a reasoning model: the gateway runs without --reasoning-parser")
     chat = to_chat_request(body)
     message_id = new_message_id()
     answer, plan = await start_chat(chat, http, state, message_id)
     model, (_tokenizer, prompt_ids) = answer.pool.name, answer.context
     parsers: list[ToolParser] | None = plan.parsers(1, chat.parallel_tool_calls)
     parser = parsers[0] if parsers else None
+    reasoners = reasoning_parsers(state.config, 1)
+    reasoner = reasoners[0] if reasoners else None
     if body.stream:
-        events = message_events(answer.first, answer.steps, message_id, model, len(prompt_ids), parser)
+        events = message_events(answer.first, answer.steps, message_id, model, len(prompt_ids), parser, reasoner)
         return StreamingResponse(events, media_type="text/event-stream")
     reply = await until_disconnected(http, _collect(prepend(answer.first, answer.steps)))
-    text, calls = reply.text, []
+    thinking, text, calls = None, reply.text, []
+    if reasoner is not None:
+        thinking, content = reasoner.extract_reasoning(text)
+        text = content or ""
     if parser is not None:
         content, found = parser.extract_tool_calls(text)
         if found:
             text, calls = content or "", parser.kept(found)
     return JSONResponse(MessagesResponse(
-        id=message_id, content=message_content(text, calls), model=model,
+        id=message_id, content=message_content(text, calls, thinking), model=model,
         stop_reason=stop_reason(reply.finish_reason, reply.stop, bool(calls) and reply.finish_reason == "stop"),
         stop_sequence=reply.stop if isinstance(reply.stop, str) else None, usage=reply.usage).model_dump())

@@ -81,7 +81,8 @@ class _UsageView:
 async def merge_steps(streams: Sequence[AsyncIterator[GenerationStep]], n: int
                       ) -> AsyncIterator[GenerationStep]:
     """One stream of steps from one per prompt: chunk indices renumbered prompt_index * n + i,
-    usage (and progress) summed; the last step carries the total once every prompt finished.
+    usage (and progress) summed; the last step carries the total once every prompt finished, and the
+    timings of the prompt that took longest.
     The first error of any stream is raised; leaving early cancels every stream (aborts upstream)."""
     if len(streams) == 1:
         async for step in streams[0]:
@@ -102,6 +103,7 @@ async def merge_steps(streams: Sequence[AsyncIterator[GenerationStep]], n: int
     tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
     progress: list[Usage | None] = [None] * len(streams)
     finals: list[Usage | None] = [None] * len(streams)
+    timings: list = [None] * len(streams)
     try:
         running = len(streams)
         while running:
@@ -115,9 +117,13 @@ async def merge_steps(streams: Sequence[AsyncIterator[GenerationStep]], n: int
                 chunk.index += k * n
             progress[k] = item.progress or progress[k]
             finals[k] = item.usage or finals[k]
+            timings[k] = item.timings or timings[k]
             done = all(u is not None for u in finals)
             total = _sum(finals) if done else None
-            yield GenerationStep(item.chunks, usage=total, progress=total or _sum(progress))
+            # The batch's timings: its slowest prompt's (timings do not add up across prompts).
+            slowest = max((t for t in timings if t is not None), key=lambda t: t.total_seconds,
+                          default=None) if done else None
+            yield GenerationStep(item.chunks, usage=total, progress=total or _sum(progress), timings=slowest)
             if done:
                 return
     finally:

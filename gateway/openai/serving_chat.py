@@ -4,6 +4,9 @@ Tools take one path: `tool_plan` reads the request's tools and tool_choice once;
 `ToolParser` (the model's format, `--tool-call-parser`) renders them into the prompt, gives the
 grammar of a forced call, and takes the calls out of each choice, whole or streamed (one parser
 per choice).
+
+With --reasoning-parser, a `ReasoningParser` per choice first splits the model's thinking out of
+its text into `reasoning_content`; the tool parser reads only what is left.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from gateway.generation import (
 from gateway.openai.middleware import admit
 from gateway.openai.prompt_logprobs import vllm_prompt_logprobs
 from gateway.openai.protocol import ChatCompletionRequest
+from gateway.openai.reasoning_parsers import ReasoningParser, ReasoningParserManager
 from gateway.openai.request_inputs import build_generation_input, build_sampling, new_request_id
 from gateway.openai.responses import (
     ChatChoice,
@@ -38,6 +42,7 @@ from gateway.openai.responses import (
     ChatTokenLogprob,
     DeltaMessage,
     TopLogprob,
+    timings_of,
     usage_info,
 )
 from gateway.openai.streaming import sse_stream, until_disconnected
@@ -88,6 +93,14 @@ def tool_plan(body: ChatCompletionRequest, config: GatewayConfig) -> ToolPlan:
                                   "--tool-call-parser to be set (or use tool_choice \"required\" "
                                   "or a named function)")
     return ToolPlan(parser, tools)
+
+
+def reasoning_parsers(config: GatewayConfig, n: int) -> list[ReasoningParser] | None:
+    """One reasoning parser per choice (None: --reasoning-parser is not set)."""
+    if config.reasoning_parser is None:
+        return None
+    parser = ReasoningParserManager.get_reasoning_parser(config.reasoning_parser)
+    return [parser() for _ in range(n)]
 
 
 def with_forced_call(sampling: SamplingParams, plan: ToolPlan) -> SamplingParams:
@@ -167,21 +180,26 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
                    for i in range(body.n)]
         steps = prepend(answer.first, answer.steps)
         prompt_logprobs: list = []
-        usage = await until_disconnected(http, _collect(steps, choices, tokenizer, prompt_logprobs))
-        for choice, parser in zip(choices, plan.parsers(body.n, body.parallel_tool_calls) or (), strict=False):
-            _finish_choice(choice, parser)
+        last = await until_disconnected(http, _collect(steps, choices, tokenizer, prompt_logprobs))
+        tools = plan.parsers(body.n, body.parallel_tool_calls) or [None] * body.n
+        reasoners = reasoning_parsers(state.config, body.n) or [None] * body.n
+        for choice, parser, reasoner in zip(choices, tools, reasoners, strict=True):
+            _finish_choice(choice, parser, reasoner)
         return JSONResponse(ChatCompletionResponse(
-            id=request_id, model=model, choices=choices, usage=usage_info(usage),
+            id=request_id, model=model, choices=choices, usage=usage_info(last.usage),
+            timings=timings_of(last, state.config.enable_request_timings),
             prompt_logprobs=(vllm_prompt_logprobs(tokenizer, prompt_ids, prompt_logprobs)
                              if body.prompt_logprobs is not None else None)).model_dump())
     events = _stream(answer.first, answer.steps, body, tokenizer, request_id, model,
-                     plan.parsers(body.n, body.parallel_tool_calls))
+                     plan.parsers(body.n, body.parallel_tool_calls), reasoning_parsers(state.config, body.n),
+                     state.config.enable_request_timings)
     return StreamingResponse(sse_stream(events), media_type="text/event-stream")
 
 
 async def _collect(steps: AsyncIterator[GenerationStep], choices: list[ChatChoice], tokenizer: Tokenizer,
                    prompt_logprobs: list):
-    """Fold the steps into `choices` (and the request's prompt logprobs into `prompt_logprobs`)."""
+    """Fold the steps into `choices` (and the request's prompt logprobs into `prompt_logprobs`); the
+    last step (usage, timings)."""
     async for step in steps:
         for chunk in step.chunks:
             if chunk.prompt_logprobs and not prompt_logprobs:
@@ -193,13 +211,16 @@ async def _collect(steps: AsyncIterator[GenerationStep], choices: list[ChatChoic
             if chunk.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = chunk.finish_reason, chunk.stop_reason
         if step.usage is not None:
-            return step.usage
+            return step
     raise RuntimeError("generation ended without usage")  # generate() always ends with usage
 
 
-def _finish_choice(choice: ChatChoice, parser: ToolParser) -> None:
-    """A whole reply: calls out of its text into message.tool_calls (finish_reason "tool_calls")."""
-    if choice.message.content is None:
+def _finish_choice(choice: ChatChoice, parser: ToolParser | None, reasoner: ReasoningParser | None) -> None:
+    """A whole reply: the thinking out of its text into message.reasoning_content, then the calls
+    out of the rest into message.tool_calls (finish_reason "tool_calls")."""
+    if reasoner is not None and choice.message.content is not None:
+        choice.message.reasoning_content, choice.message.content = reasoner.extract_reasoning(choice.message.content)
+    if choice.message.content is None or parser is None:
         return
     content, calls = parser.extract_tool_calls(choice.message.content)
     if calls:
@@ -211,12 +232,13 @@ def _finish_choice(choice: ChatChoice, parser: ToolParser) -> None:
 
 async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], body: ChatCompletionRequest,
                   tokenizer: Tokenizer, request_id: str, model: str,
-                  parsers: list[ToolParser] | None) -> AsyncIterator[ChatCompletionChunk]:
+                  parsers: list[ToolParser] | None, reasoners: list[ReasoningParser] | None,
+                  with_timings: bool) -> AsyncIterator[ChatCompletionChunk]:
     created = int(time.time())
 
-    def chunk_of(choices: list[ChatStreamChoice], usage=None) -> ChatCompletionChunk:
+    def chunk_of(choices: list[ChatStreamChoice], usage=None, timings=None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
-                                   usage=usage)
+                                   usage=usage, timings=timings)
 
     # OpenAI's first chunk of each choice carries the role only.
     yield chunk_of([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -225,16 +247,21 @@ async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], b
     while step is not None:
         deltas = []
         for c in step.chunks:
-            text, calls, finish_reason = (parsers[c.index].extract_tool_calls_streaming(c.text, c.finish_reason)
-                                          if parsers is not None else (c.text, None, c.finish_reason))
-            if text or calls or finish_reason or (body.logprobs and c.token_ids):
+            reasoning, text = (reasoners[c.index].stream(c.text, c.finish_reason is not None)
+                               if reasoners is not None else ("", c.text))
+            text, calls, finish_reason = (parsers[c.index].extract_tool_calls_streaming(text, c.finish_reason)
+                                          if parsers is not None else (text, None, c.finish_reason))
+            if text or reasoning or calls or finish_reason or (body.logprobs and c.token_ids):
                 deltas.append(ChatStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=text or (None if calls else ""), tool_calls=calls),
+                    index=c.index, delta=DeltaMessage(content=text or (None if calls or reasoning else ""),
+                                                      reasoning_content=reasoning or None, tool_calls=calls),
                     logprobs=chat_logprobs(tokenizer, c) if body.logprobs else None,
                     finish_reason=finish_reason, stop_reason=c.stop_reason))
+        timings = timings_of(step, with_timings)  # on the stream's last chunk
         if deltas:
             continuous = body.continuous_usage and step.progress is not None
-            yield chunk_of(deltas, usage_info(step.progress) if continuous else None)
-        if step.usage is not None and body.include_usage:
-            yield chunk_of([], usage_info(step.usage))
+            yield chunk_of(deltas, usage_info(step.progress) if continuous else None,
+                           None if body.include_usage else timings)
+        if step.usage is not None and (body.include_usage or (timings is not None and not deltas)):
+            yield chunk_of([], usage_info(step.usage) if body.include_usage else None, timings)
         step = await anext(steps, None) if step.usage is None else None

@@ -29,6 +29,7 @@ from gateway.openai.responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    timings_of,
     usage_info,
 )
 from gateway.openai.streaming import sse_stream, until_disconnected
@@ -152,11 +153,12 @@ async def create_completion(body: CompletionRequest, http: Request, state: Gatew
     answer = await first_answer(route, start, lambda first: until_disconnected(http, first))
     model, choices = answer.pool.name, answer.context
     if not body.stream:
-        usage = await until_disconnected(http, _collect(prepend(answer.first, answer.steps), choices))
-        return JSONResponse(CompletionResponse(id=request_id, model=model, choices=choices.choices,
-                                               usage=usage_info(usage)).model_dump())
+        last = await until_disconnected(http, _collect(prepend(answer.first, answer.steps), choices))
+        return JSONResponse(CompletionResponse(
+            id=request_id, model=model, choices=choices.choices, usage=usage_info(last.usage),
+            timings=timings_of(last, state.config.enable_request_timings)).model_dump())
     events = _stream(answer.first, answer.steps, choices, request_id, model, body.include_usage,
-                     body.continuous_usage)
+                     body.continuous_usage, state.config.enable_request_timings)
     return StreamingResponse(sse_stream(events), media_type="text/event-stream")
 
 
@@ -165,23 +167,24 @@ async def _collect(steps: AsyncIterator[GenerationStep], choices: CompletionChoi
         for chunk in step.chunks:
             choices.add(chunk)
         if step.usage is not None:
-            return step.usage
+            return step  # the last: usage, timings
     raise RuntimeError("generation ended without usage")  # generate() always ends with usage
 
 
 async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], choices: CompletionChoices,
                   request_id: str, model: str, include_usage: bool,
-                  continuous_usage: bool) -> AsyncIterator[CompletionResponse]:
+                  continuous_usage: bool, with_timings: bool) -> AsyncIterator[CompletionResponse]:
     created = int(time.time())
     step: GenerationStep | None = first
     while step is not None:
         deltas = [choices.add(c) for c in step.chunks]
         deltas = [d for d in deltas if d.text or d.finish_reason or (d.logprobs and d.logprobs.tokens)]
+        timings = timings_of(step, with_timings)  # on the stream's last chunk
         if deltas:
             usage = usage_info(step.progress) if continuous_usage and step.progress else None
             yield CompletionResponse(id=request_id, created=created, model=model, choices=deltas,
-                                     usage=usage)
-        if step.usage is not None and include_usage:
+                                     usage=usage, timings=None if include_usage else timings)
+        if step.usage is not None and (include_usage or (timings is not None and not deltas)):
             yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                     usage=usage_info(step.usage))
+                                     usage=usage_info(step.usage) if include_usage else None, timings=timings)
         step = await anext(steps, None) if step.usage is None else None

@@ -13,6 +13,9 @@ import grpc
 
 from pagoda.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
+FAKE_TIMINGS = common_pb2.RequestTimings(queue_seconds=0.001, prefill_seconds=0.002, decode_seconds=0.004,
+                                        time_to_first_token_seconds=0.003, total_seconds=0.007)
+
 
 @dataclass(slots=True)
 class FakeEngine(engine_pb2_grpc.EngineServicer):
@@ -27,6 +30,9 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     # Hold the final response until the caller cancels, like an engine still generating: a test
     # then sees a cancel only if the gateway sent one, never a natural end that raced it.
     hold_final_response: bool = False
+    num_cached_tokens: int = 0  # the prefix-cache hits every request reports
+    # The scheduler's timings, on each request's last response (as a real scheduler sends them).
+    timings: common_pb2.RequestTimings = field(default_factory=lambda: FAKE_TIMINGS)
     requests: list[engine_pb2.GenerateRequest] = field(default_factory=list)
     active: set[str] = field(default_factory=set)  # request ids streaming now
     cancelled: list[str] = field(default_factory=list)  # request ids whose caller left early
@@ -67,7 +73,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             response = engine_pb2.GenerateResponse(
                 request_id=request.request_id, sequences=deltas,
                 num_prompt_tokens=len(request.prompt_token_ids) if start == 0 else 0,
-                num_cached_tokens=0, finished=start + self.tokens_per_response >= total)
+                num_cached_tokens=self.num_cached_tokens if start == 0 else 0,
+                finished=start + self.tokens_per_response >= total)
+            if response.finished:
+                response.timings.CopyFrom(self.timings)
             if start == 0 and sampling.HasField("prompt_logprobs"):  # with the first tokens, once
                 response.prompt_logprobs.extend(fake_prompt_logprobs(request.prompt_token_ids,
                                                                      sampling.prompt_logprobs))

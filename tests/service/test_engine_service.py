@@ -160,3 +160,23 @@ async def test_the_engine_freezes_long_lived_objects_when_it_goes_idle(engine_fa
     assert tokens == {0: expected([1, 2, 3], 4)}
     await wait_for_stats(stub, lambda stats: stats.idle)
     assert gc.get_freeze_count() > 0
+
+
+async def test_the_last_response_carries_the_request_timings(engine_factory):
+    from tests.service.conftest import BLOCK_SIZE
+
+    _, stub = await engine_factory()
+    prompt = list(range(20, 20 + 2 * BLOCK_SIZE + 3))  # 2 full blocks, then a partial one
+    for rid, cached in (("cold", 0), ("warm", 2 * BLOCK_SIZE)):  # the second hits the first's blocks
+        started = time.monotonic()
+        _, responses = await collect(stub, generate_request(rid, prompt, 5))
+        elapsed = time.monotonic() - started
+        assert responses[0].num_cached_tokens == cached
+        assert not any(r.HasField("timings") for r in responses[:-1]) and responses[-1].HasField("timings")
+        t = responses[-1].timings
+        assert min(t.queue_seconds, t.prefill_seconds, t.decode_seconds) >= 0
+        assert t.queue_seconds == pytest.approx(responses[0].queue_seconds, abs=1e-9)
+        assert t.queue_seconds + t.prefill_seconds == pytest.approx(t.time_to_first_token_seconds, abs=1e-9)
+        assert t.time_to_first_token_seconds + t.decode_seconds == pytest.approx(t.total_seconds, abs=1e-9)
+        assert 0 < t.time_to_first_token_seconds <= t.total_seconds <= elapsed
+        assert t.prefill_seconds > 0 and t.decode_seconds > 0  # 5 tokens: a prefill, then 4 decode steps

@@ -64,3 +64,29 @@ def test_an_extra_model_is_one_more_pair_and_a_named_pool_at_the_gateway(monkeyp
         assert argv[argv.index("--fallback-model") + 1] == "big=small"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     assert replica_devices(args, 2) == {"CUDA_VISIBLE_DEVICES": "2"}
+
+
+def test_the_reasoning_and_timings_flags_reach_the_gateway():
+    from gateway.__main__ import parse_args as gateway_args
+    from gateway.openai.reasoning_parsers import ReasoningParserManager
+
+    children = build_children(parse_args(["--fake", "--reasoning-parser", "qwen3", "--enable-request-timings"]))
+    gateway = children[-1]
+    assert gateway.name == "gateway"
+    config = gateway_args(gateway.argv[gateway.argv.index("--scheduler"):])
+    assert config.reasoning_parser == "qwen3" and config.enable_request_timings
+    plain = build_children(parse_args(["--fake"]))[-1].argv
+    assert "--reasoning-parser" not in plain and "--enable-request-timings" not in plain
+    # The launcher lists the gateway's formats without importing it: the lists must agree.
+    choices = next(a.choices for a in _launcher_parser()._actions if a.dest == "reasoning_parser")
+    assert tuple(choices) == ReasoningParserManager.names()
+
+
+def _launcher_parser():
+    import argparse
+
+    from pagoda.entrypoints.launcher.cli import add_flags, add_groups
+
+    parser = argparse.ArgumentParser()
+    add_flags(add_groups(parser))
+    return parser

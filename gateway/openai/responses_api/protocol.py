@@ -92,16 +92,24 @@ class FunctionCallOutputItem(BaseModel):
         return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
 
 
+class ReasoningItem(BaseModel):
+    """A reply's reasoning echoed back with its output: accepted and left out of the prompt (chat
+    templates drop past thinking too)."""
+
+    model_config = ConfigDict(extra="allow")  # id, summary, content, status, encrypted_content
+    type: Literal["reasoning"]
+
+
 def _item_type(item: Any) -> str | None:
     return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type, custom_error_type="unsupported_item",
-                  custom_error_message="an input item is a message, a function_call or a "
-                                       "function_call_output (Pagoda serves text)")]
+                  custom_error_message="an input item is a message, a function_call, a "
+                                       "function_call_output or a reasoning item (Pagoda serves text)")]
 
 
 class FunctionTool(FunctionDef):
@@ -159,7 +167,8 @@ _ONLY_DEFAULT = {
                                       "responses (send the conversation as input items)"),
     "conversation": (_absent, "conversation is not supported: Pagoda stores no conversations"),
     "background": (_only(False), "background responses are not supported"),
-    "reasoning": (_absent, "reasoning is not supported: the served models do not reason"),
+    "reasoning": (_absent, "reasoning is not supported: a reasoning model thinks by its chat template "
+                           "(the gateway's --reasoning-parser shows its thinking)"),
     "truncation": (_only("disabled"), 'only truncation "disabled" is supported'),
     "include": (_absent, "include is not supported"),
     "prompt": (_absent, "prompt templates are not supported"),
@@ -230,6 +239,8 @@ class ResponsesRequest(BaseModel):
         folded into the assistant turn that made them, their outputs as tool messages."""
         messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
         for item in self.input:
+            if isinstance(item, ReasoningItem):
+                continue
             if isinstance(item, MessageItem):
                 messages.append(item.chat_message())
             elif isinstance(item, FunctionCallItem):

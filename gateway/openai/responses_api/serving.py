@@ -2,7 +2,9 @@
 path (`start_chat`: prompt, tools, structured outputs, admission, fallback), its reply written as a
 Response object, whole or as the Responses API's events.
 
-A reply's output is a `message` item holding its text as one `output_text` part, then a
+With --reasoning-parser, the model's thinking comes first as a `reasoning` item (its text as one
+`reasoning_text` part, no summary; streamed as response.reasoning_text.delta events). A reply's
+output is then a `message` item holding its text as one `output_text` part, then a
 `function_call` item per call the tool parser finds (the chat's `tool_calls`). A reply cut by
 `max_output_tokens` is `"incomplete"`, with `incomplete_details.reason` "max_output_tokens".
 
@@ -25,8 +27,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.generation import GenerationStep, Usage
+from gateway.openai.reasoning_parsers import ReasoningParser
 from gateway.openai.responses_api.protocol import ResponsesRequest
-from gateway.openai.serving_chat import start_chat
+from gateway.openai.serving_chat import reasoning_parsers, start_chat
 from gateway.openai.streaming import sse_stream, until_disconnected
 from gateway.openai.tool_parsers import ToolParser
 from gateway.openai.tool_protocol import DeltaToolCall, ToolCall
@@ -51,6 +54,16 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
             "content": [] if text is None else [text_part(text)]}
 
 
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """The model's thinking; `text` None: its part is not added yet (a stream's first event)."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [] if text is None else [reasoning_part(text)]}
+
+
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
@@ -67,8 +80,9 @@ def _status(finish_reason: str | None) -> str:
 class ResponseWriter:
     """One response's Response objects: whole (`whole`) or as events (`events`)."""
 
-    def __init__(self, body: ResponsesRequest, response_id: str, model: str, parser: ToolParser | None) -> None:
-        self.body, self.id, self.model, self.parser = body, response_id, model, parser
+    def __init__(self, body: ResponsesRequest, response_id: str, model: str, parser: ToolParser | None,
+                 reasoner: ReasoningParser | None = None) -> None:
+        self.body, self.id, self.model, self.parser, self.reasoner = body, response_id, model, parser, reasoner
         self.created_at = int(time.time())
 
     def response(self, output: list[dict[str, Any]], status: str, usage: Usage | None) -> dict[str, Any]:
@@ -79,12 +93,15 @@ class ResponseWriter:
                 "usage": usage_object(usage) if usage is not None else None, **self.body.echo()}
 
     def whole(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
-        """A finished reply: its text, and the calls in it as function_call items."""
-        content, calls = self.parser.extract_tool_calls(text) if self.parser is not None else (text, [])
+        """A finished reply: its thinking as a reasoning item, its text, and the calls in it as
+        function_call items."""
+        reasoning, text = self.reasoner.extract_reasoning(text) if self.reasoner is not None else (None, text)
+        content, calls = (self.parser.extract_tool_calls(text or "") if self.parser is not None
+                          else (text or "", []))
         calls = self.parser.kept(calls) if calls else []
         status = _status(finish_reason)
-        output = []
-        if content is not None and (content.strip() or not calls):
+        output = [reasoning_item(new_id("rs"), reasoning, status)] if reasoning is not None else []
+        if content is not None and (content.strip() or not (calls or output)):
             output.append(message_item(new_id("msg"), content, status))
         output += [function_call_item(new_id("fc"), call) for call in calls]
         return self.response(output, status, usage)
@@ -99,10 +116,14 @@ class ResponseWriter:
         finish_reason: str | None = None
         while step is not None:
             for chunk in step.chunks:
+                reasoning, text = (self.reasoner.stream(chunk.text, chunk.finish_reason is not None)
+                                   if self.reasoner is not None else ("", chunk.text))
+                for event in stream.reasoning(reasoning):
+                    yield event
                 if self.parser is not None:
-                    text, calls, _ = self.parser.extract_tool_calls_streaming(chunk.text, chunk.finish_reason)
+                    text, calls, _ = self.parser.extract_tool_calls_streaming(text, chunk.finish_reason)
                 else:
-                    text, calls = chunk.text, None
+                    calls = None
                 for event in stream.text(text):
                     yield event
                 for event in stream.call_deltas(calls or ()):
@@ -123,6 +144,7 @@ class _EventStream:
         self.sequence_number = 0
         self.output: list[dict[str, Any]] = []  # every item, in output order
         self.message: dict[str, Any] | None = None  # the message item text goes into now
+        self.thinking: dict[str, Any] | None = None  # the open reasoning item (before any other)
         self.pending = ""  # blank text before any message item (it opens one only if nothing else comes)
         self.calls: dict[int, dict[str, Any]] = {}  # the parser's call index -> its item
 
@@ -134,6 +156,35 @@ class _EventStream:
     def _where(self, item: dict[str, Any]) -> dict[str, Any]:
         return {"item_id": item["id"], "output_index": self.output.index(item)}
 
+    def reasoning(self, text: str) -> list[dict[str, Any]]:
+        """Thinking text: into the reasoning item, opened by the first (it comes before any other)."""
+        if not text:
+            return []
+        events = []
+        if self.thinking is None:
+            self.thinking = reasoning_item(new_id("rs"), None, "in_progress")
+            self.output.append(self.thinking)
+            events.append(self.event("response.output_item.added", output_index=len(self.output) - 1,
+                                     item=self.thinking))
+            self.thinking["content"].append(reasoning_part(""))
+            events.append(self.event("response.content_part.added", **self._where(self.thinking),
+                                     content_index=0, part=self.thinking["content"][0]))
+        self.thinking["content"][0]["text"] += text
+        events.append(self.event("response.reasoning_text.delta", **self._where(self.thinking),
+                                 content_index=0, delta=text))
+        return events
+
+    def _close_reasoning(self, status: str) -> list[dict[str, Any]]:
+        if self.thinking is None:
+            return []
+        item, self.thinking = self.thinking, None
+        part = item["content"][0]
+        item["status"] = status
+        where = self._where(item)
+        return [self.event("response.reasoning_text.done", **where, content_index=0, text=part["text"]),
+                self.event("response.content_part.done", **where, content_index=0, part=part),
+                self.event("response.output_item.done", output_index=where["output_index"], item=item)]
+
     def text(self, text: str) -> list[dict[str, Any]]:
         if not text:
             return []
@@ -143,7 +194,7 @@ class _EventStream:
             self.pending += text
             return []
         text, self.pending = self.pending + text, ""
-        return [*self._open_message(), self._delta(text)]
+        return [*self._close_reasoning("completed"), *self._open_message(), self._delta(text)]
 
     def _delta(self, text: str) -> dict[str, Any]:
         self.message["content"][0]["text"] += text
@@ -176,7 +227,7 @@ class _EventStream:
             function = delta.function
             item = self.calls.get(delta.index)
             if item is None:  # a new call: the text before it is done
-                events += self._close_message("completed")
+                events += self._close_reasoning("completed") + self._close_message("completed")
                 call = ToolCall.of((function.name or "") if function else "", "")
                 item = function_call_item(new_id("fc"), call, "in_progress")
                 item["call_id"] = delta.id or call.id
@@ -192,7 +243,7 @@ class _EventStream:
 
     def finish(self, status: str) -> list[dict[str, Any]]:
         """Close every open item; a reply with nothing else still gets its (blank) message."""
-        events = []
+        events = self._close_reasoning(status)
         if not self.output:
             events += self._open_message()
             if self.pending:
@@ -212,7 +263,9 @@ async def create_response(body: ResponsesRequest, http: Request, state: GatewayS
     response_id = new_id("resp")
     answer, plan = await start_chat(chat, http, state, response_id)
     parsers = plan.parsers(1, chat.parallel_tool_calls)
-    writer = ResponseWriter(body, response_id, answer.pool.name, parsers[0] if parsers else None)
+    reasoners = reasoning_parsers(state.config, 1)
+    writer = ResponseWriter(body, response_id, answer.pool.name, parsers[0] if parsers else None,
+                            reasoners[0] if reasoners else None)
     if body.stream:
         return StreamingResponse(sse_stream(writer.events(answer.first, answer.steps), named=True),
                                  media_type="text/event-stream")

@@ -80,6 +80,10 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
     g.add_argument("--fallback-model", action="append", default=[], metavar="A=B",
                    help="the gateway serves model B when model A's pool is unavailable or shedding")
     g.add_argument("--api-keys", default=None, metavar="FILE", help="the gateway's tenant key file (JSON Lines)")
+    g.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=None,
+                   help="the gateway splits the model's <think> reasoning into reasoning_content")
+    g.add_argument("--enable-request-timings", action="store_true",
+                   help="the gateway adds per-request timings to its responses")
 
     g = groups["ports"]
     g.add_argument("--worker-port", type=int, default=50061, metavar="PORT", help="gRPC (default: 50061)")

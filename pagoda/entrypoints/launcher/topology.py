@@ -63,10 +63,12 @@ def build_children(args: argparse.Namespace) -> list[Child]:
         routing = ["--routing-policy", args.routing_policy] if args.routing_policy else []
         fallbacks = [flag for pair in args.fallback_model for flag in ("--fallback-model", pair)]
         loras = ["--lora-modules", *args.lora_modules] if args.lora_modules else []
+        reasoning = ["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []
+        timings = ["--enable-request-timings"] if args.enable_request_timings else []
         children.append(Child("gateway", ["gateway", "--scheduler", ",".join(schedulers),
                                           "--port", str(args.gateway_port),
                                           "--grpc-port", str(args.grpc_port), *tokenizer, *drain,
-                                          *api_keys, *routing, *fallbacks, *loras],
+                                          *api_keys, *routing, *fallbacks, *loras, *reasoning, *timings],
                               f"127.0.0.1:{args.grpc_port}", needs_serving=True))
     return children
 

@@ -1,0 +1,118 @@
+"""What every reasoning format knows (vLLM's `ReasoningParser`), and the registry of formats by name
+(vLLM's `ReasoningParserManager`, looked up by `--reasoning-parser`).
+
+A reasoning model writes its thinking between a start and an end tag (`<think>` … `</think>`), then
+its answer. A parser splits a reply into reasoning and content, streamed or whole. Both ways run
+the same state machine (the whole reply is one delta), so a streamed reply always adds up to the
+whole one, wherever the deltas cut the tags. One instance per choice: it keeps that choice's state.
+
+- opening: nothing but blanks read yet; a start tag here opens the reasoning. Blanks and a prefix
+  of the start tag are held back until that is decided. Anything else: the reply has no start tag,
+  and the format says whether it began inside the reasoning (`implicit_start`, DeepSeek-R1, whose
+  template writes `<think>` into the prompt) or has none (Qwen3 with `enable_thinking` false).
+- reasoning: text until the end tag; a tail that may be the start of the end tag is held back.
+- content: everything after the end tag (the tool-call parser reads only this).
+A reply cut before its end tag (max_tokens counts reasoning tokens too) is all reasoning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar, NamedTuple
+
+
+class SplitText(NamedTuple):
+    reasoning: str  # thinking, tags removed
+    content: str  # the answer
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest tail of `text` that is a proper prefix of `tag` (it may be cut)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ReasoningParser:
+    name: ClassVar[str]  # the --reasoning-parser value (set by ReasoningParserManager.register_module)
+    start_tag: ClassVar[str] = "<think>"
+    end_tag: ClassVar[str] = "</think>"
+    implicit_start: ClassVar[bool]  # a reply without a start tag began inside the reasoning
+
+    def __init__(self) -> None:
+        self.state = "opening"
+        self.held = ""  # text read but not given out yet: the tags may be in it
+
+    def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
+        """A whole reply: (reasoning, content), None for a part that is empty."""
+        reasoning, content = self.stream(text, last=True)
+        return reasoning or None, content or None
+
+    def feed(self, delta: str) -> SplitText:
+        """The next delta of the reply: what can be given out now as reasoning and as content."""
+        text, self.held = self.held + delta, ""
+        reasoning = ""
+        if self.state == "opening":
+            blanks = text[:len(text) - len(text.lstrip())]
+            rest = text[len(blanks):]
+            if rest.startswith(self.start_tag):
+                self.state, text = "reasoning", rest[len(self.start_tag):]
+            elif self.start_tag.startswith(rest):  # blanks only, or the start tag cut short
+                self.held = text
+                return SplitText("", "")
+            elif self.implicit_start:
+                self.state = "reasoning"
+            else:
+                self.state = "content"
+        if self.state == "reasoning":
+            end = text.find(self.end_tag)
+            if end < 0:
+                keep = partial_suffix(text, self.end_tag)
+                self.held = text[len(text) - keep:]
+                return SplitText(text[:len(text) - keep], "")
+            reasoning, text, self.state = text[:end], text[end + len(self.end_tag):], "content"
+        return SplitText(reasoning, text)
+
+    def stream(self, delta: str, last: bool) -> SplitText:
+        """A streamed reply's next delta; `last`: the reply ends with it (the held text goes out)."""
+        split = self.feed(delta)
+        if not last:
+            return split
+        tail = self.flush()
+        return SplitText(split.reasoning + tail.reasoning, split.content + tail.content)
+
+    def flush(self) -> SplitText:
+        """The reply ended: the held text, as what it was inside of (blanks before anything: content)."""
+        held, self.held = self.held, ""
+        if self.state == "reasoning" or (self.state == "opening" and self.implicit_start and held.strip()):
+            return SplitText(held, "")
+        return SplitText("", held)
+
+
+class ReasoningParserManager:
+    """The reasoning formats by their `--reasoning-parser` name, in registration order."""
+
+    reasoning_parsers: ClassVar[dict[str, type[ReasoningParser]]] = {}
+
+    @classmethod
+    def register_module(cls, name: str) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
+        """Class decorator: register a ReasoningParser subclass under `name` (vLLM's names)."""
+        def register(parser: type[ReasoningParser]) -> type[ReasoningParser]:
+            if name in cls.reasoning_parsers:
+                raise ValueError(f"reasoning parser {name!r} is already registered")
+            parser.name = name
+            cls.reasoning_parsers[name] = parser
+            return parser
+        return register
+
+    @classmethod
+    def get_reasoning_parser(cls, name: str) -> type[ReasoningParser]:
+        try:
+            return cls.reasoning_parsers[name]
+        except KeyError:
+            raise KeyError(f"no reasoning parser {name!r} (known: {', '.join(cls.reasoning_parsers)})") from None
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(cls.reasoning_parsers)
