@@ -78,18 +78,23 @@ class Request:
     # What the worker is told (a continuation's earlier output counted as output there, so seeded
     # draws, penalties, bad words, grammar and min_tokens masking go on where they stopped).
     worker_num_prompt_tokens: int = field(init=False)
-    worker_sampling: SamplingParams = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         prior = self.num_prior_output_tokens
         self.worker_num_prompt_tokens = self.num_prompt_tokens - prior
-        s = self.sampling
-        self.worker_sampling = s if not prior else dataclasses.replace(
-            s, min_tokens=s.min_tokens + prior, max_tokens=None if s.max_tokens is None else s.max_tokens + prior)
         self.max_num_tokens = self.num_prompt_tokens + self.max_tokens
         self.lora_key = self.lora.cache_key if self.lora is not None else None
         self.prompt_logprobs = [] if self.sampling.prompt_logprobs is not None else None
+
+    @property
+    def worker_sampling(self) -> SamplingParams:
+        # Derived at admission, not at arrival: brownout may cap `sampling` in between.
+        s, prior = self.sampling, self.num_prior_output_tokens
+        if not prior:
+            return s
+        return dataclasses.replace(s, min_tokens=s.min_tokens + prior,
+                                   max_tokens=None if s.max_tokens is None else s.max_tokens + prior)
 
     @property
     def needs_prompt_logprobs(self) -> bool:
