@@ -1,7 +1,8 @@
 """Greedy `LLM.generate` is token-identical to HF transformers `generate` (fp32, CPU) for the
-families added after the Llama four: Phi-3, OLMo 2, Granite and the mixture-of-experts Mixtral,
-Qwen3-MoE, OLMoE (tests/worker/hf_models.py builds them). In a roomy pool with chunked prefill, in a cramped one that preempts, and over a shared
-prefix served from the prefix cache."""
+families added after the Llama four: Phi-3, OLMo 2, Granite, the mixture-of-experts Mixtral,
+Qwen3-MoE, OLMoE, and sliding-window Mistral and Qwen2 (windows of 16 and 12 tokens, blocks of 8,
+prompts and outputs past them; tests/worker/hf_models.py builds them). In a roomy pool with chunked
+prefill, in a cramped one that preempts, and over a shared prefix served from the prefix cache."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ SYSTEM_PROMPT_LEN = 24
 BLOCK_SIZE = 8
 
 
-@pytest.fixture(scope="module", params=["phi3", "olmo2", "granite", "mixtral", "qwen3_moe", "olmoe"])
+@pytest.fixture(scope="module", params=["phi3", "olmo2", "granite", "mixtral", "qwen3_moe", "olmoe",
+                                                      "mistral_swa", "qwen2_swa"])
 def family(request, tmp_path_factory) -> dict[str, Any]:
     """The checkpoint, prompts and HF's greedy continuations (computed once per family)."""
     model_dir = build_hf_model(request.param, tmp_path_factory.mktemp(request.param), seed=5)
