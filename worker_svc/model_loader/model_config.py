@@ -70,6 +70,12 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def kv_window(self) -> int:
+        """The widest window when every layer has one (KV before it is never read again), else 0."""
+        windows = self.layer_windows
+        return max(windows) if windows and None not in windows else 0  # type: ignore[type-var]
+
     def layer_window(self, layer_idx: int) -> int | None:
         return self.layer_windows[layer_idx] if self.layer_windows else None
 
