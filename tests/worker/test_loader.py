@@ -216,12 +216,15 @@ def test_sliding_window_config_parsing():
             "vocab_size": 10}
     mistral = ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 16})
     assert mistral.layer_windows == (16, 16, 16, 16) and mistral.layer_window(3) == 16
+    assert mistral.kv_window == 16  # every layer windowed: the scheduler may free blocks before it
     qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, "max_window_layers": 3}
     assert ModelConfig.from_dict({**qwen, "use_sliding_window": True}).layer_windows == (None, None, None, 32)
     for off in ({**qwen, "use_sliding_window": False}, qwen):  # HF's Qwen2 default: off
         assert ModelConfig.from_dict(off).layer_windows == () and ModelConfig.from_dict(off).layer_window(0) is None
     typed = ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 8,
                                    "layer_types": ["sliding_attention", "full_attention"] * 2})
-    assert typed.layer_windows == (8, None, 8, None)
+    assert typed.layer_windows == (8, None, 8, None) and typed.kv_window == 0  # a global layer reads all
+    qwen_all = ModelConfig.from_dict({**qwen, "use_sliding_window": True, "max_window_layers": 0})
+    assert qwen_all.layer_windows == (32,) * 4 and qwen_all.kv_window == 32
     assert ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"],
                                   "sliding_window": None}).layer_windows == ()
