@@ -3,7 +3,8 @@
     python -m kernels.cpu_extension     # build once (`make setup` runs it), print the time
 
 The C++ sources are JIT-built by `torch.utils.cpp_extension.load` (ninja) into
-build/torch_extensions/ inside the repo (gitignored), so a clean clone builds them with nothing but
+build/torch_extensions/ inside the repo (gitignored; PAGODA_CPU_EXTENSION_DIR moves it, e.g. for a
+work tree whose build/ is shared with another checkout of different sources), so a clean clone builds them with nothing but
 the C++ compiler every Linux CI image has and the `ninja` wheel; `make setup` builds them ahead so
 that tests and services only load the library (ninja finds it up to date in milliseconds).
 
@@ -29,7 +30,7 @@ NAME = "pagoda_cpu"
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention.cpp"]
 HEADERS = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention_kernel.h"]
-BUILD_ROOT = ROOT / "build" / "torch_extensions"
+BUILD_ROOT = Path(os.environ.get("PAGODA_CPU_EXTENSION_DIR") or ROOT / "build" / "torch_extensions")
 BUILD_DIR = BUILD_ROOT / NAME
 
 
@@ -108,7 +109,7 @@ def _register_fakes() -> None:
     """Shape-only kernels, so torch.compile can trace through the ops without running them."""
 
     @torch.library.register_fake("pagoda_cpu::paged_attention")
-    def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+    def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window=0):
         return query.new_empty(query.shape)  # [T, Hq, D], contiguous
 
     @torch.library.register_fake("pagoda_cpu::write_kv_cache")
@@ -124,7 +125,7 @@ def main() -> int:
         return 0
     start = time.perf_counter()
     load()
-    print(f"pagoda_cpu: built/loaded in {time.perf_counter() - start:.1f} s ({BUILD_DIR.relative_to(ROOT)}, "
+    print(f"pagoda_cpu: built/loaded in {time.perf_counter() - start:.1f} s ({BUILD_DIR}, "
           f"flags {' '.join(compile_flags())})")
     return 0
 

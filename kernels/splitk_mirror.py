@@ -2,7 +2,8 @@
 
 `choose_num_splits` / `tokens_per_split` are what the CuPy backend launches with. `splitk_decode`
 reproduces paged_decode.cu + its reduce step by step in fp32 (per split: online softmax over
-tiles in the exp2 domain with scale*log2e folded into q, tokens >= seq_len never read; then an
+tiles in the exp2 domain with scale*log2e folded into q, tokens >= seq_len never read, nor, with a
+sliding window, tokens before it, the splits tiling the window from its first block; then an
 LSE merge where empty splits weigh 0), so CPU CI can check the algorithm against an fp64 dense
 reference without a GPU.
 """
@@ -67,11 +68,13 @@ def kernel_unroll(group: int) -> int:
 
 def splitk_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
-                  rows: int | None = None, unroll: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  rows: int | None = None, unroll: int | None = None,
+                  window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """query [B, Hq, D] (one decode row per sequence) -> (out [B, Hq, D] fp32, lse [B, Hq] fp32, ln).
 
     rows / unroll: the kernel's row groups per CTA and tokens per row group per pass (defaults:
     the compiled kernel's). Row group r of a pass starting at `base` owns tokens base + u*rows + r.
+    window: the kernel's sliding window (0: none): sequence b reads tokens >= seq_len - window.
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -80,14 +83,18 @@ def splitk_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     unroll = unroll or kernel_unroll(group)
     lens = seq_lens.long()  # [B]
     max_len = int(lens.max()) if num_seqs else 0
-    split_len = tokens_per_split(max_len, block_size, num_splits)
+    # cupy_impl's span: the window from its first block, at most
+    span_len = min(max_len, window + block_size) if window else max_len
+    split_len = tokens_per_split(span_len, block_size, num_splits)
+    lo = torch.clamp(lens - window, min=0) if window else torch.zeros_like(lens)  # [B] first token read
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim) * (scale * _LOG2E)  # [B,Hkv,G,D]
     part_o = []
     part_lse = []
     for split in range(num_splits):
-        start = split * split_len
-        ends = torch.clamp(lens, max=start + split_len)  # [B]
-        m, denom, acc = _split_states(q, k_cache, v_cache, block_tables, start, ends, split_len, rows, unroll)
+        span = lo // block_size * block_size + split * split_len  # [B]
+        starts = torch.maximum(lo, span)
+        ends = torch.minimum(lens, span + split_len)  # [B]
+        m, denom, acc = _split_states(q, k_cache, v_cache, block_tables, starts, ends, split_len, rows, unroll)
         o, lse = _merge_row_groups(m, denom, acc)
         part_o.append(o)
         part_lse.append(lse)
@@ -96,9 +103,9 @@ def splitk_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def _split_states(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  block_tables: torch.Tensor, start: int, ends: torch.Tensor, split_len: int,
+                  block_tables: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, split_len: int,
                   rows: int, unroll: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # q: [B, Hkv, G, D] in log2 units; ends: [B]
+    # q: [B, Hkv, G, D] in log2 units; starts, ends: [B] (each sequence's own, as each CTA's)
     # -> per row group: m, denom [B, Hkv, G, R] (log2 units), acc [B, Hkv, G, R, D] unnormalised
     num_seqs, num_kv_heads, group, head_dim = q.shape
     block_size = k_cache.shape[1]
@@ -106,9 +113,10 @@ def _split_states(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     denom = torch.zeros(num_seqs, num_kv_heads, group, rows)  # the kernel's l
     acc = torch.zeros(num_seqs, num_kv_heads, group, rows, head_dim)
     chunk = rows * unroll
-    for base in range(start, start + split_len, chunk):
-        pos = torch.arange(base, base + chunk)  # [U*R], pos[u*R + r] = base + u*R + r
-        valid = pos[None, :] < ends[:, None]  # [B, U*R]
+    for offset in range(0, split_len, chunk):
+        # [B, U*R], pos[b, u*R + r] = base_b + u*R + r with base_b = starts[b] + offset
+        pos = starts[:, None] + offset + torch.arange(chunk)[None, :]
+        valid = pos < ends[:, None]  # [B, U*R]
         if not bool(valid.any()):
             break  # the kernel's loop bound (base < end) for every sequence
         k, v = _load_tokens(k_cache, v_cache, block_tables, pos, valid, block_size)  # [B,U*R,Hkv,D]
@@ -145,11 +153,12 @@ def _load_tokens(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: tor
                  pos: torch.Tensor, valid: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     # Invalid positions are never read: their block id is replaced by 0 and their values by 0,
     # so stale NaN slots and out-of-range table entries cannot leak in.
+    # pos: [B, tile]
     num_blocks = block_tables.shape[1]
-    table_col = torch.clamp(pos // block_size, max=num_blocks - 1)  # [tile]
-    block = block_tables.long()[:, table_col]  # [B, tile]
+    table_col = torch.clamp(pos // block_size, max=num_blocks - 1)  # [B, tile]
+    block = block_tables.long().gather(1, table_col)  # [B, tile]
     block = torch.where(valid, block, torch.zeros_like(block))
-    offset = (pos % block_size)[None, :].expand_as(block)  # [B, tile]
+    offset = pos % block_size  # [B, tile]
     k = k_cache[block, offset].float()  # [B, tile, Hkv, D]
     v = v_cache[block, offset].float()
     keep = valid[:, :, None, None]

@@ -77,7 +77,8 @@ def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> Scheduler
         max_waiting_requests=config.max_waiting_requests, eos_token_ids=info.eos_token_ids,
         policy=config.scheduling_policy, max_inflight_steps=2 if config.pipelining else 1,
         speculative=config.speculative, brownout=config.brownout, max_loras=info.max_loras,
-        num_cpu_blocks=info.num_cpu_blocks, preemption_mode=config.preemption_mode)
+        num_cpu_blocks=info.num_cpu_blocks, preemption_mode=config.preemption_mode,
+        sliding_window=info.sliding_window)
 
 
 @dataclass(slots=True)

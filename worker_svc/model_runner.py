@@ -121,7 +121,8 @@ class ModelRunner:
                           vocab_size=self.model_config.vocab_size, model_name=self.config.model,
                           max_loras=self.lora.max_loras if self.lora else 0,
                           max_lora_rank=self.lora.max_lora_rank if self.lora else 0,
-                          num_cpu_blocks=num_host_blocks)
+                          num_cpu_blocks=num_host_blocks,
+                          sliding_window=self.model_config.kv_window)
 
     def reset(self) -> None:
         """Drop every resident request; the next plan may start at any step id."""

@@ -1,7 +1,7 @@
 // Compiled CPU paged attention and KV-cache write: torch custom ops `pagoda_cpu::*`.
 //
 // Semantics are those of kernels/__init__.py (cache [num_blocks, block_size, Hkv, D], lower-right
-// causal, GQA, rows outside every sequence zero). K/V are read in place, block by block through the
+// causal, optional sliding window, GQA, rows outside every sequence zero). K/V are read in place, block by block through the
 // block table: no gather, no padding. One code path serves decode rows and prefill chunks over a
 // cached prefix: a work item is (sequence, KV heads, tile of query rows) and runs a flash-style
 // online softmax over the blocks its last row can see; every query head of a KV group is in the
@@ -47,7 +47,7 @@ constexpr int64_t kWholeVectors = 64;
 // Work items, checked against the cache before any runs: a bad table must fail, never read wild.
 std::vector<Item> plan_items(const at::Tensor& tables, const at::Tensor& seq_lens, const at::Tensor& qsl,
                              int64_t num_rows, int64_t num_kv_heads, int64_t group, int64_t block_size,
-                             int64_t num_blocks, int64_t threads, std::vector<uint8_t>& covered) {
+                             int64_t num_blocks, int64_t window, int64_t threads, std::vector<uint8_t>& covered) {
   const int64_t B = seq_lens.size(0), max_blocks = tables.size(1);
   TORCH_CHECK(qsl.size(0) == B + 1, "query_start_loc must have num_seqs + 1 entries");
   TORCH_CHECK(tables.size(0) >= B, "block_tables has fewer rows than seq_lens");
@@ -65,7 +65,10 @@ std::vector<Item> plan_items(const at::Tensor& tables, const at::Tensor& seq_len
     TORCH_CHECK(q_len <= seq_len, "sequence ", i, ": q_len ", q_len, " > seq_len ", seq_len);
     TORCH_CHECK(seq_len <= max_blocks * block_size, "sequence ", i, ": seq_len ", seq_len,
                 " exceeds its block table (", max_blocks, " blocks)");
-    for (int64_t b = 0; b < (seq_len + block_size - 1) / block_size; ++b) {
+    const int64_t pos0 = seq_len - q_len;
+    // Only blocks some row can see: those before the first row's window may be placeholders.
+    for (int64_t b = pagoda_cpu::window_start(pos0, window) / block_size;
+         b < (seq_len + block_size - 1) / block_size; ++b) {
       const int64_t id = table[i * max_blocks + b];
       TORCH_CHECK(id >= 0 && id < num_blocks, "sequence ", i, ": block id ", id, " out of range");
     }
@@ -73,15 +76,16 @@ std::vector<Item> plan_items(const at::Tensor& tables, const at::Tensor& seq_len
       TORCH_CHECK(!covered[r], "query row ", r, " belongs to two sequences");
       covered[r] = 1;
     }
-    const int64_t pos0 = seq_len - q_len;
+    // Context a row reads: all of it, or at most window positions.
+    auto seen = [&](int64_t pos) { return window > 0 ? std::min(pos + 1, window) : pos + 1; };
     if (q_len * group * num_kv_heads <= kWholeVectors) {
-      items.push_back({i, 0, num_kv_heads, start, start + q_len, pos0, q_len * group * num_kv_heads * seq_len});
+      items.push_back({i, 0, num_kv_heads, start, start + q_len, pos0, q_len * group * num_kv_heads * seen(seq_len - 1)});
       continue;
     }
     for (int64_t row = start; row < start + q_len; row += tile_rows) {
       const int64_t end = std::min(row + tile_rows, start + q_len);
       const int64_t pos_begin = pos0 + (row - start);
-      const int64_t cost = (end - row) * group * (pos_begin + end - row);  // vectors x context
+      const int64_t cost = (end - row) * group * seen(end - 1 - row + pos_begin);  // vectors x context
       for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({i, h, h + 1, row, end, pos_begin, cost});
     }
   }
@@ -156,7 +160,8 @@ void run_fp8_cache(const Geometry& g, const std::vector<Item>& items, const at::
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale) {
+                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "query [T, Hq, D] and caches [num_blocks, block_size, Hkv, D] expected");
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -175,7 +180,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   const at::Tensor qsl = query_start_loc.to(at::kInt).contiguous();
   std::vector<uint8_t> covered(T, 0);
   const std::vector<Item> items = plan_items(tables, lens, qsl, T, Hkv, Hq / Hkv, BS, num_blocks,
-                                                at::get_num_threads(), covered);
+                                             sliding_window, at::get_num_threads(), covered);
   at::Tensor out = at::empty({T, Hq, D}, query.options());
   auto* bytes = static_cast<char*>(out.mutable_data_ptr());
   const int64_t row_bytes = Hq * D * out.element_size();
@@ -185,7 +190,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   const Geometry g{Hq / Hkv, D, (D + 7) / 8 * 8, BS, query.stride(0), query.stride(1), Hq * D,
                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                    v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
-                   static_cast<float>(scale * 1.4426950408889634)};
+                   static_cast<float>(scale * 1.4426950408889634), sliding_window};
   if (fp8_cache) {
     run_fp8_cache(g, items, query, k_cache, v_cache, tables, out);
     return out;
@@ -237,7 +242,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
 
 TORCH_LIBRARY(pagoda_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
+        "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window=0) -> Tensor");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
 }

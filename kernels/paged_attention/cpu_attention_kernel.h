@@ -103,7 +103,13 @@ struct Geometry {
   int64_t v_block, v_tok, v_head;
   int64_t table_stride;
   float scale_log2;                // scale * log2(e): scores in log2 units, softmax in exp2
+  int64_t window;                  // sliding window: position p sees (p - window, p]; 0: no window
 };
+
+// The first position the query row at `pos` sees.
+inline int64_t window_start(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
 
 struct Item {
   int64_t seq, head_begin, head_end;   // KV heads [head_begin, head_end)
@@ -152,26 +158,29 @@ inline void pv(float* acc, const float* v, int64_t vs, const float* p, int64_t n
   }
 }
 
-// One query vector against the first n rows of a block (krow: n_max rows padded to 8 with zeros):
-// scores, then the online-softmax update of (m, l, acc).
-inline void update(const float* q, const float* const* krow, const float* vrows, int64_t vs, int64_t n,
-                   int64_t n_max, int64_t Dp, float* s, float& m, float& l, float* acc) {
+// One query vector against rows [lo, n) of a block (krow: n_max rows padded to 8 with zeros; lo > 0
+// only under a sliding window): scores, then the online-softmax update of (m, l, acc).
+inline void update(const float* q, const float* const* krow, const float* vrows, int64_t vs, int64_t lo,
+                   int64_t n, int64_t n_max, int64_t Dp, float* s, float& m, float& l, float* acc) {
   const v8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const int64_t c0 = lo / 8 * 8;  // lanes before lo in the first chunk are masked like those past n
   v8 mx = splat(kNegInf);
-  for (int64_t c8 = 0; c8 < n_max; c8 += 8) {
+  for (int64_t c8 = c0; c8 < n_max; c8 += 8) {
     v8 a[8] = {};
     for (int64_t d = 0; d < Dp; d += 8) {
       const v8 qd = load8(q + d);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) a[j] += qd * load8(krow[c8 + j] + d);
     }
-    const v8 sc = lane + static_cast<float>(c8) < splat(static_cast<float>(n)) ? hsum8(a) : splat(kNegInf);
+    const v8 idx = lane + static_cast<float>(c8);
+    const v8 sc = (idx < splat(static_cast<float>(n))) & (idx >= splat(static_cast<float>(lo))) ? hsum8(a)
+                                                                                               : splat(kNegInf);
     store8(s + c8, sc);
     mx = vmax(mx, sc);
   }
   const float m_new = std::max(m, hmax(mx));
   v8 sum = {};
-  for (int64_t c8 = 0; c8 < n_max; c8 += 8) {
+  for (int64_t c8 = c0; c8 < n_max; c8 += 8) {
     const v8 p = exp2_nonpos(load8(s + c8) - m_new);
     store8(s + c8, p);
     sum += p;
@@ -183,7 +192,7 @@ inline void update(const float* q, const float* const* krow, const float* vrows,
     m = m_new;
   }
   l += hsum(sum);
-  pv(acc, vrows, vs, s, n, Dp);
+  pv(acc, vrows + lo * vs, vs, s + lo, n - lo, Dp);
 }
 
 // Rows [0, n) of a cache block as fp32 with a row stride: the cache itself for fp32 when no padding
@@ -240,7 +249,8 @@ void run_item(const Geometry& g, const Item& it, const T* q, const C* kc, const 
   std::fill_n(sc.l.data(), nv, 0.f);
   const int64_t last_pos = it.pos_begin + rows - 1;
   const int32_t* table = tables + it.seq * g.table_stride;
-  for (int64_t b = 0; b <= last_pos / BS; ++b) {
+  // Blocks before the first row's window are never read: the scheduler may have freed them.
+  for (int64_t b = window_start(it.pos_begin, g.window) / BS; b <= last_pos / BS; ++b) {
     const int64_t base = b * BS;
     const int64_t n_max = std::min(BS, last_pos - base + 1);  // rows of this block anyone sees
     const int64_t block = table[b];  // int64 before multiplying by strides
@@ -255,10 +265,11 @@ void run_item(const Geometry& g, const Item& it, const T* q, const C* kc, const 
       for (int64_t t = 0; t < Scratch::pad8(n_max); ++t) sc.krow[t] = t < n_max ? krows + t * ks : sc.zeros.data();
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t n = std::min(n_max, it.pos_begin + r - base + 1);  // lower-right causal
-        if (n <= 0) continue;
+        const int64_t lo = std::max<int64_t>(0, window_start(it.pos_begin + r, g.window) - base);
+        if (n <= lo) continue;
         const int64_t first = r * per_row + (h - it.head_begin) * G;
         for (int64_t i = first; i < first + G; ++i) {
-          update(&sc.q[i * Dp], sc.krow.data(), vrows, vs, n, n_max, Dp, sc.s.data(), sc.m[i], sc.l[i],
+          update(&sc.q[i * Dp], sc.krow.data(), vrows, vs, lo, n, n_max, Dp, sc.s.data(), sc.m[i], sc.l[i],
                  &sc.acc[i * Dp]);
         }
       }

@@ -154,8 +154,10 @@ class CupyBackend:
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                        max_seq_len: int) -> torch.Tensor:
+                        max_seq_len: int, sliding_window: int | None = None) -> torch.Tensor:
         # query [T, Hq, D] -> out [T, Hq, D]
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         num_seqs = seq_lens.shape[0]
         if max_seq_len > block_tables.shape[1] * k_cache.shape[1]:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the block table's capacity")
@@ -163,13 +165,13 @@ class CupyBackend:
             # Pure decode: row i is sequence i. No host sync on this path.
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
             self._decode(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                         max_seq_len, out, None, num_seqs)
+                         max_seq_len, out, None, num_seqs, sliding_window)
             return out
         return self._mixed(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                           max_query_len, max_seq_len)
+                           max_query_len, max_seq_len, sliding_window)
 
     def _mixed(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-               max_query_len, max_seq_len) -> torch.Tensor:
+               max_query_len, max_seq_len, sliding_window) -> torch.Tensor:
         starts = query_start_loc.tolist()  # host sync: the torch prefill path needs lengths anyway
         q_lens = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
         decode_ids = [i for i, n in enumerate(q_lens) if n == 1]
@@ -178,7 +180,7 @@ class CupyBackend:
         if decode_ids:
             seq_ids = torch.tensor(decode_ids, dtype=torch.int32).to(query.device, non_blocking=True)
             self._decode(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                         max_seq_len, out, seq_ids, len(decode_ids))
+                         max_seq_len, out, seq_ids, len(decode_ids), sliding_window)
         if prefill_ids:
             from kernels.paged_attention.reference import TorchBackend
 
@@ -191,12 +193,12 @@ class CupyBackend:
             prefill = TorchBackend().paged_attention(
                 query[rows], k_cache, v_cache, block_tables[ids], seq_lens[ids],
                 torch.tensor(sub_starts, dtype=torch.int32, device=query.device), scale * k_scale,
-                max_query_len, max_seq_len)
+                max_query_len, max_seq_len, sliding_window)
             out[rows] = prefill if v_scale == 1.0 else (prefill.float() * v_scale).to(prefill.dtype)
         return out
 
     def _decode(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                max_seq_len, out, seq_ids, num_items) -> None:
+                max_seq_len, out, seq_ids, num_items, sliding_window=None) -> None:
         import cupy
 
         num_heads, head_dim = query.shape[1], query.shape[2]
@@ -212,7 +214,10 @@ class CupyBackend:
             if tensor.dtype != torch.int32 or not tensor.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous int32 tensor")
         decode, reduce = self._decode_kernels(shape)
-        splits = self.num_splits or choose_num_splits(num_items, num_kv_heads, max_seq_len,
+        # Under a window the kernel reads at most window tokens, from the window's first block on:
+        # split that span, not the whole context.
+        span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + block_size)
+        splits = self.num_splits or choose_num_splits(num_items, num_kv_heads, span,
                                                       self._sm_count(query.device))
         part_o = part_lse = None
         if splits > 1:
@@ -224,11 +229,11 @@ class CupyBackend:
             part_lse.data_ptr() if part_lse is not None else 0,
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             seq_lens.data_ptr(), query_start_loc.data_ptr(), seq_ids_ptr,
-            np.int32(block_tables.shape[1]), np.int32(tokens_per_split(max_seq_len, block_size, splits)),
+            np.int32(block_tables.shape[1]), np.int32(tokens_per_split(span, block_size, splits)),
             np.float32(scale), np.int64(query.stride(0)), np.int64(query.stride(1)),
             np.int64(k_cache.stride(0)), np.int64(k_cache.stride(1)), np.int64(k_cache.stride(2)),
             np.int64(out.stride(0)), np.int64(out.stride(1)),
-            *(np.float32(s) for s in self._scales(k_cache.dtype)),
+            *(np.float32(s) for s in self._scales(k_cache.dtype)), np.int32(sliding_window or 0),
         )
         with cupy.cuda.Device(query.device.index):
             stream = _cupy_stream(query.device)

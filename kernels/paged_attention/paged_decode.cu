@@ -13,7 +13,10 @@
 // per-tensor scales never touch an element: k_scale (and the decode's 2^8 unit) is folded into q,
 // v_scale into the output. A same-dtype cache ignores them: its code is the plain kernel's.
 // Softmax is online, in fp32, in the exp2 domain (scale*log2e is folded into q). Tokens at or
-// past seq_len are never loaded (stale slots may hold NaN). Each row group keeps its own
+// past seq_len are never loaded (stale slots may hold NaN), nor, with a sliding window (window > 0:
+// the row at seq_len - 1 sees positions >= seq_len - window), tokens before the window, whose blocks
+// the scheduler may have freed (their table entries are placeholders). Splits then tile the window
+// from its first block, so a long context with a short window does not launch empty splits. Each row group keeps its own
 // (m, l, acc) state; the CTA merges them through shared memory at the end.
 // S == 1 writes `out`; S > 1 writes fp32 partials (o normalised, lse in natural log) that
 // paged_decode_reduce<T, D> merges. An empty split has lse = -inf, o = 0; an empty row gives 0.
@@ -75,7 +78,7 @@ __global__ void __launch_bounds__(NT) paged_decode(
     int max_blocks, int tokens_per_split, float scale,
     long long q_tok_stride, long long q_head_stride,
     long long c_block_stride, long long c_tok_stride, long long c_head_stride,
-    long long out_tok_stride, long long out_head_stride, float k_scale, float v_scale) {
+    long long out_tok_stride, long long out_head_stride, float k_scale, float v_scale, int window) {
     typedef CacheVec<C> Cache;
     constexpr int LANES = D / kVec;      // lanes per token row: 8, 16 or 32
     constexpr int ROWS = NT / LANES;     // token rows per pass == number of partial states
@@ -92,8 +95,10 @@ __global__ void __launch_bounds__(NT) paged_decode(
     const int seq = seq_ids != nullptr ? seq_ids[item] : item;
     const int seq_len = seq_lens[seq];
     const long long q_row = query_start_loc[seq];
-    const int start = split * tokens_per_split;
-    const int end = min(seq_len, start + tokens_per_split);
+    const int lo = window > 0 ? max(0, seq_len - window) : 0;  // first visible token
+    const int span = lo / BS * BS + split * tokens_per_split;  // this split's block-aligned tokens
+    const int start = max(lo, span);
+    const int end = min(seq_len, span + tokens_per_split);
     const int row = threadIdx.x / LANES, dim0 = (threadIdx.x % LANES) * kVec;
 
     // k_scale and the cache's decode unit scale every K element: apply them once, to q; likewise

@@ -15,6 +15,12 @@ per KV head with a precomputed additive mask. Sequences with q_len > 1 (prefill 
 over a cached prefix) run one SDPA call each with an explicit lower-right causal mask (SDPA's
 `is_causal` is top-left aligned). Rows outside every sequence come back zero.
 Softmax runs in fp32 for half-precision inputs (in the input dtype otherwise).
+
+Sliding window (`sliding_window=W`, HF's convention): the row at position p sees keys at positions
+p - W < k <= p. Only positions some row of the sequence can see are gathered, so a block wholly
+before the window (freed by the scheduler, its table entry a placeholder) is never read. Layers of
+one step may differ in window (Qwen2's max_window_layers, interleaved local/global layers): one
+plan is kept per window.
 """
 
 from __future__ import annotations
@@ -38,14 +44,14 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 class _PrefillSeq:
     start: int  # query rows [start, end)
     end: int
-    slots: torch.Tensor  # [ctx] int64: flat cache slots of positions 0..ctx-1
-    visible: torch.Tensor | None  # [q_len, ctx] bool lower-right causal; None: plain causal
+    slots: torch.Tensor  # [ctx] int64: flat cache slots of positions lo..seq_len-1 (lo: window start)
+    visible: torch.Tensor | None  # [q_len, ctx] bool lower-right causal (and window); None: plain causal
 
 
 @dataclass(slots=True)
 class _DecodeGroup:
     rows: torch.Tensor  # [B] int64: query rows
-    slots: torch.Tensor  # [B * ctx] int64; padding -> the sequence's position-0 slot
+    slots: torch.Tensor  # [B * ctx] int64; padding -> the slot of the sequence's first visible position
     visible: torch.Tensor  # [B, 1, ctx] bool
     ctx: int
 
@@ -54,7 +60,7 @@ class _DecodeGroup:
 class _StepPlan:
     """Everything paged_attention needs that depends on metadata only (one step, every layer)."""
 
-    key: tuple  # copies of the metadata it was built from, and the block size
+    key: tuple  # copies of the metadata it was built from, the block size and the window
     prefills: list[_PrefillSeq]
     decode_groups: list[_DecodeGroup]
     covered: tuple[int, int, int]  # (first row, end row, rows owned): zero-fill unless exact
@@ -70,17 +76,17 @@ class _StepPlan:
 
 
 def _plan_key(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-              block_size: int) -> tuple:
+              block_size: int, window: int | None) -> tuple:
     # Copies: compared by content, so a tensor mutated in place or a recycled id cannot fool it
     # (inference tensors have no version counter to check instead).
-    return (block_tables.clone(), seq_lens.clone(), query_start_loc.clone(), block_size)
+    return (block_tables.clone(), seq_lens.clone(), query_start_loc.clone(), block_size, window)
 
 
 def _same_key(plan_key: tuple, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-              query_start_loc: torch.Tensor, block_size: int) -> bool:
-    tables, lens, starts, size = plan_key
-    return (size == block_size and _equal(tables, block_tables) and _equal(lens, seq_lens)
-            and _equal(starts, query_start_loc))
+              query_start_loc: torch.Tensor, block_size: int, window: int | None) -> bool:
+    tables, lens, starts, size, plan_window = plan_key
+    return (size == block_size and plan_window == window and _equal(tables, block_tables)
+            and _equal(lens, seq_lens) and _equal(starts, query_start_loc))
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -91,7 +97,7 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self) -> None:
-        self._plan: _StepPlan | None = None  # the last step's plan
+        self._plans: dict[int | None, _StepPlan] = {}  # the last step's plan, per window
 
     def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -112,9 +118,9 @@ class TorchBackend:
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                        max_seq_len: int) -> torch.Tensor:
+                        max_seq_len: int, sliding_window: int | None = None) -> torch.Tensor:
         # query: [T, Hq, D] -> out: [T, Hq, D]
-        plan = self._step_plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+        plan = self._step_plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], sliding_window)
         num_rows = query.shape[0]
         exact = plan.covered == (0, num_rows, num_rows)
         out = torch.empty_like(query) if exact else torch.zeros_like(query)
@@ -132,17 +138,20 @@ class TorchBackend:
         return out
 
     def _step_plan(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   query_start_loc: torch.Tensor, block_size: int) -> _StepPlan:
-        plan = self._plan
-        if plan is None or not _same_key(plan.key, block_tables, seq_lens, query_start_loc, block_size):
-            key = _plan_key(block_tables, seq_lens, query_start_loc, block_size)
-            plan = _build_plan(key, block_tables, seq_lens, query_start_loc, block_size)
-            self._plan = plan
+                   query_start_loc: torch.Tensor, block_size: int, window: int | None) -> _StepPlan:
+        if window is not None and window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {window}")
+        plan = self._plans.get(window)
+        if plan is None or not _same_key(plan.key, block_tables, seq_lens, query_start_loc, block_size,
+                                         window):
+            key = _plan_key(block_tables, seq_lens, query_start_loc, block_size, window)
+            plan = _build_plan(key, block_tables, seq_lens, query_start_loc, block_size, window)
+            self._plans[window] = plan
         return plan
 
 
 def _build_plan(key: tuple, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                query_start_loc: torch.Tensor, block_size: int) -> _StepPlan:
+                query_start_loc: torch.Tensor, block_size: int, window: int | None) -> _StepPlan:
     seq_lens_list = seq_lens.tolist()
     qsl = query_start_loc.tolist()
     prefills: list[_PrefillSeq] = []
@@ -158,9 +167,12 @@ def _build_plan(key: tuple, block_tables: torch.Tensor, seq_lens: torch.Tensor,
         if q_len == 1:
             decode_seqs.append(i)
         else:
-            prefills.append(_prefill_seq(block_tables[i], qsl[i], q_len, seq_len, block_size))
-    groups = [_decode_group(block_tables, seq_lens_list, qsl, group, block_size)
-              for group in _length_buckets(decode_seqs, seq_lens_list)]
+            prefills.append(_prefill_seq(block_tables[i], qsl[i], q_len, seq_len, block_size, window))
+    # A decode row sees its last min(seq_len, window) positions: bucket by that, not seq_len.
+    starts = [_window_start(n, 1, window) for n in seq_lens_list]
+    seen = [n - lo for n, lo in zip(seq_lens_list, starts, strict=True)]
+    groups = [_decode_group(block_tables, seq_lens_list, starts, qsl, group, block_size)
+              for group in _length_buckets(decode_seqs, seen)]
     first = qsl[0] if qsl else 0
     end = qsl[-1] if qsl else 0
     return _StepPlan(key, prefills, groups, (first, end, owned), {})
@@ -179,6 +191,11 @@ def _length_buckets(seqs: list[int], seq_lens: list[int]) -> list[list[int]]:
     return groups
 
 
+def _window_start(seq_len: int, q_len: int, window: int | None) -> int:
+    """The first position any of the sequence's query rows can see (its first row's window)."""
+    return 0 if window is None else max(0, seq_len - q_len - window + 1)
+
+
 def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     # tables: [B, max_blocks]; positions: [B, n] (each < its sequence's length) -> [B, n] int64
     blocks = tables.long().gather(1, positions // block_size)
@@ -186,27 +203,36 @@ def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> to
 
 
 def _prefill_seq(block_table: torch.Tensor, start: int, q_len: int, seq_len: int,
-                 block_size: int) -> _PrefillSeq:
+                 block_size: int, window: int | None) -> _PrefillSeq:
     device = block_table.device
-    positions = torch.arange(seq_len, device=device)[None, :]  # [1, ctx]
+    lo = _window_start(seq_len, q_len, window)
+    positions = torch.arange(lo, seq_len, device=device)[None, :]  # [1, ctx]
     slots = _slots(block_table[None, :], positions, block_size)[0]  # [ctx]
     visible = None  # no cached prefix: top-left == lower-right causal
-    if q_len != seq_len:
-        # Lower-right causal: query row j sits at position seq_len - q_len + j.
-        visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril(seq_len - q_len)
+    if q_len != seq_len or window is not None:
+        # Lower-right causal: query row j sits at position p = seq_len - q_len + j, column c at lo + c;
+        # visible iff p - window < lo + c <= p.
+        ctx = seq_len - lo
+        visible = torch.ones(q_len, ctx, dtype=torch.bool, device=device).tril(seq_len - q_len - lo)
+        if window is not None:
+            visible.triu_(seq_len - q_len - lo - window + 1)
     return _PrefillSeq(start, start + q_len, slots, visible)
 
 
-def _decode_group(block_tables: torch.Tensor, seq_lens: list[int], qsl: list[int], group: list[int],
-                  block_size: int) -> _DecodeGroup:
+def _decode_group(block_tables: torch.Tensor, seq_lens: list[int], starts: list[int], qsl: list[int],
+                  group: list[int], block_size: int) -> _DecodeGroup:
+    # starts[i]: sequence i's first visible position (0 without a window); column c is position
+    # starts[i] + c.
     device = block_tables.device
-    ctx = max(seq_lens[i] for i in group)
+    ctx = max(seq_lens[i] - starts[i] for i in group)
     index = torch.tensor(group, dtype=torch.long, device=device)  # [B]
-    lens = torch.tensor([seq_lens[i] for i in group], device=device)  # [B]
-    positions = torch.arange(ctx, device=device)[None, :]  # [1, ctx]
-    visible = positions < lens[:, None]  # [B, ctx]
-    # Padding reads position 0 (always written): entries past a table's end are never touched.
-    slots = _slots(block_tables.index_select(0, index), torch.where(visible, positions, 0), block_size)
+    lens = torch.tensor([seq_lens[i] - starts[i] for i in group], device=device)  # [B] visible columns
+    first = torch.tensor([starts[i] for i in group], device=device)[:, None]  # [B, 1]
+    columns = torch.arange(ctx, device=device)[None, :]  # [1, ctx]
+    visible = columns < lens[:, None]  # [B, ctx]
+    # Padding reads the first visible position (written): entries past a table's end, and blocks
+    # before the window, are never touched.
+    slots = _slots(block_tables.index_select(0, index), first + torch.where(visible, columns, 0), block_size)
     rows = torch.tensor([qsl[i] for i in group], dtype=torch.long, device=device)
     return _DecodeGroup(rows, slots.reshape(-1), visible[:, None, :], ctx)
 

@@ -130,7 +130,7 @@ def info_to_pb(info: WorkerInfo, epoch: int) -> worker_pb2.InitResponse:
         num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
         eos_token_ids=info.eos_token_ids, epoch=epoch, vocab_size=info.vocab_size,
         model_name=info.model_name, max_loras=info.max_loras, max_lora_rank=info.max_lora_rank,
-        num_cpu_blocks=info.num_cpu_blocks)
+        num_cpu_blocks=info.num_cpu_blocks, sliding_window=info.sliding_window)
 
 
 def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
@@ -138,4 +138,5 @@ def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
     return pb.epoch, WorkerInfo(
         num_blocks=pb.num_blocks, block_size=pb.block_size, max_model_len=pb.max_model_len,
         eos_token_ids=tuple(pb.eos_token_ids), vocab_size=pb.vocab_size, model_name=pb.model_name,
-        max_loras=pb.max_loras, max_lora_rank=pb.max_lora_rank, num_cpu_blocks=pb.num_cpu_blocks)
+        max_loras=pb.max_loras, max_lora_rank=pb.max_lora_rank, num_cpu_blocks=pb.num_cpu_blocks,
+        sliding_window=pb.sliding_window)

@@ -108,7 +108,7 @@ class LLM:
                 long_prefill_token_threshold=long_prefill_token_threshold,
                 enable_prefix_caching=enable_prefix_caching, eos_token_ids=info.eos_token_ids,
                 speculative=speculative, max_loras=info.max_loras, num_cpu_blocks=info.num_cpu_blocks,
-                preemption_mode=preemption_mode)
+                preemption_mode=preemption_mode, sliding_window=info.sliding_window)
         except BaseException:
             self.close()
             raise

@@ -80,6 +80,9 @@ class SchedulerConfig:
     # tokens exceed one prefill chunk, long_prefill_token_threshold, when the host pool has room).
     num_cpu_blocks: int = 0
     preemption_mode: Literal["recompute", "swap"] | None = None
+    # The model's sliding window when every layer has one (the worker's Init); 0: none. Blocks
+    # wholly before a sequence's window are freed (kv_cache_manager.py: free_out_of_window).
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         check_preemption_mode(self.preemption_mode, has_host_pool=self.num_cpu_blocks >= 1)

@@ -1,4 +1,5 @@
-"""Block tables of sequences over one BlockPool: prefix hits, growth, copy-on-write, deferred free.
+"""Block tables of sequences over one BlockPool: prefix hits, growth, copy-on-write, deferred free,
+and, for a model whose every layer has a sliding window, freeing the blocks that fell out of it.
 
 Every method is O(blocks it touches); nothing walks the whole pool per step (but check_refs: tests).
 """
@@ -13,7 +14,7 @@ from pagoda.contract.step import BlockCopy, StepPlan, TableUpdate
 from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.prefix_index import PrefixIndex, block_extra_keys
-from scheduler_svc.core.request import SeqStatus, Sequence
+from scheduler_svc.core.request import NULL_BLOCK, SeqStatus, Sequence
 
 
 def position_to_block(pos: int, block_size: int) -> tuple[int, int]:
@@ -27,8 +28,10 @@ def slot_mapping(block_table: list[BlockId], start: int, end: int, block_size: i
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 sliding_window: int = 0) -> None:
         self.block_size = block_size
+        self.window = sliding_window  # every layer's window is at most this; 0: no freeing
         self.index = PrefixIndex() if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.index)
         self._deferred: dict[int, list[list[BlockId]]] = {}  # step id -> block lists to free then
@@ -133,6 +136,37 @@ class KVCacheManager:
         self.pool.touch(blocks)
 
     # -- freeing ------------------------------------------------------------------------------
+    def window_freeable(self, seq: Sequence) -> bool:
+        """Whether free_out_of_window would free anything now (cheap: the per-step path asks)."""
+        return seq.num_computed_tokens - self.window >= (seq.num_window_freed + 1) * self.block_size
+
+    def free_out_of_window(self, seq: Sequence, after_step: int | None) -> None:
+        """Free seq's blocks wholly before (num_computed_tokens - window): the next position it
+        computes sees only positions > that - 1, and later ones see less, so no step from now on
+        reads them. Their entries become NULL_BLOCK; an in-flight step may still read them, so the
+        free waits for `after_step` as a preempted sequence's does.
+
+        With prefix caching only registered blocks go (their writing step has reported): a freed
+        registered block keeps its hash entry and waits on the evictable LRU, so a later request
+        with the same prefix can still hit the whole chain (it is evicted like any cached block).
+        """
+        bs = self.block_size
+        end = (seq.num_computed_tokens - self.window) // bs  # blocks [0, end) end at or before it
+        if self.index is not None:
+            end = min(end, seq.num_registered_blocks)
+        first = seq.num_window_freed
+        if end <= first:
+            return
+        table = seq.block_table
+        freed = table[first:end]
+        table[first:end] = [NULL_BLOCK] * (end - first)
+        seq.num_window_freed = end
+        self.release(freed, after_step)
+
+    @staticmethod
+    def held_blocks(seq: Sequence) -> list[BlockId]:
+        """The blocks seq's table holds a reference on (not the window-freed NULL_BLOCK entries)."""
+        return seq.block_table[seq.num_window_freed:] if seq.num_window_freed else seq.block_table
     def release(self, blocks: list[BlockId], after_step: int | None) -> None:
         """Free blocks now, or once step `after_step` (still in flight, may read them) reports."""
         if not blocks:

@@ -59,6 +59,9 @@ class PromptPinner:
         self._ids.add(request_id)
         return request_id
 
+    def is_pin(self, request: Request) -> bool:
+        return bool(self._ids) and request.request_id in self._ids
+
     def finishing(self, seq: Sequence) -> None:
         """`seq`, running, is finishing: if it is a pin request, hold its registered prompt blocks
         (before they drop)."""

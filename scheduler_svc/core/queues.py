@@ -18,7 +18,7 @@ from collections import Counter, deque
 from collections.abc import Iterator
 
 from pagoda.contract.ids import RequestId
-from scheduler_svc.core.request import Request, SeqStatus, Sequence
+from scheduler_svc.core.request import NULL_BLOCK, Request, SeqStatus, Sequence
 
 
 def priority_key(seq: Sequence) -> tuple[int, float, int, int]:
@@ -134,6 +134,7 @@ class RunQueues:
             seq.block_table = []
             seq.num_computed_tokens = 0
             seq.num_registered_blocks = 0
+            seq.num_window_freed = 0
             seq.last_serial = 0
             seq.generation += 1
             seq.resident = False
@@ -152,12 +153,14 @@ class RunQueues:
         for seq in self.running:
             if seq.status is not SeqStatus.RUNNING or self.live.get(seq.seq_id) is not seq:
                 raise AssertionError(f"{seq.seq_id} is in the running list with status {seq.status}")
-            if len(set(seq.block_table)) != len(seq.block_table):
-                raise AssertionError(f"{seq.seq_id} holds a block twice: {seq.block_table}")
+            freed, held = seq.block_table[:seq.num_window_freed], seq.block_table[seq.num_window_freed:]
+            if len(set(held)) != len(held) or NULL_BLOCK in held or any(b != NULL_BLOCK for b in freed):
+                raise AssertionError(f"{seq.seq_id} holds a block twice, or a freed one: {seq.block_table} "
+                                     f"({seq.num_window_freed} freed out of the window)")
             if len(seq.block_table) * block_size < seq.num_computed_tokens:
                 raise AssertionError(f"{seq.seq_id}: {seq.num_computed_tokens} computed tokens do not "
                                      f"fit its table {seq.block_table}")
-            refs.update(seq.block_table)
+            refs.update(held)
         for seq in self.waiting:
             if seq.block_table or seq.status is not SeqStatus.WAITING:
                 raise AssertionError(f"waiting {seq.seq_id} holds blocks {seq.block_table}")

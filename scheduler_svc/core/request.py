@@ -113,6 +113,12 @@ class Request:
         return self.sampling.beam_width or self.sampling.n
 
 
+# A block-table entry whose block was freed because it fell out of every layer's sliding window
+# (kv_cache_manager.py: free_out_of_window). Only the scheduler's table holds it: the worker keeps
+# the old id, which attention never reads again (vLLM's null block plays the same part).
+NULL_BLOCK = BlockId(-1)
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     seq_id: RequestId
@@ -126,6 +132,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of token_ids, lazily
     num_registered_blocks: int = 0  # table[:this] is in (or verified against) the prefix index
     last_serial: int = 0  # prefix-index serial of block num_registered_blocks-1 (0 = root)
+    num_window_freed: int = 0  # table[:this] is NULL_BLOCK: freed, out of the sliding window
     generation: int = 0  # +1 on preemption: facts recorded for an older generation are stale
     resident: bool = False  # the worker holds this sequence's state
     pending_fork: bool = False  # n>1 and the children are not forked yet (seq 0 only)
@@ -156,7 +163,7 @@ class Sequence:
                         num_placeholders=1, block_table=list(self.block_table),
                         block_hashes=list(self.block_hashes),
                         num_registered_blocks=self.num_registered_blocks, last_serial=self.last_serial,
-                        generation=self.generation, resident=True)
+                        num_window_freed=self.num_window_freed, generation=self.generation, resident=True)
 
     def may_sample(self) -> bool:
         """Whether one more sampled token (beyond those in flight) stays within max_tokens."""

@@ -66,7 +66,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         bs = config.block_size
-        self._kv = KVCacheManager(config.num_blocks, bs, config.enable_prefix_caching)
+        self._kv = KVCacheManager(config.num_blocks, bs, config.enable_prefix_caching, config.sliding_window)
         self._threshold = config.long_prefill_token_threshold or max(1, config.max_num_batched_tokens // 2)
         self._queues = RunQueues(config.policy)
         self._inflight: deque[InflightStep] = deque()
@@ -330,10 +330,13 @@ class Scheduler:
         budget, num_decode = draft.budget, 0
         spec = self._spec
         drafts = spec.propose(running) if spec is not None else {}
+        window = kv.window
         i = 0
         while i < len(running):
             seq = running[i]
             i += 1
+            if window and kv.window_freeable(seq):
+                self._free_out_of_window(seq)
             start = seq.num_computed_tokens
             total = len(seq.token_ids) + seq.num_placeholders
             req = seq.request
@@ -392,6 +395,12 @@ class Scheduler:
         draft.num_decode += num_decode
         draft.num_scheduled += num_decode
 
+    def _free_out_of_window(self, seq: Sequence) -> None:
+        """Blocks out of every layer's window go back to the pool, but not a beam's (its blocks are
+        re-pointed between beams, beam_group.py) nor a pinned prompt's (kept cached for good)."""
+        if seq.request.beam is None and not self._pins.is_pin(seq.request):
+            self._kv.free_out_of_window(seq, self._last_inflight())
+
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Preempt from the tail until seq's blocks fit (counting deferred frees, which come back
         when in-flight steps report). False when seq preempted itself or must wait for them."""
@@ -424,7 +433,7 @@ class Scheduler:
         q.running_slots -= req.n - 1  # the children take the slots reserved for them
         children = [parent.fork(index) for index in range(1, req.n)]
         for child in children:
-            self._kv.share(child.block_table)
+            self._kv.share(self._kv.held_blocks(child))
             q.live[child.seq_id] = child
             q.add_running(child)
         req.seqs.extend(children)
@@ -448,8 +457,9 @@ class Scheduler:
         self._counters.num_preemptions += 1
 
     def _drop_blocks(self, seq: Sequence) -> None:
-        self._kv.release(seq.block_table, self._last_inflight())
+        self._kv.release(self._kv.held_blocks(seq), self._last_inflight())
         seq.block_table = []
+        seq.num_window_freed = 0
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         seq.last_serial = 0

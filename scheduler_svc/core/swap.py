@@ -77,6 +77,8 @@ class SwapManager:
         num_blocks = cdiv(seq.num_computed_tokens, self._block_size)
         if pool is None or mode == "recompute" or not num_blocks or not pool.can_allocate(num_blocks):
             return
+        if seq.num_window_freed:  # part of its KV is gone (out of the window): swap-in cannot restore it
+            return
         if mode is None and seq.num_computed_tokens <= self._threshold:
             return  # auto: recomputing it fits in one prefill chunk
         host = pool.allocate(num_blocks)

@@ -171,3 +171,27 @@ def test_cache_write_bitwise_equals_index_copy(dtype):
     CupyBackend().write_kv_cache(*gpu)
     assert torch.equal(gpu[2].cpu().view(torch.int16), expected_k.view(torch.int16))
     assert torch.equal(gpu[3].cpu().view(torch.int16), expected_v.view(torch.int16))
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 16])
+@pytest.mark.parametrize("window", [1, 16, 37, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sliding_window_decode_and_prefill(num_splits, window, dtype):
+    # Decode rows past, at and below the window, and a prefill chunk (the torch path inside the
+    # backend); table entries of blocks wholly before each row's window are out-of-range ids (the
+    # scheduler freed them): the kernel must never read them. Reference: the torch backend's window.
+    seq_lens, q_lens = [513, 40, 37, 5, 200], [1, 1, 1, 1, 9]
+    case = build_case(seq_lens, q_lens, 4, 128, 16, dtype, seed=window)
+    query, k_cache, v_cache, tables, lens, qsl = case
+    for i, (n, q) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        first_seen = max(0, n - q - window + 1)
+        tables[i, : first_seen // 16] = 2**30
+    ref = TorchBackend().paged_attention(query, k_cache, v_cache, tables, lens, qsl, 0.088, max(q_lens),
+                                         max(seq_lens), sliding_window=window)
+    args = [t.to(DEVICE) for t in (query, k_cache, v_cache, tables, lens, qsl)]
+    out = CupyBackend(num_splits=num_splits).paged_attention(*args, 0.088, max(q_lens), max(seq_lens),
+                                                             sliding_window=window)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    _, tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)

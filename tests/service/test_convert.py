@@ -71,7 +71,7 @@ def test_result_round_trip_with_and_without_logprobs():
 
 
 def test_worker_info_round_trip():
-    info = WorkerInfo(100, 16, 2048, (2, 3), 32000, "tiny", num_cpu_blocks=40)
+    info = WorkerInfo(100, 16, 2048, (2, 3), 32000, "tiny", num_cpu_blocks=40, sliding_window=4096)
     assert convert.info_from_pb(convert.info_to_pb(info, epoch=5)) == (5, info)
 
 

@@ -146,3 +146,40 @@ def test_tokens_per_split_is_whole_blocks():
     assert tokens_per_split(8192, 16, 32) == 256
     assert tokens_per_split(513, 32, 3) == 192  # ceil(513/3)=171 -> 6 blocks of 32
     assert tokens_per_split(0, 16, 1) == 16
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
+@pytest.mark.parametrize("window", [1, 15, 16, 40, 600])
+def test_sliding_window_reads_only_the_window(num_splits, window):
+    # The kernel's window path: each sequence reads tokens >= seq_len - window, splits tile the
+    # window from its first block. Table entries of blocks wholly before it are out of range and
+    # their slots NaN (freed by the scheduler): reading one would raise or poison the output.
+    block_size, seq_lens = 16, [513, 3, 0, 200, 47]
+    query, k_cache, v_cache, tables, lens = make_case(seq_lens, 4, block_size, seed=window)
+    scale = HEAD_DIM**-0.5
+    expected, expected_lse = dense_reference_window(query, k_cache, v_cache, tables, lens, scale, window)
+    for i, n in enumerate(seq_lens):
+        tables[i, : max(0, n - window) // block_size] = 10**6
+    out, lse = splitk_decode(query, k_cache, v_cache, tables, lens, scale, num_splits, window=window)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=1e-5)
+
+
+def dense_reference_window(query, k_cache, v_cache, tables, lens, scale, window):
+    """dense_reference over each sequence's last `window` tokens (what its decode row sees)."""
+    block_size = k_cache.shape[1]
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float64)
+    for i, n in enumerate(lens.tolist()):
+        lo = max(0, n - window)
+        # The window's tokens re-packed from position 0: a table over the same blocks, shifted.
+        k = k_cache[tables[i, : math.ceil(n / block_size)].long()].flatten(0, 1)[lo:n]
+        v = v_cache[tables[i, : math.ceil(n / block_size)].long()].flatten(0, 1)[lo:n]
+        pad = (-k.shape[0]) % block_size
+        k = torch.cat([k, torch.zeros(pad, *k.shape[1:])]).view(-1, block_size, *k.shape[1:])
+        v = torch.cat([v, torch.zeros(pad, *v.shape[1:])]).view(-1, block_size, *v.shape[1:])
+        table = torch.arange(k.shape[0], dtype=torch.int32)[None, :]
+        o, s = dense_reference(query[i:i + 1], k, v, table, torch.tensor([n - lo], dtype=torch.int32), scale)
+        out[i], lse[i] = o[0], s[0]
+    return out, lse

@@ -36,6 +36,12 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
                                               rope_theta=1000.0),
         # QKV bias, tied embeddings
         "qwen2": transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, use_sliding_window=False),
+        # sliding window of 16 tokens on every layer (prompts and outputs run well past it)
+        "mistral_swa": transformers.MistralConfig(**COMMON, tie_word_embeddings=False, sliding_window=16,
+                                                  rope_theta=1000.0),
+        # window 12 from layer 1 on (max_window_layers): layer 0 full, layers 1-2 windowed
+        "qwen2_swa": transformers.Qwen2Config(**{**COMMON, "num_hidden_layers": 3}, tie_word_embeddings=True,
+                                              use_sliding_window=True, sliding_window=12, max_window_layers=1),
         # q/k RMSNorm, head_dim (32) != hidden / heads (16), MHA-to-GQA ratio 4
         "qwen3": transformers.Qwen3Config(**{**COMMON, "num_attention_heads": 8}, head_dim=32,
                                           tie_word_embeddings=False, use_sliding_window=False),

@@ -1,7 +1,8 @@
 """Greedy `LLM.generate` is token-identical to HF transformers `generate` (fp32, CPU) for the
-families added after the Llama four: Phi-3, OLMo 2, Granite and the mixture-of-experts Mixtral,
-Qwen3-MoE, OLMoE (tests/worker/hf_models.py builds them). In a roomy pool with chunked prefill, in a cramped one that preempts, and over a shared
-prefix served from the prefix cache."""
+families added after the Llama four: Phi-3, OLMo 2, Granite, the mixture-of-experts Mixtral,
+Qwen3-MoE, OLMoE, and sliding-window Mistral and Qwen2 (windows of 16 and 12 tokens, blocks of 8,
+prompts and outputs past them; tests/worker/hf_models.py builds them). In a roomy pool with chunked
+prefill, in a cramped one that preempts, and over a shared prefix served from the prefix cache."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ SYSTEM_PROMPT_LEN = 24
 BLOCK_SIZE = 8
 
 
-@pytest.fixture(scope="module", params=["phi3", "olmo2", "granite", "mixtral", "qwen3_moe", "olmoe"])
+@pytest.fixture(scope="module", params=["phi3", "olmo2", "granite", "mixtral", "qwen3_moe", "olmoe",
+                                                      "mistral_swa", "qwen2_swa"])
 def family(request, tmp_path_factory) -> dict[str, Any]:
     """The checkpoint, prompts and HF's greedy continuations (computed once per family)."""
     model_dir = build_hf_model(request.param, tmp_path_factory.mktemp(request.param), seed=5)
@@ -40,7 +42,7 @@ def family(request, tmp_path_factory) -> dict[str, Any]:
                           temperature=None, top_p=None, top_k=None)
         return out[0, len(prompt):].tolist()
 
-    return {"dir": str(model_dir), "plain": plain, "shared": shared, "max_tokens": max_tokens,
+    return {"kind": request.param, "dir": str(model_dir), "reference": reference, "plain": plain, "shared": shared, "max_tokens": max_tokens,
             "plain_ref": [reference(p, m) for p, m in zip(plain, max_tokens, strict=True)],
             "shared_ref": [reference(p, m) for p, m in zip(shared, max_tokens[:len(shared)], strict=True)]}
 
@@ -75,3 +77,19 @@ def test_shared_prefix_hits_the_cache(family: dict[str, Any]) -> None:
         got = generate(llm, shared[:1], max_tokens[:1]) + generate(llm, shared[1:], max_tokens[1:])
         assert llm.stats().prefix_hits > 0
     assert got == family["shared_ref"]
+
+
+def test_window_blocks_return_to_the_pool(family: dict[str, Any]) -> None:
+    # Mistral's every layer has a 16-token window: three 120-token prompts, 30 tokens each, in
+    # chunks of 16, over 20 blocks of 8. Each would need 19 blocks if it kept its whole context
+    # (57 > 20: preemptions); holding only its window (3 blocks) and a chunk, all three fit.
+    if family["kind"] != "mistral_swa":
+        pytest.skip("only Mistral windows every layer (Qwen2's layer 0 attends to all)")
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(120)] for _ in range(3)]
+    with make_llm(family["dir"], num_gpu_blocks_override=20, max_num_batched_tokens=48,
+                  long_prefill_token_threshold=16) as llm:
+        assert llm.worker_info.sliding_window == 16
+        got = generate(llm, prompts, [30] * 3)
+        assert llm.stats().num_preemptions == 0
+    assert got == [family["reference"](p, 30) for p in prompts]

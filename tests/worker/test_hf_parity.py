@@ -28,14 +28,16 @@ def checkpoint(request, tmp_path_factory):
 
 def test_config_flags_follow_architecture(checkpoint):
     kind, _, cfg, _, _ = checkpoint
-    assert cfg.qkv_bias == (kind == "qwen2")
+    assert cfg.qkv_bias == (kind in ("qwen2", "qwen2_swa"))
     assert cfg.qk_norm == (kind in ("qwen3", "qwen3_moe"))  # per head; OLMo 2's / OLMoE's are their layers'
     moe = {"mixtral": (8, 2, 64, True, ()), "qwen3_moe": (8, 2, 32, True, (1,)), "olmoe": (8, 2, 64, False, ())}
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob,
             cfg.mlp_only_layers) == moe.get(kind, (0, 0, 0, False, ()))
     assert [cfg.is_moe_layer(i) for i in range(cfg.num_layers)] == (
         [True, False, True] if kind == "qwen3_moe" else [kind in moe] * cfg.num_layers)
-    assert cfg.tie_word_embeddings == (kind in ("qwen2", "granite"))
+    assert cfg.tie_word_embeddings == (kind in ("qwen2", "qwen2_swa", "granite"))
+    windows = {"mistral_swa": (16, 16), "qwen2_swa": (None, 12, 12)}
+    assert [cfg.layer_window(i) for i in range(cfg.num_layers)] == list(windows.get(kind, (None,) * cfg.num_layers))
     assert (cfg.rope_scaling or {}).get("rope_type") == ("llama3" if kind == "llama" else None)
     assert cfg.rotary_dim == (cfg.head_dim // 2 if kind == "phi3" else cfg.head_dim)
     granite = (12.0, 0.22, 0.1, 8.0) if kind == "granite" else (1.0, 1.0, None, 1.0)

@@ -207,3 +207,24 @@ def test_moe_config_parsing():
         ModelConfig.from_dict({**base, "architectures": ["OlmoeForCausalLM"], "num_experts": 8, "clip_qkv": 8.0})
     with pytest.raises(ValueError, match="LoRA is not supported on mixture-of-experts"):
         LoRAManager(torch.nn.Module(), mixtral, 1, 8, None, torch.float32, torch.device("cpu"))
+
+
+def test_sliding_window_config_parsing():
+    # Per-layer windows as HF applies them: every layer (Mistral), the layers from max_window_layers
+    # on (Qwen2, only with use_sliding_window), or an explicit layer_types list.
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "vocab_size": 10}
+    mistral = ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 16})
+    assert mistral.layer_windows == (16, 16, 16, 16) and mistral.layer_window(3) == 16
+    assert mistral.kv_window == 16  # every layer windowed: the scheduler may free blocks before it
+    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, "max_window_layers": 3}
+    assert ModelConfig.from_dict({**qwen, "use_sliding_window": True}).layer_windows == (None, None, None, 32)
+    for off in ({**qwen, "use_sliding_window": False}, qwen):  # HF's Qwen2 default: off
+        assert ModelConfig.from_dict(off).layer_windows == () and ModelConfig.from_dict(off).layer_window(0) is None
+    typed = ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 8,
+                                   "layer_types": ["sliding_attention", "full_attention"] * 2})
+    assert typed.layer_windows == (8, None, 8, None) and typed.kv_window == 0  # a global layer reads all
+    qwen_all = ModelConfig.from_dict({**qwen, "use_sliding_window": True, "max_window_layers": 0})
+    assert qwen_all.layer_windows == (32,) * 4 and qwen_all.kv_window == 32
+    assert ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"],
+                                  "sliding_window": None}).layer_windows == ()

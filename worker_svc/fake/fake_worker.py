@@ -108,8 +108,11 @@ class _Resident:
 
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int, sampler: FakeSampler | None = None,
-                 check_kv: bool = True, num_cpu_blocks: int = 0) -> None:
+                 check_kv: bool = True, num_cpu_blocks: int = 0, sliding_window: int = 0) -> None:
         self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
+        # A model whose every layer has this window (0: none): attention reads, and so the KV
+        # check covers, only positions inside it; the scheduler may have reused the blocks before.
+        self.sliding_window = sliding_window
         self.host_kv = [-1] * (num_cpu_blocks * block_size)  # the host pool's slots, likewise
         self.sampler = sampler or FakeSampler()
         self.check_kv = check_kv
@@ -217,15 +220,17 @@ class FakeWorker:
                 written.add(slot)
                 kv[slot] = state.token_ids[pos]
             if self.check_kv:
-                self._check_attended(rid, state, end)
+                self._check_attended(rid, state, start, end)
             state.num_computed = end
             if end == len(state.token_ids):
                 samplers.append(rid)
         return samplers
 
-    def _check_attended(self, rid: RequestId, state: _Resident, end: int) -> None:
+    def _check_attended(self, rid: RequestId, state: _Resident, start: int, end: int) -> None:
+        # Rows [start, end) read positions [0, end), or, under a window, > start - window.
         bs, table = self.block_size, state.block_table
-        for pos in range(end):
+        first = max(0, start - self.sliding_window + 1) if self.sliding_window else 0
+        for pos in range(first, end):
             slot = table[pos // bs] * bs + pos % bs
             if self.kv[slot] != state.token_ids[pos]:
                 raise AssertionError(f"{rid!r} position {pos}: slot {slot} holds {self.kv[slot]}, "

@@ -41,7 +41,11 @@ class ModelConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-    sliding_window: int | None = None  # set when the model uses one (Mistral v0.1); not implemented
+    sliding_window: int | None = None  # set when the model uses one (Mistral v0.1, Qwen2 opted in)
+    # Per layer: the sliding window of that layer's attention, None for full attention. Mistral
+    # windows every layer; Qwen2/Qwen3 (use_sliding_window) only layers >= max_window_layers; an
+    # explicit HF `layer_types` list wins. Empty: every layer is full attention.
+    layer_windows: tuple[int | None, ...] = ()
     partial_rotary_factor: float = 1.0  # Phi-3 family: RoPE turns only the first rotary_dim dims
     # Granite's scalings (1.0 / None elsewhere): embeddings times embedding_multiplier, each block's
     # output times residual_multiplier before the residual add, attention scale attention_multiplier
@@ -65,6 +69,15 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_window(self) -> int:
+        """The widest window when every layer has one (KV before it is never read again), else 0."""
+        windows = self.layer_windows
+        return max(windows) if windows and None not in windows else 0  # type: ignore[type-var]
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        return self.layer_windows[layer_idx] if self.layer_windows else None
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
@@ -95,6 +108,7 @@ class ModelConfig:
         num_heads = int(raw["num_attention_heads"])
         attention_bias = bool(raw.get("attention_bias", False))
         rope_theta, rope_scaling = _rope(raw)
+        sliding_window = _sliding_window(raw, arch)
         return cls(
             architecture=arch,
             hidden_size=int(raw["hidden_size"]),
@@ -115,7 +129,8 @@ class ModelConfig:
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             eos_token_ids=_eos_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
-            sliding_window=_sliding_window(raw),
+            sliding_window=sliding_window,
+            layer_windows=_layer_windows(raw, sliding_window),
             partial_rotary_factor=_partial_rotary_factor(raw),
             embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
@@ -191,8 +206,30 @@ def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]
     return tuple(dict.fromkeys(ids))  # union, first-seen order
 
 
-def _sliding_window(raw: dict[str, Any]) -> int | None:
+# HF's Qwen configs carry a sliding_window that applies only with use_sliding_window (default off).
+_OPT_IN_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
     window = raw.get("sliding_window")
-    if window is None or raw.get("use_sliding_window") is False:
+    if window is None or not raw.get("use_sliding_window", arch not in _OPT_IN_WINDOW):
         return None
     return int(window)
+
+
+def _layer_windows(raw: dict[str, Any], window: int | None) -> tuple[int | None, ...]:
+    """The window of each layer, as HF applies it (see ModelConfig.layer_windows)."""
+    if window is None:
+        return ()
+    num_layers = int(raw["num_hidden_layers"])
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise UnsupportedModelError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    elif "max_window_layers" in raw:  # Qwen2 / Qwen3: the bottom max_window_layers layers stay full
+        first = int(raw["max_window_layers"])
+        windows = tuple(window if i >= first else None for i in range(num_layers))
+    else:
+        windows = (window,) * num_layers
+    return windows if any(w is not None for w in windows) else ()

@@ -46,7 +46,7 @@ def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TensorParallel) -> torc
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, layer_idx: int = 0) -> None:
         super().__init__()
         self.tp = tp
         self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
@@ -54,6 +54,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim  # this rank's heads
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.attention_multiplier or cfg.head_dim**-0.5  # Granite sets its own
+        self.sliding_window = cfg.layer_window(layer_idx)  # None: full attention
         # rows: [q (Hq/N*D) | k (Hkv/N*D) | v (Hkv/N*D)]
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -77,7 +78,7 @@ class Attention(nn.Module):
         attn.backend.write_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
         out = attn.backend.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
                                            attn.query_start_loc, self.scale, attn.max_query_len,
-                                           attn.max_seq_len)  # [T, Hq, D]
+                                           attn.max_seq_len, self.sliding_window)  # [T, Hq, D]
         return row_parallel(self.o_proj, out.reshape(num_tokens, self.q_size), self.tp)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +111,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = self.attention(cfg, tp)
+        self.self_attn = self.attention(cfg, tp, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = self.make_mlp(cfg, tp, layer_idx)
         self.residual_multiplier = cfg.residual_multiplier  # Granite; 1.0 (skipped) elsewhere

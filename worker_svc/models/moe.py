@@ -98,8 +98,8 @@ class OlmoeRMSNorm(Olmo2RMSNorm):
 class OlmoeAttention(Olmo2Attention):
     """OLMo 2's q/k norms over all heads at once, in Llama's cast order."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
-        super().__init__(cfg, tp)
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, layer_idx: int = 0) -> None:
+        super().__init__(cfg, tp, layer_idx)
         self.q_norm = OlmoeRMSNorm(cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps, tp)
         self.k_norm = OlmoeRMSNorm(cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps, tp)
 

@@ -48,8 +48,8 @@ class Olmo2RMSNorm(RMSNorm):
 
 
 class Olmo2Attention(Attention):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
-        super().__init__(cfg, tp)
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, layer_idx: int = 0) -> None:
+        super().__init__(cfg, tp, layer_idx)
         self.q_norm = Olmo2RMSNorm(cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps, tp)
         self.k_norm = Olmo2RMSNorm(cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps, tp)
 
@@ -61,7 +61,7 @@ class Olmo2Attention(Attention):
 class Olmo2DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = Olmo2Attention(cfg, tp)
+        self.self_attn = Olmo2Attention(cfg, tp, layer_idx)
         self.post_attention_layernorm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
         self.post_feedforward_layernorm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
