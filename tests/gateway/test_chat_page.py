@@ -4,6 +4,8 @@ it stays out of the OpenAPI schema."""
 
 from __future__ import annotations
 
+import tomllib
+from fnmatch import fnmatch
 from html.parser import HTMLParser
 
 import pytest
@@ -78,3 +80,14 @@ async def test_the_page_is_not_in_the_openapi_schema(gateway):
     schema = (await gateway.http.get("/openapi.json")).json()
     assert not set(PAGE_FILES) & set(schema["paths"])
     assert "/v1/chat/completions" in schema["paths"]
+
+
+def test_an_installed_package_carries_the_page():
+    """Every file under static/ matches pyproject's package-data for gateway.web (else a wheel
+    install would serve a 500 for it)."""
+    pyproject = tomllib.loads((STATIC.parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["gateway.web"]
+    files = [path.relative_to(STATIC.parent) for path in STATIC.rglob("*") if path.is_file()]
+    assert {name for name, _ in PAGE_FILES.values()} <= {path.name for path in files}
+    for path in files:
+        assert any(fnmatch(str(path), pattern) for pattern in patterns), path
