@@ -3,6 +3,9 @@ an API key): the page loads, the key typed into it reaches the API, Shift+Enter 
 and Enter sends, and the streamed reply shown equals what the openai client gets for the same
 request (the fake worker's tokens are a pure function of the prompt). The screenshot is saved to
 the test's tmp dir; PAGODA_CHAT_SCREENSHOT=path copies it there too (docs/chat_page.png).
+A second test replaces the page's fetch of /v1/chat/completions with a scripted stream: the
+"thinking" block, SSE lines split across chunks, and Stop (the stopped reply stays in the
+conversation the next request sends).
 
 Skips when no Chromium + chromedriver is found (tests/browser.py says where it looks)."""
 
@@ -29,8 +32,9 @@ SYSTEM = "Answer in one short line."
 ENTER, SHIFT, RELEASE = "\ue007", "\ue008", "\ue000"  # WebDriver key codes; RELEASE lets go of Shift
 
 
-@pytest.fixture
-def stack(tmp_path, tiny_model_dir):
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model_dir):
+    tmp_path = tmp_path_factory.mktemp("chat_page")
     keys = tmp_path / "keys.jsonl"
     keys.write_text(f'{{"key": "{KEY}", "tenant": "page"}}\n')
     gateway_port = free_port()
@@ -53,8 +57,12 @@ def stack(tmp_path, tiny_model_dir):
             proc.wait()
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium + chromedriver: on PATH, or unpacked by `make chromium` "
-                                             "into build/chromium (tests/browser.py)")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="no Chromium + chromedriver: on PATH, or unpacked by `make chromium` into "
+                             "build/chromium (tests/browser.py)")
+
+
+@needs_chromium
 def test_the_chat_page_streams_the_reply_the_api_gives(stack, tmp_path):
     browser = Browser(CHROMIUM, free_port(), tmp_path / "chromedriver.log")
     try:
@@ -98,3 +106,68 @@ def test_the_chat_page_streams_the_reply_the_api_gives(stack, tmp_path):
     (tmp_path / "chat_page.png").write_bytes(screenshot)
     if out := os.environ.get("PAGODA_CHAT_SCREENSHOT"):
         shutil.copyfile(tmp_path / "chat_page.png", Path(out))
+
+
+# A stand-in for the API's stream, so the page meets what the fake worker never sends: a
+# reasoning_content delta, JSON split across network chunks, CRLF separators, and a stream that
+# stays open until Stop aborts it. Requests other than chat completions go to the real gateway.
+FAKE_STREAM = """
+const realFetch = window.fetch;
+window.sent = [];
+window.fetch = (url, init) => {
+  if (!String(url).endsWith('/v1/chat/completions')) return realFetch(url, init);
+  window.sent.push({body: JSON.parse(init.body), headers: init.headers});
+  const chunks = window.sent.length === 1
+    ? ['data: {"choices":[{"delta":{"role":"assistant","reasoning_content":"Let me th',
+       'ink."}}]}\\n\\ndata: {"choices":[{"delta":{"content":"Hi"}}]}\\r\\n\\r\\n',
+       'data: {"choices":[{"delta":{"content":" there"}}]}\\n\\n']
+    : ['data: {"choices":[{"delta":{"content":"Again"}}]}\\n\\ndata: [DONE]\\n\\n'];
+  const body = new ReadableStream({start(stream) {
+    for (const chunk of chunks) stream.enqueue(new TextEncoder().encode(chunk));
+    if (window.sent.length > 1) stream.close();
+    init.signal.addEventListener('abort', () => stream.error(new DOMException('stopped', 'AbortError')));
+  }});
+  return Promise.resolve(new Response(body, {headers: {'Content-Type': 'text/event-stream'}}));
+};
+"""
+REPLY_STATE = """
+const items = document.querySelectorAll('.message.assistant');
+const item = items[arguments[0]];
+return item && {text: item.querySelector('.content').textContent, done: item.dataset.done === 'true',
+  thinking: item.querySelector('.thinking').hidden ? null : item.querySelector('.thinking div').textContent,
+  error: item.classList.contains('error'), send: document.getElementById('send').disabled,
+  stop: document.getElementById('stop').disabled, status: document.getElementById('status').textContent};
+"""
+
+
+@needs_chromium
+def test_thinking_is_shown_and_stop_ends_a_reply_that_stays_in_the_conversation(stack, tmp_path):
+    browser = Browser(CHROMIUM, free_port(), tmp_path / "chromedriver.log")
+    try:
+        browser.get(stack + "/")
+        browser.run(f"localStorage.setItem('pagoda-api-key', '{KEY}')")  # as a previous visit left it
+        browser.get(stack + "/")
+        assert browser.wait_for("return document.getElementById('model').value", "the models loaded with the key")
+        browser.run(FAKE_STREAM)
+        browser.type("#input", f"Think first{ENTER}")
+        streaming = browser.wait_for(
+            f"const s = (() => {{{REPLY_STATE}}})(); return s && s.text === 'Hi there' && s", "the streamed text", 0)
+        assert streaming["thinking"] == "Let me think." and not streaming["done"]
+        assert (streaming["send"], streaming["stop"]) == (True, False)  # busy: only Stop
+        browser.click("#stop")
+        stopped = browser.wait_for(f"const s = (() => {{{REPLY_STATE}}})(); return s && s.done && s", "stopped", 0)
+        assert stopped["text"] == "Hi there" and not stopped["error"] and stopped["status"] == ""
+        assert (stopped["send"], stopped["stop"]) == (False, True)
+
+        browser.type("#input", f"And again{ENTER}")
+        second = browser.wait_for(f"const s = (() => {{{REPLY_STATE}}})(); return s && s.done && s", "second reply", 1)
+        assert second["text"] == "Again" and second["thinking"] is None
+        first, again = browser.run("return window.sent")
+    finally:
+        browser.close()
+    assert first["headers"]["Authorization"] == f"Bearer {KEY}"
+    assert first["body"]["stream"] is True and first["body"]["top_p"] == 1
+    # The stopped reply is part of the conversation the next request carries.
+    assert again["body"]["messages"] == [{"role": "user", "content": "Think first"},
+                                         {"role": "assistant", "content": "Hi there"},
+                                         {"role": "user", "content": "And again"}]
