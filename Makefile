@@ -13,7 +13,7 @@ ARGS   ?=# more launcher flags: make run ARGS="--api-keys keys.jsonl --speculati
 PROTO_SRC := $(wildcard protos/pagoda/v1/*.proto)
 PROTO_OUT := pagoda/v1/.generated
 
-.PHONY: setup protos model tiny-model prometheus-tools run test test-fast lint clean
+.PHONY: setup protos model tiny-model prometheus-tools chromium run test test-fast lint clean
 
 KERNEL_SRC := kernels/cpu_extension.py $(wildcard kernels/paged_attention/cpu_attention*)
 KERNEL_OUT := build/torch_extensions/.built
@@ -66,6 +66,24 @@ prometheus-tools:
 	  { apt-get update -qq >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }; } && \
 	dpkg -x prometheus_*.deb . && rm -f prometheus_*.deb && echo "prometheus, promtool: $(PROMETHEUS_DIR)/usr/bin" || \
 	echo "prometheus-tools: Debian's prometheus package could not be fetched; the Prometheus tests will skip"
+
+# Headless Chromium and chromedriver for the chat page's browser test (tests/browser.py): Debian's
+# packages, and the shared libraries they need beyond a slim image's, unpacked into build/chromium
+# (nothing installed, no service). Best effort: without them that test skips.
+CHROMIUM_DIR := build/chromium
+CHROMIUM_DEBS := chromium chromium-common chromium-driver libflac12 libxnvctrl0 libdouble-conversion3 \
+	libharfbuzz-subset0 libminizip1 libopenh264-7 libopenjp2-7 libopus0 libpulse0 libogg0 libasyncns0 \
+	libsndfile1 libmp3lame0 libmpg123-0 libvorbis0a libvorbisenc2
+chromium:
+	@if { command -v chromedriver && command -v chromium; } >/dev/null || [ -x $(CHROMIUM_DIR)/usr/bin/chromedriver ]; then \
+		exit 0; \
+	fi; \
+	mkdir -p $(CHROMIUM_DIR) && cd $(CHROMIUM_DIR) && \
+	{ apt-get download $(CHROMIUM_DEBS) >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null 2>&1 && apt-get download $(CHROMIUM_DEBS) >/dev/null 2>&1; }; } && \
+	for deb in *.deb; do dpkg -x $$deb . || exit 1; done && rm -f *.deb && \
+	echo "chromium, chromedriver: $(CHROMIUM_DIR)/usr/lib/chromium, $(CHROMIUM_DIR)/usr/bin" || \
+	{ rm -f *.deb; echo "chromium: Debian's chromium packages could not be fetched; the chat page's browser test will skip"; }
 
 # `make run` prepares the model it serves (none for a MODEL=path of yours); the default falls
 # back to the tiny model when `make model` could not fetch it.

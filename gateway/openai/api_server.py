@@ -27,6 +27,7 @@ from gateway.openai.serving_chat import chat_prompt_ids, create_chat_completion,
 from gateway.openai.serving_completion import create_completion
 from gateway.state import GatewayState
 from gateway.tenancy.rate_limit import retry_after_header
+from gateway.web.chat_page import add_chat_page
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.runtime.logging import get_logger
 
@@ -71,6 +72,7 @@ def create_app(state: GatewayState) -> FastAPI:
     _add_routes(app, state)
     add_lora_routes(app, state)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     add_anthropic_routes(app, state)  # /v1/messages: Anthropic's Messages API
+    add_chat_page(app)  # GET /: the chat page (gateway/web/static/), outside the OpenAPI schema
     _add_error_handlers(app, state.config.retry_after_s)
     routes = frozenset(route.path for route in app.routes)
     # Outermost first at run time: count, then auth, then the size cap.

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 # Liveness, readiness and scraping stay open so orchestrators and Prometheus need no key.
-OPEN_HTTP_PATHS = frozenset({"/health", "/ready", "/metrics"})
+# The chat page's files (gateway/web/chat_page.py) hold no secrets: served without a key, and
+# the API calls the page makes carry the key its user types.
+OPEN_HTTP_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/static/chat.js", "/static/chat.css"})
 
 
 def bearer_token(authorization: str | None) -> str | None:
