@@ -7,7 +7,8 @@ Cache layout (every backend): k_cache, v_cache: [num_blocks, block_size, num_kv_
         slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset; -1 is skipped
 
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                    max_query_len, max_seq_len, sliding_window=None) -> out [num_tokens, num_heads, head_dim]
+                    max_query_len, max_seq_len, sliding_window=None, logits_soft_cap=None)
+        -> out [num_tokens, num_heads, head_dim]
         query:           [num_tokens, num_heads, head_dim], sequences packed back to back
         block_tables:    [num_seqs, max_blocks_per_seq] int32 (entries past a table's end: any)
         seq_lens:        [num_seqs] int32, context length *including* this step's query tokens
@@ -18,6 +19,8 @@ Cache layout (every backend): k_cache, v_cache: [num_blocks, block_size, num_kv_
         p - W < k <= p; table entries of blocks wholly before every row's window are never read (the
         scheduler may have freed them and left a placeholder id).
         GQA: query head h reads KV head h // (num_heads / num_kv_heads).
+        logits_soft_cap=C (Gemma 2's attn_logit_softcapping): each score s = scale * q.k becomes
+        C * tanh(s / C) before the softmax; None: scores as they are.
 
 Backends: "torch" (the reference and oracle, any device), "cpu" (a compiled C++/OpenMP kernel that
 reads K/V blocks in place; kernels/cpu_extension.py builds it), "cupy" (CUDA RawKernels).
@@ -45,7 +48,8 @@ class AttentionBackend(Protocol):
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                        max_seq_len: int, sliding_window: int | None = None) -> torch.Tensor: ...
+                        max_seq_len: int, sliding_window: int | None = None,
+                        logits_soft_cap: float | None = None) -> torch.Tensor: ...
 
 
 def default_backend_name(device: torch.device) -> BackendName:

@@ -109,7 +109,8 @@ def _register_fakes() -> None:
     """Shape-only kernels, so torch.compile can trace through the ops without running them."""
 
     @torch.library.register_fake("pagoda_cpu::paged_attention")
-    def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window=0):
+    def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window=0,
+          logits_soft_cap=0.0):
         return query.new_empty(query.shape)  # [T, Hq, D], contiguous
 
     @torch.library.register_fake("pagoda_cpu::write_kv_cache")

@@ -1,7 +1,7 @@
 // Compiled CPU paged attention and KV-cache write: torch custom ops `pagoda_cpu::*`.
 //
 // Semantics are those of kernels/__init__.py (cache [num_blocks, block_size, Hkv, D], lower-right
-// causal, optional sliding window, GQA, rows outside every sequence zero). K/V are read in place, block by block through the
+// causal, optional sliding window, optional logits soft cap, GQA, rows outside every sequence zero). K/V are read in place, block by block through the
 // block table: no gather, no padding. One code path serves decode rows and prefill chunks over a
 // cached prefix: a work item is (sequence, KV heads, tile of query rows) and runs a flash-style
 // online softmax over the blocks its last row can see; every query head of a KV group is in the
@@ -160,8 +160,10 @@ void run_fp8_cache(const Geometry& g, const std::vector<Item>& items, const at::
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
+                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                           double logits_soft_cap) {
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
+  TORCH_CHECK(logits_soft_cap >= 0, "logits_soft_cap must be >= 0 (0: none), got ", logits_soft_cap);
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "query [T, Hq, D] and caches [num_blocks, block_size, Hkv, D] expected");
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -190,7 +192,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   const Geometry g{Hq / Hkv, D, (D + 7) / 8 * 8, BS, query.stride(0), query.stride(1), Hq * D,
                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                    v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
-                   static_cast<float>(scale * 1.4426950408889634), sliding_window};
+                   static_cast<float>(scale * 1.4426950408889634), sliding_window,
+                   static_cast<float>(logits_soft_cap * 1.4426950408889634)};
   if (fp8_cache) {
     run_fp8_cache(g, items, query, k_cache, v_cache, tables, out);
     return out;
@@ -242,7 +245,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
 
 TORCH_LIBRARY(pagoda_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window=0) -> Tensor");
+        "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window=0, float logits_soft_cap=0.0) -> Tensor");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
 }

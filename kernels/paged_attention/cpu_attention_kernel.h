@@ -13,6 +13,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -104,6 +105,7 @@ struct Geometry {
   int64_t table_stride;
   float scale_log2;                // scale * log2(e): scores in log2 units, softmax in exp2
   int64_t window;                  // sliding window: position p sees (p - window, p]; 0: no window
+  float soft_cap_log2;             // logits soft cap * log2(e), in the scores' log2 units; 0: no cap
 };
 
 // The first position the query row at `pos` sees.
@@ -159,9 +161,11 @@ inline void pv(float* acc, const float* v, int64_t vs, const float* p, int64_t n
 }
 
 // One query vector against rows [lo, n) of a block (krow: n_max rows padded to 8 with zeros; lo > 0
-// only under a sliding window): scores, then the online-softmax update of (m, l, acc).
+// only under a sliding window): scores (soft-capped when cap > 0: cap * tanh(s / cap), the same in
+// log2 units as in natural ones), then the online-softmax update of (m, l, acc).
 inline void update(const float* q, const float* const* krow, const float* vrows, int64_t vs, int64_t lo,
-                   int64_t n, int64_t n_max, int64_t Dp, float* s, float& m, float& l, float* acc) {
+                   int64_t n, int64_t n_max, int64_t Dp, float cap, float* s, float& m, float& l,
+                   float* acc) {
   const v8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
   const int64_t c0 = lo / 8 * 8;  // lanes before lo in the first chunk are masked like those past n
   v8 mx = splat(kNegInf);
@@ -173,7 +177,11 @@ inline void update(const float* q, const float* const* krow, const float* vrows,
       for (int j = 0; j < 8; ++j) a[j] += qd * load8(krow[c8 + j] + d);
     }
     const v8 idx = lane + static_cast<float>(c8);
-    const v8 sc = (idx < splat(static_cast<float>(n))) & (idx >= splat(static_cast<float>(lo))) ? hsum8(a)
+    v8 dots = hsum8(a);
+    if (cap > 0.f) {  // Gemma 2 only: a scalar tanh per score is fine there
+      for (int j = 0; j < 8; ++j) dots[j] = cap * std::tanh(dots[j] / cap);
+    }
+    const v8 sc = (idx < splat(static_cast<float>(n))) & (idx >= splat(static_cast<float>(lo))) ? dots
                                                                                                : splat(kNegInf);
     store8(s + c8, sc);
     mx = vmax(mx, sc);
@@ -269,8 +277,8 @@ void run_item(const Geometry& g, const Item& it, const T* q, const C* kc, const 
         if (n <= lo) continue;
         const int64_t first = r * per_row + (h - it.head_begin) * G;
         for (int64_t i = first; i < first + G; ++i) {
-          update(&sc.q[i * Dp], sc.krow.data(), vrows, vs, lo, n, n_max, Dp, sc.s.data(), sc.m[i], sc.l[i],
-                 &sc.acc[i * Dp]);
+          update(&sc.q[i * Dp], sc.krow.data(), vrows, vs, lo, n, n_max, Dp, g.soft_cap_log2, sc.s.data(),
+                 sc.m[i], sc.l[i], &sc.acc[i * Dp]);
         }
       }
     }

@@ -30,12 +30,15 @@ class CpuBackend:
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                        max_seq_len: int, sliding_window: int | None = None) -> torch.Tensor:
+                        max_seq_len: int, sliding_window: int | None = None,
+                        logits_soft_cap: float | None = None) -> torch.Tensor:
         # query: [T, Hq, D] -> out: [T, Hq, D] (max_query_len / max_seq_len: the op needs neither)
         if not is_fp8(k_cache.dtype):  # an FP8 cache is decoded inside the op; the query stays as is
             query = query.to(k_cache.dtype)
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
         out = self._ops.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                        sliding_window or 0)  # the op's 0: no window
+                                        sliding_window or 0, logits_soft_cap or 0.0)  # the op's 0s: none
         return out.to(query.dtype)  # no-ops when query and cache share a dtype (always, in the worker)

@@ -154,10 +154,13 @@ class CupyBackend:
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                        max_seq_len: int, sliding_window: int | None = None) -> torch.Tensor:
+                        max_seq_len: int, sliding_window: int | None = None,
+                        logits_soft_cap: float | None = None) -> torch.Tensor:
         # query [T, Hq, D] -> out [T, Hq, D]
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
         num_seqs = seq_lens.shape[0]
         if max_seq_len > block_tables.shape[1] * k_cache.shape[1]:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the block table's capacity")
@@ -165,13 +168,13 @@ class CupyBackend:
             # Pure decode: row i is sequence i. No host sync on this path.
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
             self._decode(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                         max_seq_len, out, None, num_seqs, sliding_window)
+                         max_seq_len, out, None, num_seqs, sliding_window, logits_soft_cap)
             return out
         return self._mixed(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                           max_query_len, max_seq_len, sliding_window)
+                           max_query_len, max_seq_len, sliding_window, logits_soft_cap)
 
     def _mixed(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-               max_query_len, max_seq_len, sliding_window) -> torch.Tensor:
+               max_query_len, max_seq_len, sliding_window, logits_soft_cap=None) -> torch.Tensor:
         starts = query_start_loc.tolist()  # host sync: the torch prefill path needs lengths anyway
         q_lens = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
         decode_ids = [i for i, n in enumerate(q_lens) if n == 1]
@@ -180,7 +183,7 @@ class CupyBackend:
         if decode_ids:
             seq_ids = torch.tensor(decode_ids, dtype=torch.int32).to(query.device, non_blocking=True)
             self._decode(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                         max_seq_len, out, seq_ids, len(decode_ids), sliding_window)
+                         max_seq_len, out, seq_ids, len(decode_ids), sliding_window, logits_soft_cap)
         if prefill_ids:
             from kernels.paged_attention.reference import TorchBackend
 
@@ -193,12 +196,12 @@ class CupyBackend:
             prefill = TorchBackend().paged_attention(
                 query[rows], k_cache, v_cache, block_tables[ids], seq_lens[ids],
                 torch.tensor(sub_starts, dtype=torch.int32, device=query.device), scale * k_scale,
-                max_query_len, max_seq_len, sliding_window)
+                max_query_len, max_seq_len, sliding_window, logits_soft_cap)
             out[rows] = prefill if v_scale == 1.0 else (prefill.float() * v_scale).to(prefill.dtype)
         return out
 
     def _decode(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                max_seq_len, out, seq_ids, num_items, sliding_window=None) -> None:
+                max_seq_len, out, seq_ids, num_items, sliding_window=None, logits_soft_cap=None) -> None:
         import cupy
 
         num_heads, head_dim = query.shape[1], query.shape[2]
@@ -234,6 +237,7 @@ class CupyBackend:
             np.int64(k_cache.stride(0)), np.int64(k_cache.stride(1)), np.int64(k_cache.stride(2)),
             np.int64(out.stride(0)), np.int64(out.stride(1)),
             *(np.float32(s) for s in self._scales(k_cache.dtype)), np.int32(sliding_window or 0),
+            np.float32(logits_soft_cap or 0.0),  # 0: no cap
         )
         with cupy.cuda.Device(query.device.index):
             stream = _cupy_stream(query.device)

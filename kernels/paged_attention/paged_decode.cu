@@ -18,6 +18,8 @@
 // the scheduler may have freed (their table entries are placeholders). Splits then tile the window
 // from its first block, so a long context with a short window does not launch empty splits. Each row group keeps its own
 // (m, l, acc) state; the CTA merges them through shared memory at the end.
+// With soft_cap > 0 (Gemma 2's attn_logit_softcapping) each score s becomes soft_cap * tanh(s / soft_cap)
+// before the softmax; in the exp2 domain that is the same map with the cap times log2e.
 // S == 1 writes `out`; S > 1 writes fp32 partials (o normalised, lse in natural log) that
 // paged_decode_reduce<T, D> merges. An empty split has lse = -inf, o = 0; an empty row gives 0.
 #include <cuda_fp16.h>
@@ -78,7 +80,8 @@ __global__ void __launch_bounds__(NT) paged_decode(
     int max_blocks, int tokens_per_split, float scale,
     long long q_tok_stride, long long q_head_stride,
     long long c_block_stride, long long c_tok_stride, long long c_head_stride,
-    long long out_tok_stride, long long out_head_stride, float k_scale, float v_scale, int window) {
+    long long out_tok_stride, long long out_head_stride, float k_scale, float v_scale, int window,
+    float soft_cap) {
     typedef CacheVec<C> Cache;
     constexpr int LANES = D / kVec;      // lanes per token row: 8, 16 or 32
     constexpr int ROWS = NT / LANES;     // token rows per pass == number of partial states
@@ -105,6 +108,7 @@ __global__ void __launch_bounds__(NT) paged_decode(
     // v_scale and the unit for every V element, to the output.
     const float q_mul = Cache::kFp8 ? scale * (k_scale * Cache::kUnit) * kLog2e : scale * kLog2e;
     const float out_mul = Cache::kFp8 ? v_scale * Cache::kUnit : 1.0f;
+    const float cap = soft_cap * kLog2e;  // scores are scale * q.k * log2e (k_scale folded in): true ones
     float qf[G][kVec];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -159,7 +163,8 @@ __global__ void __launch_bounds__(NT) paged_decode(
             float chunk_max = neg_inf();
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
-                const float total = row_sum<LANES>(s[g][u]);  // every lane shuffles, masked or not
+                float total = row_sum<LANES>(s[g][u]);  // every lane shuffles, masked or not
+                if (cap > 0.f) total = cap * tanhf(total / cap);
                 s[g][u] = valid[u] ? total : neg_inf();
                 chunk_max = fmaxf(chunk_max, s[g][u]);
             }

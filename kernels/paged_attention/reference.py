@@ -21,6 +21,10 @@ p - W < k <= p. Only positions some row of the sequence can see are gathered, so
 before the window (freed by the scheduler, its table entry a placeholder) is never read. Layers of
 one step may differ in window (Qwen2's max_window_layers, interleaved local/global layers): one
 plan is kept per window.
+
+Soft-capped scores (`logits_soft_cap=C`, Gemma 2): C * tanh(scale * q.k / C) before the mask and the
+softmax, as HF's eager attention does. SDPA cannot cap its scores, so capped prefill rows take an
+explicit matmul-softmax-matmul path instead.
 """
 
 from __future__ import annotations
@@ -118,8 +122,11 @@ class TorchBackend:
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                        max_seq_len: int, sliding_window: int | None = None) -> torch.Tensor:
+                        max_seq_len: int, sliding_window: int | None = None,
+                        logits_soft_cap: float | None = None) -> torch.Tensor:
         # query: [T, Hq, D] -> out: [T, Hq, D]
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
         plan = self._step_plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], sliding_window)
         num_rows = query.shape[0]
         exact = plan.covered == (0, num_rows, num_rows)
@@ -131,9 +138,10 @@ class TorchBackend:
         v_flat = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
         for seq, mask in zip(plan.prefills, prefill_masks, strict=True):
             out[seq.start:seq.end] = _prefill_one(query[seq.start:seq.end], k_flat, v_flat, seq.slots,
-                                                  mask, scale)
+                                                  mask, scale, logits_soft_cap)
         for group, mask in zip(plan.decode_groups, decode_masks, strict=True):
-            o = _decode_batch(query.index_select(0, group.rows), k_flat, v_flat, group, mask, scale)
+            o = _decode_batch(query.index_select(0, group.rows), k_flat, v_flat, group, mask, scale,
+                              logits_soft_cap)
             out.index_copy_(0, group.rows, o)
         return out
 
@@ -251,19 +259,40 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def _prefill_one(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
-                 mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+                 mask: torch.Tensor | None, scale: float, soft_cap: float | None = None) -> torch.Tensor:
     # query: [q_len, Hq, D]; k_flat, v_flat: [num_slots, Hkv, D] -> [q_len, Hq, D]
     dtype = _compute_dtype(query.dtype)
     q = query.transpose(0, 1).unsqueeze(0).to(dtype)  # [1, Hq, q_len, D]
     k = _gather(k_flat, slots).transpose(0, 1).unsqueeze(0).to(dtype)  # [1, Hkv, ctx, D]
     v = _gather(v_flat, slots).transpose(0, 1).unsqueeze(0).to(dtype)
+    if soft_cap is not None:
+        return _capped_prefill(q, k, v, mask, scale, soft_cap).to(query.dtype)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                        scale=scale, enable_gqa=True)  # [1, Hq, q_len, D]
     return o[0].transpose(0, 1).to(query.dtype)
 
 
+def _soft_cap(scores: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
+    return scores if soft_cap is None else torch.tanh(scores / soft_cap) * soft_cap
+
+
+def _capped_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float, soft_cap: float) -> torch.Tensor:
+    # q: [1, Hq, q_len, D]; k, v: [1, Hkv, ctx, D]; mask: [q_len, ctx] additive (None: plain causal,
+    # q_len == ctx) -> [q_len, Hq, D]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [1, Hq, ctx, D]
+    scores = _soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, soft_cap)  # [1, Hq, q_len, ctx]
+    if mask is None:
+        mask = _additive_mask(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(),
+                              scores.dtype)
+    o = torch.matmul(torch.softmax(scores + mask, dim=-1), v)  # [1, Hq, q_len, D]
+    return o[0].transpose(0, 1)
+
+
 def _decode_batch(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                  group: _DecodeGroup, mask: torch.Tensor, scale: float) -> torch.Tensor:
+                  group: _DecodeGroup, mask: torch.Tensor, scale: float,
+                  soft_cap: float | None = None) -> torch.Tensor:
     # query: [B, Hq, D] (one row per sequence, at position seq_len - 1); mask: [B, 1, ctx]
     # -> [B, Hq, D]
     batch, num_heads, head_dim = query.shape
@@ -276,6 +305,9 @@ def _decode_batch(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tenso
     out = torch.empty(batch, num_kv_heads, group_size, head_dim, dtype=dtype, device=query.device)
     for h in range(num_kv_heads):
         # [B, G, D] x [B, D, ctx] -> scores [B, G, ctx]; padding columns get -inf from the mask
-        scores = torch.baddbmm(mask, q[:, h], k[:, :, h].transpose(1, 2), alpha=scale)
+        if soft_cap is None:
+            scores = torch.baddbmm(mask, q[:, h], k[:, :, h].transpose(1, 2), alpha=scale)
+        else:  # the cap goes on the scores before the mask is added
+            scores = _soft_cap(torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) * scale, soft_cap) + mask
         torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h], out=out[:, h])
     return out.view(batch, num_heads, head_dim).to(query.dtype)

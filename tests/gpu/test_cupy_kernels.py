@@ -195,3 +195,24 @@ def test_sliding_window_decode_and_prefill(num_splits, window, dtype):
     assert not torch.isnan(out).any()
     _, tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_soft_capped_decode_and_prefill(num_splits, window, dtype):
+    # Gemma 2's attn_logit_softcapping: scores widened (logit_scale) so that a cap of 2 bends most
+    # of them. Reference: the torch backend's cap (itself checked against fp64 in
+    # tests/unit/test_attention_window.py).
+    seq_lens, q_lens = [513, 40, 37, 5, 200], [1, 1, 1, 1, 9]
+    query, k_cache, v_cache, tables, lens, qsl = build_case(seq_lens, q_lens, 4, 128, 16, dtype, seed=3,
+                                                            logit_scale=4.0)
+    ref = TorchBackend().paged_attention(query, k_cache, v_cache, tables, lens, qsl, 0.088, max(q_lens),
+                                         max(seq_lens), sliding_window=window, logits_soft_cap=2.0)
+    args = [t.to(DEVICE) for t in (query, k_cache, v_cache, tables, lens, qsl)]
+    out = CupyBackend(num_splits=num_splits).paged_attention(*args, 0.088, max(q_lens), max(seq_lens),
+                                                             sliding_window=window, logits_soft_cap=2.0)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    _, tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
