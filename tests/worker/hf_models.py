@@ -24,6 +24,12 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 PHI3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+# Gemma: head_dim 16 != query_pre_attn_scalar 24 (the attention scale); window 16, so prompts and
+# outputs run past it on the local layers; caps low enough that the random weights' scores and
+# logits reach them (a missing tanh moves the logits by far more than the tolerance).
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16, tie_word_embeddings=True)
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
 GRANITE_SCALES = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.1,
                   "logits_scaling": 8.0}
 
@@ -64,6 +70,13 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
         "olmoe": transformers.OlmoeConfig(**{**COMMON, "intermediate_size": 64}, tie_word_embeddings=False,
                                           num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
                                           pad_token_id=0),
+        # local/global layers (window 16), attention and final logit soft-capping, GeGLU, 4 norms per block
+        "gemma2": transformers.Gemma2Config(**COMMON, **GEMMA, attn_logit_softcapping=1.5,
+                                            final_logit_softcapping=4.0),
+        # per-head q/k Gemma norms; local layers' own RoPE base, global layers' linear-scaled RoPE
+        "gemma3": transformers.Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 3}, **GEMMA, final_logit_softcapping=4.0, rope_parameters=GEMMA3_ROPE,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     }
 
 

@@ -1,7 +1,8 @@
 """Greedy `LLM.generate` is token-identical to HF transformers `generate` (fp32, CPU) for the
 families added after the Llama four: Phi-3, OLMo 2, Granite, the mixture-of-experts Mixtral,
-Qwen3-MoE, OLMoE, and sliding-window Mistral and Qwen2 (windows of 16 and 12 tokens, blocks of 8,
-prompts and outputs past them; tests/worker/hf_models.py builds them). In a roomy pool with chunked
+Qwen3-MoE, OLMoE, sliding-window Mistral and Qwen2 (windows of 16 and 12 tokens, blocks of 8,
+prompts and outputs past them; tests/worker/hf_models.py builds them), and Gemma 2 / 3 (local layers
+windowed at 16 between global ones, soft-capped scores and logits). In a roomy pool with chunked
 prefill, in a cramped one that preempts, and over a shared prefix served from the prefix cache."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ BLOCK_SIZE = 8
 
 
 @pytest.fixture(scope="module", params=["phi3", "olmo2", "granite", "mixtral", "qwen3_moe", "olmoe",
-                                                      "mistral_swa", "qwen2_swa"])
+                                                      "mistral_swa", "qwen2_swa", "gemma2", "gemma3"])
 def family(request, tmp_path_factory) -> dict[str, Any]:
     """The checkpoint, prompts and HF's greedy continuations (computed once per family)."""
     model_dir = build_hf_model(request.param, tmp_path_factory.mktemp(request.param), seed=5)

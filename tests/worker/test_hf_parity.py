@@ -29,18 +29,25 @@ def checkpoint(request, tmp_path_factory):
 def test_config_flags_follow_architecture(checkpoint):
     kind, _, cfg, _, _ = checkpoint
     assert cfg.qkv_bias == (kind in ("qwen2", "qwen2_swa"))
-    assert cfg.qk_norm == (kind in ("qwen3", "qwen3_moe"))  # per head; OLMo 2's / OLMoE's are their layers'
+    # per head; OLMo 2's / OLMoE's are their layers'
+    assert cfg.qk_norm == (kind in ("qwen3", "qwen3_moe", "gemma3"))
     moe = {"mixtral": (8, 2, 64, True, ()), "qwen3_moe": (8, 2, 32, True, (1,)), "olmoe": (8, 2, 64, False, ())}
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob,
             cfg.mlp_only_layers) == moe.get(kind, (0, 0, 0, False, ()))
     assert [cfg.is_moe_layer(i) for i in range(cfg.num_layers)] == (
         [True, False, True] if kind == "qwen3_moe" else [kind in moe] * cfg.num_layers)
-    assert cfg.tie_word_embeddings == (kind in ("qwen2", "qwen2_swa", "granite"))
-    windows = {"mistral_swa": (16, 16), "qwen2_swa": (None, 12, 12)}
+    assert cfg.tie_word_embeddings == (kind in ("qwen2", "qwen2_swa", "granite", "gemma2", "gemma3"))
+    windows = {"mistral_swa": (16, 16), "qwen2_swa": (None, 12, 12), "gemma2": (16, None),
+               "gemma3": (16, None, 16)}
     assert [cfg.layer_window(i) for i in range(cfg.num_layers)] == list(windows.get(kind, (None,) * cfg.num_layers))
-    assert (cfg.rope_scaling or {}).get("rope_type") == ("llama3" if kind == "llama" else None)
+    assert (cfg.rope_scaling or {}).get("rope_type") == {"llama": "llama3", "gemma3": "linear"}.get(kind)
+    assert cfg.local_rope_theta == (100.0 if kind == "gemma3" else None)
+    gemma = kind in ("gemma2", "gemma3")
+    assert cfg.hidden_act == ("gelu_pytorch_tanh" if gemma else "silu")
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == {
+        "gemma2": (1.5, 4.0), "gemma3": (None, 4.0)}.get(kind, (None, None))
     assert cfg.rotary_dim == (cfg.head_dim // 2 if kind == "phi3" else cfg.head_dim)
-    granite = (12.0, 0.22, 0.1, 8.0) if kind == "granite" else (1.0, 1.0, None, 1.0)
+    granite = (12.0, 0.22, 0.1, 8.0) if kind == "granite" else (1.0, 1.0, 24**-0.5 if gemma else None, 1.0)
     assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_multiplier,
             cfg.logits_scaling) == granite
     assert cfg.eos_token_ids == (2,)

@@ -228,3 +228,25 @@ def test_sliding_window_config_parsing():
     assert qwen_all.layer_windows == (32,) * 4 and qwen_all.kv_window == 32
     assert ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"],
                                   "sliding_window": None}).layer_windows == ()
+
+
+def test_gemma_config_parsing():
+    # Hub configs from before transformers 5 (no layer_types, rope_theta + rope_local_base_freq +
+    # rope_scaling at the top level); transformers 5's own form is covered by tests/worker/test_hf_parity.py.
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "vocab_size": 10, "sliding_window": 8, "hidden_activation": "gelu_pytorch_tanh"}
+    gemma2 = ModelConfig.from_dict({**base, "architectures": ["Gemma2ForCausalLM"], "hidden_act": "gelu_pytorch_tanh",
+                                    "query_pre_attn_scalar": 144, "attn_logit_softcapping": 50.0,
+                                    "final_logit_softcapping": 30.0})
+    assert gemma2.layer_windows == (8, None) * 3 and gemma2.local_rope_theta is None
+    assert gemma2.attention_multiplier == 144**-0.5 and gemma2.hidden_act == "gelu_pytorch_tanh"
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)
+    gemma3 = ModelConfig.from_dict({**base, "architectures": ["Gemma3ForCausalLM"], "sliding_window_pattern": 3,
+                                    "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert gemma3.layer_windows == (8, 8, None) * 2 and gemma3.qk_norm
+    assert (gemma3.rope_theta, gemma3.rope_scaling, gemma3.local_rope_theta) == (
+        1e6, {"rope_type": "linear", "factor": 8.0}, 1e4)
+    assert gemma3.attention_multiplier == 256**-0.5  # HF's default query_pre_attn_scalar
+    with pytest.raises(UnsupportedModelError, match="hidden_activation 'gelu'"):
+        ModelConfig.from_dict({**base, "architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu"})

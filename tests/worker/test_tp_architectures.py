@@ -1,7 +1,8 @@
 """TP=2 over the other model families (gloo, CPU): Qwen2's sharded QKV bias and tied
 embedding, Qwen3's q/k norms with head_dim != hidden/heads and 4 query heads per KV head, and a
 checkpoint saved in several safetensors shards (Llama), and the MoE families (each rank holds a
-slice of every expert's columns; Qwen3-MoE with a dense layer between its sparse ones). Same greedy
+slice of every expert's columns; Qwen3-MoE with a dense layer between its sparse ones), and Gemma 2 / 3
+(per-head Gemma q/k norms, soft caps). Same greedy
 tokens and logprobs (1e-4) as TP=1."""
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def generate(model_dir: str, tp: int):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama", "phi3", "olmo2", "granite", "mixtral", "qwen3_moe",
-                                  "olmoe"])
+                                  "olmoe", "gemma2", "gemma3"])
 def test_tp2_matches_tp1(kind: str, tmp_path) -> None:
     model_dir = str(build_hf_model(kind, tmp_path / kind))
     (tokens1, logprobs1), (tokens2, logprobs2) = generate(model_dir, 1), generate(model_dir, 2)

@@ -34,6 +34,7 @@ from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.model_loader import gguf_loader
 from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.models import model_class
+from worker_svc.models.common import RotaryEmbedding
 from worker_svc.models.llama import LlamaForCausalLM
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -64,7 +65,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     # Cast on meta first (free), so the device holds only `dtype` storage, never an fp32 copy.
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()  # to_empty re-creates parameters, which unties them
-    model.model.rotary.reset_cache(device, dtype)
+    for module in model.modules():  # Gemma 3 has a second RoPE for its local layers
+        if isinstance(module, RotaryEmbedding):
+            module.reset_cache(device, dtype)
     load_weights(model, Path(model_dir))
     model.eval().requires_grad_(False)
     return model, cfg

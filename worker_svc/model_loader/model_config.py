@@ -15,7 +15,8 @@ from worker_svc.model_loader.gguf_loader import read_config as read_gguf_config
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
                            "GraniteForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
-                           "OlmoeForCausalLM")
+                           "OlmoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -54,6 +55,14 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Gemma 2 / 3 (None elsewhere): scores soft-capped in attention (C * tanh(s / C)), logits likewise
+    # after lm_head; Gemma 3's local (sliding-window) layers turn RoPE at their own base, plain, while
+    # its global layers use rope_theta / rope_scaling. Gemma's query_pre_attn_scalar ** -0.5 is
+    # attention_multiplier, and its GeGLU MLP hidden_act "gelu_pytorch_tanh".
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    local_rope_theta: float | None = None
+    hidden_act: str = "silu"
     # Mixture of experts (0 experts: a dense model). Each MoE layer routes every token to its
     # num_experts_per_tok best experts (softmax over the router logits, then top-k; the k weights
     # renormalised to sum to 1 when norm_topk_prob); each expert is a SiLU-gated MLP of width
@@ -101,8 +110,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
         arch = _architecture(raw)
-        if raw.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        hidden_act = _hidden_act(raw, arch)
         if raw.get("mlp_bias", False):
             raise UnsupportedModelError("mlp_bias=True is not supported")
         num_heads = int(raw["num_attention_heads"])
@@ -125,17 +133,21 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             o_bias=attention_bias and arch != "Qwen2ForCausalLM",
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             eos_token_ids=_eos_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
             sliding_window=sliding_window,
-            layer_windows=_layer_windows(raw, sliding_window),
+            layer_windows=_layer_windows(raw, sliding_window, arch),
             partial_rotary_factor=_partial_rotary_factor(raw),
             embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
-            attention_multiplier=_optional_float(raw.get("attention_multiplier")),
+            attention_multiplier=_attention_multiplier(raw, arch),
             logits_scaling=float(raw.get("logits_scaling", 1.0)),
+            attn_logit_softcapping=_optional_float(raw.get("attn_logit_softcapping")),
+            final_logit_softcapping=_optional_float(raw.get("final_logit_softcapping")),
+            local_rope_theta=_local_rope_theta(raw, arch),
+            hidden_act=hidden_act,
             **_moe(raw, arch),
         )
 
@@ -148,6 +160,37 @@ def _architecture(raw: dict[str, Any]) -> str:
     found = ", ".join(archs) or f"model_type={raw.get('model_type')!r}"
     raise UnsupportedModelError(
         f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _hidden_act(raw: dict[str, Any], arch: str) -> str:
+    if arch not in GEMMA_ARCHITECTURES:
+        if raw.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        return "silu"
+    # HF's Gemma reads hidden_activation; older configs also carry a hidden_act it ignores.
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"{arch}: hidden_activation {act!r} is not supported "
+                                    "(only gelu_pytorch_tanh)")
+    return act
+
+
+def _attention_multiplier(raw: dict[str, Any], arch: str) -> float | None:
+    if arch in GEMMA_ARCHITECTURES:  # Gemma scales scores by query_pre_attn_scalar ** -0.5 (HF's default 256)
+        return float(raw.get("query_pre_attn_scalar", 256)) ** -0.5
+    return _optional_float(raw.get("attention_multiplier"))
+
+
+def _local_rope_theta(raw: dict[str, Any], arch: str) -> float | None:
+    """Gemma 3's RoPE base for its sliding-window layers (None elsewhere: one RoPE for all layers)."""
+    if arch != "Gemma3ForCausalLM":
+        return None
+    local = (raw.get("rope_parameters") or {}).get("sliding_attention")
+    if local is not None:  # transformers 5: rope parameters per layer type
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"rope type {local['rope_type']!r} on sliding layers is not supported")
+        return float(local.get("rope_theta", 10000.0))
+    return float(raw.get("rope_local_base_freq", 10000.0))
 
 
 def _moe(raw: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -173,7 +216,7 @@ def _moe(raw: dict[str, Any], arch: str) -> dict[str, Any]:
 
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling) from the legacy `rope_theta`/`rope_scaling` or the newer `rope_parameters`."""
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    params = _global_rope_params(raw)
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -186,8 +229,14 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
-def _partial_rotary_factor(raw: dict[str, Any]) -> float:
+def _global_rope_params(raw: dict[str, Any]) -> dict[str, Any]:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    # Gemma 3 under transformers 5: one entry per layer type; the sliding layers' is _local_rope_theta's.
+    return params.get("full_attention") or {} if "full_attention" in params else params
+
+
+def _partial_rotary_factor(raw: dict[str, Any]) -> float:
+    params = _global_rope_params(raw)
     return float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
 
 
@@ -206,6 +255,15 @@ def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]
     return tuple(dict.fromkeys(ids))  # union, first-seen order
 
 
+def _gemma_layer_types(raw: dict[str, Any], arch: str, num_layers: int) -> list[str] | None:
+    # Hub configs older than `layer_types`: HF derives it. Gemma 2 alternates local / global from
+    # layer 0; Gemma 3 makes every sliding_window_pattern-th layer (1-based) global.
+    pattern = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": int(raw.get("sliding_window_pattern", 6))}.get(arch)
+    if pattern is None:
+        return None
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+
+
 # HF's Qwen configs carry a sliding_window that applies only with use_sliding_window (default off).
 _OPT_IN_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -217,12 +275,12 @@ def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
     return int(window)
 
 
-def _layer_windows(raw: dict[str, Any], window: int | None) -> tuple[int | None, ...]:
+def _layer_windows(raw: dict[str, Any], window: int | None, arch: str) -> tuple[int | None, ...]:
     """The window of each layer, as HF applies it (see ModelConfig.layer_windows)."""
     if window is None:
         return ()
     num_layers = int(raw["num_hidden_layers"])
-    layer_types = raw.get("layer_types")
+    layer_types = raw.get("layer_types") or _gemma_layer_types(raw, arch, num_layers)
     if layer_types is not None:
         if len(layer_types) != num_layers:
             raise UnsupportedModelError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")

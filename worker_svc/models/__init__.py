@@ -9,12 +9,15 @@ from worker_svc.model_loader.model_config import SUPPORTED_ARCHITECTURES, ModelC
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
+    from worker_svc.models.gemma import GemmaForCausalLM
     from worker_svc.models.llama import LlamaForCausalLM
     from worker_svc.models.moe import MoEForCausalLM, OlmoeForCausalLM
     from worker_svc.models.olmo2 import Olmo2ForCausalLM
 
     if cfg.architecture == "Olmo2ForCausalLM":
         return Olmo2ForCausalLM
+    if cfg.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        return GemmaForCausalLM
     if cfg.architecture == "OlmoeForCausalLM":
         return OlmoeForCausalLM
     if cfg.architecture in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):

@@ -1,6 +1,7 @@
 """Llama-family decoder over flat batches: Llama, Mistral, Qwen2 (QKV bias), Qwen3 (q/k RMSNorm),
 Phi-3 (partial rotary; its checkpoints come pre-fused), Granite (embedding, residual, attention and
-logits scalings); OLMo 2 (worker_svc/models/olmo2.py) swaps in its own decoder layer, and the
+logits scalings); OLMo 2 (worker_svc/models/olmo2.py) and Gemma 2 / 3 (worker_svc/models/gemma.py)
+swap in their own decoder layers, and the
 mixture-of-experts families (worker_svc/models/moe.py) their own MLP.
 
 Plain eager PyTorch over `[num_tokens, hidden]`, no padding; q/k/v and gate/up are fused projections
@@ -55,6 +56,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.attention_multiplier or cfg.head_dim**-0.5  # Granite sets its own
         self.sliding_window = cfg.layer_window(layer_idx)  # None: full attention
+        self.logits_soft_cap = cfg.attn_logit_softcapping  # Gemma 2; None: scores uncapped
         # rows: [q (Hq/N*D) | k (Hkv/N*D) | v (Hkv/N*D)]
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -78,7 +80,8 @@ class Attention(nn.Module):
         attn.backend.write_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
         out = attn.backend.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
                                            attn.query_start_loc, self.scale, attn.max_query_len,
-                                           attn.max_seq_len, self.sliding_window)  # [T, Hq, D]
+                                           attn.max_seq_len, self.sliding_window,
+                                           logits_soft_cap=self.logits_soft_cap)  # [T, Hq, D]
         return row_parallel(self.o_proj, out.reshape(num_tokens, self.q_size), self.tp)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
