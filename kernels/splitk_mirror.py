@@ -3,8 +3,8 @@
 `choose_num_splits` / `tokens_per_split` are what the CuPy backend launches with. `splitk_decode`
 reproduces paged_decode.cu + its reduce step by step in fp32 (per split: online softmax over
 tiles in the exp2 domain with scale*log2e folded into q, tokens >= seq_len never read, nor, with a
-sliding window, tokens before it, the splits tiling the window from its first block; then an
-LSE merge where empty splits weigh 0), so CPU CI can check the algorithm against an fp64 dense
+sliding window, tokens before it, the splits tiling the window from its first block; scores
+soft-capped in the log2 domain when asked; then an LSE merge where empty splits weigh 0), so CPU CI can check the algorithm against an fp64 dense
 reference without a GPU.
 """
 
@@ -69,12 +69,14 @@ def kernel_unroll(group: int) -> int:
 def splitk_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
                   rows: int | None = None, unroll: int | None = None,
-                  window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  window: int = 0, soft_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """query [B, Hq, D] (one decode row per sequence) -> (out [B, Hq, D] fp32, lse [B, Hq] fp32, ln).
 
     rows / unroll: the kernel's row groups per CTA and tokens per row group per pass (defaults:
     the compiled kernel's). Row group r of a pass starting at `base` owns tokens base + u*rows + r.
     window: the kernel's sliding window (0: none): sequence b reads tokens >= seq_len - window.
+    soft_cap: the kernel's logits soft cap (0: none), applied as cap*log2e * tanh(s / (cap*log2e))
+    to the log2-unit scores, which is cap * tanh(score / cap) in natural units.
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -94,7 +96,8 @@ def splitk_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         span = lo // block_size * block_size + split * split_len  # [B]
         starts = torch.maximum(lo, span)
         ends = torch.minimum(lens, span + split_len)  # [B]
-        m, denom, acc = _split_states(q, k_cache, v_cache, block_tables, starts, ends, split_len, rows, unroll)
+        m, denom, acc = _split_states(q, k_cache, v_cache, block_tables, starts, ends, split_len, rows, unroll,
+                                      soft_cap * _LOG2E)
         o, lse = _merge_row_groups(m, denom, acc)
         part_o.append(o)
         part_lse.append(lse)
@@ -104,7 +107,7 @@ def splitk_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def _split_states(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, split_len: int,
-                  rows: int, unroll: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  rows: int, unroll: int, cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # q: [B, Hkv, G, D] in log2 units; starts, ends: [B] (each sequence's own, as each CTA's)
     # -> per row group: m, denom [B, Hkv, G, R] (log2 units), acc [B, Hkv, G, R, D] unnormalised
     num_seqs, num_kv_heads, group, head_dim = q.shape
@@ -123,6 +126,8 @@ def _split_states(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k = k.view(num_seqs, unroll, rows, num_kv_heads, head_dim)
         v = v.view(num_seqs, unroll, rows, num_kv_heads, head_dim)
         s = torch.einsum("bkgd,burkd->bkgru", q, k)  # [B, Hkv, G, R, U]
+        if cap > 0:
+            s = cap * torch.tanh(s / cap)
         s = s.masked_fill(~valid.view(num_seqs, 1, 1, unroll, rows).transpose(-1, -2), float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         # A row group that has seen no token yet subtracts 0, so exp2(-inf - 0) = 0, never NaN.

@@ -19,7 +19,7 @@ HEAD_DIM = 64
 NUM_KV_HEADS = 2
 
 
-def dense_reference(query, k_cache, v_cache, block_tables, seq_lens, scale):
+def dense_reference(query, k_cache, v_cache, block_tables, seq_lens, scale, soft_cap=None):
     """fp64, one sequence at a time, straight from the definition. -> (out [B,Hq,D], lse [B,Hq])."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -34,6 +34,8 @@ def dense_reference(query, k_cache, v_cache, block_tables, seq_lens, scale):
         v = v_cache[blocks].flatten(0, 1)[:seq_len].double()
         for h in range(num_heads):
             scores = k[:, h // group] @ query[i, h].double() * scale  # [L]
+            if soft_cap is not None:
+                scores = torch.tanh(scores / soft_cap) * soft_cap
             lse[i, h] = torch.logsumexp(scores, 0)
             out[i, h] = torch.softmax(scores, 0) @ v[:, h // group]
     return out, lse
@@ -164,6 +166,20 @@ def test_sliding_window_reads_only_the_window(num_splits, window):
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_soft_cap(num_splits):
+    # Gemma 2's attn_logit_softcapping: scores of several units (logit_scale 4) against a cap of 2.
+    query, k_cache, v_cache, tables, lens = make_case([513, 3, 0, 200, 47], 4, 16, seed=4, logit_scale=4.0)
+    scale = HEAD_DIM**-0.5
+    expected, expected_lse = dense_reference(query, k_cache, v_cache, tables, lens, scale, soft_cap=2.0)
+    out, lse = splitk_decode(query, k_cache, v_cache, tables, lens, scale, num_splits, soft_cap=2.0)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=1e-5)
+    uncapped, _ = dense_reference(query, k_cache, v_cache, tables, lens, scale)
+    assert (uncapped - expected).abs().max() > 0.1  # the cap matters in this case
 
 
 def dense_reference_window(query, k_cache, v_cache, tables, lens, scale, window):
