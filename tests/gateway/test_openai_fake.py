@@ -165,6 +165,32 @@ async def test_models_tokenize_detokenize_version(gateway, tokenizer, tokenizer_
     assert (await gateway.http.get("/version")).json() == {"version": "0.1.0"}
 
 
+async def test_tokenize_has_vllms_completion_and_chat_shapes(gateway, upstream, tokenizer):
+    """vLLM's TokenizeCompletionRequest / TokenizeChatRequest -> TokenizeResponse field for field."""
+    plain = (await gateway.http.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False})).json()
+    expected = tokenizer.encode("Hello world", add_special_tokens=False)
+    assert plain == {"count": len(expected), "max_model_len": 256, "tokens": expected, "token_strs": None}
+    strs = (await gateway.http.post("/tokenize", json={"prompt": "Hello", "return_token_strs": True})).json()
+    assert strs["token_strs"] == tokenizer.hf.convert_ids_to_tokens(tokenizer.encode("Hello"))
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    chat = (await gateway.http.post("/tokenize", json={"messages": messages[:1]})).json()
+    rendered = tokenizer.hf.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)  # chat: no second BOS
+    doubled = (await gateway.http.post("/tokenize", json={"messages": messages[:1], "add_special_tokens": True})).json()
+    assert doubled["tokens"] == [tokenizer.hf.bos_token_id] + chat["tokens"]
+    # the same prompt /v1/chat/completions sends
+    await gateway.http.post("/v1/chat/completions", json={"messages": messages[:1]})
+    assert list(upstream.engine.requests[-1].prompt_token_ids) == chat["tokens"]
+    open_end = (await gateway.http.post("/tokenize", json={
+        "messages": messages, "add_generation_prompt": False, "continue_final_message": True})).json()
+    assert tokenizer.decode(open_end["tokens"], skip_special_tokens=False).endswith("Hel")
+    for bad in ({}, {"prompt": "a", "messages": messages}, {"messages": messages, "continue_final_message": True}):
+        reply = await gateway.http.post("/tokenize", json=bad)
+        assert reply.status_code == 400 and reply.json()["error"]["type"] == "BadRequestError", bad
+    wrong = await gateway.http.post("/detokenize", json={"tokens": [10**9]})
+    assert wrong.status_code == 400 and "token ids" in wrong.json()["error"]["message"]
+
+
 async def test_health_ready_and_metrics(make_gateway):
     not_connected = await make_gateway(connect=False)
     assert (await not_connected.http.get("/health")).status_code == 200
