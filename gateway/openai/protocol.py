@@ -76,6 +76,7 @@ class _GenerationFields(StructuredFields):
     use_beam_search: bool = False  # beam search in the engine: n beams returned, best first
     length_penalty: float = 1.0  # beam ranking: cumulative logprob / output length ** this
     prompt_logprobs: int | None = None  # each prompt token's logprob + top k (non-streaming)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's)
 
     @field_validator(*CONDITIONAL, mode="before", check_fields=False)
     @classmethod

@@ -127,6 +127,35 @@ async def test_completion_logprobs_have_offsets_into_the_text(gateway, upstream,
     assert logprobs["top_logprobs"][0] == {logprobs["tokens"][0]: -0.5}
 
 
+async def test_return_tokens_as_token_ids_names_logprobs_by_id(gateway, upstream, tokenizer):
+    """vLLM's return_tokens_as_token_ids: every logprob token is "token_id:N"; the text and the
+    completions' text offsets stay those of the text."""
+    script = upstream.engine.scripts[0][:3]
+    names = [f"token_id:{t}" for t in script]
+    chat = (await gateway.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+        "return_tokens_as_token_ids": True})).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [e["token"] for e in content] == names
+    assert [t["token"] for t in content[0]["top_logprobs"]] == [names[0], f"token_id:{script[0] + 1}"]
+    assert content[0]["bytes"] == list(names[0].encode())
+    assert chat["message"]["content"] == tokenizer.decode(script)
+    stream = await gateway.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True, "stream": True,
+        "return_tokens_as_token_ids": True})
+    streamed = [e["token"] for line in stream.text.splitlines() if line.startswith("data: {")
+                for c in json.loads(line[6:])["choices"] if c.get("logprobs") for e in c["logprobs"]["content"]]
+    assert streamed == names
+    prompt = [5, 6]
+    text = (await gateway.http.post("/v1/completions", json={
+        "prompt": prompt, "max_tokens": 3, "logprobs": 1, "echo": True,
+        "return_tokens_as_token_ids": True})).json()["choices"][0]
+    assert text["logprobs"]["tokens"] == [f"token_id:{t}" for t in prompt] + names
+    assert text["logprobs"]["top_logprobs"][2] == {names[0]: -0.5}
+    real = tokenizer.token_texts(prompt + script)
+    assert text["logprobs"]["text_offset"] == [sum(len(t) for t in real[:i]) for i in range(len(real))]
+
+
 async def test_echo_prepends_the_prompt(gateway):
     reply = await gateway.http.post("/v1/completions", json={"prompt": "Hi there", "echo": True, "max_tokens": 2})
     assert reply.json()["choices"][0]["text"].startswith("Hi there")
