@@ -25,6 +25,7 @@ from gateway.openai.responses_api.protocol import ResponsesRequest
 from gateway.openai.responses_api.serving import create_response
 from gateway.openai.serving_chat import ToolPlan, chat_prompt_ids, create_chat_completion
 from gateway.openai.serving_completion import create_completion
+from gateway.openai.serving_embedding import EmbeddingRequest, create_embedding
 from gateway.openai.tool_parsers import ToolParserManager
 from gateway.state import GatewayState
 from gateway.tenancy.rate_limit import retry_after_header
@@ -135,6 +136,10 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(body, request, state)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
+        return await create_embedding(body, request, state)
 
     @app.get("/v1/models")
     async def models() -> dict:

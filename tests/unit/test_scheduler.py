@@ -5,7 +5,7 @@ import pytest
 from pagoda.contract.errors import InvalidRequestError, QueueFullError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason, SamplingParams
-from pagoda.contract.step import BlockCopy, Fork, StepResult, TableUpdate
+from pagoda.contract.step import BlockCopy, Embedding, Fork, StepResult, TableUpdate
 from pagoda.tools.simulate import drive
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
 from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
@@ -57,6 +57,25 @@ def test_prefix_hits_full_partial_none():
         assert new.num_computed_tokens == cached and deltas[0].num_cached_tokens == cached, rid
         assert new.block_ids[:cached // 4] == [0, 1][:cached // 4], rid
     assert sched.stats().prefix_hits == 16
+
+
+def test_a_pooling_request_gets_no_prefix_hit_and_its_embedding_rides_on_its_final_delta():
+    """Mean pooling needs every prompt position's hidden state: no hit, though its blocks register."""
+    sched, worker = setup()
+    prompt = list(range(1, 9))
+    sched.add_request(req("a", prompt, max_tokens=1))
+    drive(sched, worker)
+    sched.add_request(req("e", prompt, max_tokens=1, pooling=True))
+    plan = sched.schedule()
+    (new,) = plan.new_requests
+    assert new.num_computed_tokens == 0 and new.num_scheduled_tokens == 8 and new.sampling.pooling
+    result = worker.execute(plan)
+    result.embeddings = [Embedding(RequestId("e"), [0.6, 0.8])]
+    (delta,) = sched.update(result)
+    assert delta.embedding == [0.6, 0.8] and delta.finish_reason is FinishReason.LENGTH
+    sched.add_request(req("b", prompt, max_tokens=1))  # a generation request still hits
+    plan, _ = step(sched, worker)
+    assert plan.new_requests[0].num_computed_tokens == 4
 
 
 def test_forced_hash_collision_is_not_a_hit(monkeypatch):
