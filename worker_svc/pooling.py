@@ -6,7 +6,8 @@ chunk adds its positions to a running fp32 sum kept on the request's state, and 
 completes the prompt reports the vector. The scheduler gives pooling requests no prefix-cache hit,
 so every position is computed here and the sum never misses one (storing pooled sums alongside the
 cache would be the alternative; skipping the hit costs only a prefill). A preempted request drops
-its state and recomputes from position 0, sum included. The vector is L2-normalised unless
+its state and recomputes from position 0, sum included (the scheduler never swaps it out: the KV
+alone would not restore the sum). The vector is L2-normalised unless
 --no-normalize-embeddings, in fp32 whatever the model's dtype.
 """
 
