@@ -52,6 +52,17 @@ class Tokenizer:
     def token_texts(self, token_ids: Sequence[int]) -> list[str]:
         return [self.token_text(t) for t in token_ids]
 
+    def logprob_names(self, as_token_ids: bool) -> Tokenizer:
+        """What names the tokens in logprobs: this tokenizer, or (vLLM's return_tokens_as_token_ids)
+        one that names each "token_id:N", so a client can tell apart tokens whose text is the same
+        or not valid UTF-8 on its own."""
+        return _TokenIdNames(self.hf) if as_token_ids else self
+
+
+class _TokenIdNames(Tokenizer):
+    def token_text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
 
 class IncrementalDetokenizer:
     """Turns one sequence's token ids into text deltas, never emitting half a UTF-8 character.

@@ -76,7 +76,8 @@ def response_to_pb(request_id: str, deltas: Iterable[SequenceDelta], finished: b
         num_prompt_tokens=first.num_prompt_tokens if first else 0,
         num_cached_tokens=first.num_cached_tokens if first else 0,
         queue_seconds=queue_seconds, finished=finished,
-        prompt_logprobs=[logprobs_to_pb(lp) for lp in prompt_logprobs], timings=timings)
+        prompt_logprobs=[logprobs_to_pb(lp) for lp in prompt_logprobs], timings=timings,
+        embedding=next((d.embedding for d in deltas if d.embedding), ()))
 
 
 def finish_reason_name(reason: FinishReason | None) -> str:

@@ -38,6 +38,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU: pre-pack linear weights for oneDNN at load (faster GEMMs; see "
                         "worker_svc/models/packed_linear.py)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pooling-type", default="last", choices=("last", "mean"),
+                   help="embeddings (/v1/embeddings): the last prompt position's final hidden state, "
+                        "or the mean of every position's (worker_svc/pooling.py)")
+    p.add_argument("--normalize-embeddings", action=argparse.BooleanOptionalAction, default=True,
+                   help="L2-normalise embeddings (--no-normalize-embeddings: the raw pooled vector)")
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (PEFT directories) next to the base model (docs/lora.md)")
     p.add_argument("--max-loras", type=int, default=1,
@@ -65,7 +70,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         attention_backend=args.attention_backend, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, pack_weights=args.pack_weights,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, swap_space=args.swap_space)
+        max_cpu_loras=args.max_cpu_loras, swap_space=args.swap_space, pooling_type=args.pooling_type,
+        normalize_embeddings=args.normalize_embeddings)
 
 
 def main(argv: list[str] | None = None) -> None:

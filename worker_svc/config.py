@@ -35,3 +35,6 @@ class WorkerConfig:
     # vLLM's --swap-space: GiB of host memory (per rank) for KV blocks swapped out at preemption
     # (pinned on CUDA). 0 (the default, as vLLM v1 which only recomputes): none.
     swap_space: float = 0.0
+    # Embeddings (worker_svc/pooling.py): vLLM's --pooling-type (last | mean) and normalisation
+    pooling_type: str = "last"
+    normalize_embeddings: bool = True

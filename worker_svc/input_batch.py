@@ -30,6 +30,7 @@ class CachedRequestState:
     seq_index: int = 0
     grammar: GrammarState | None = None  # structured outputs (the sampling rank only)
     lora: LoRARequest | None = None  # its adapter; None: the base model
+    pool_sum: torch.Tensor | None = None  # mean pooling: fp32 sum of the positions computed so far
 
     def sampling_row(self) -> SamplingRow:
         return SamplingRow(self.sampling, self.token_ids, self.num_prompt_tokens, self.seq_index,

@@ -34,6 +34,7 @@ from worker_svc.model_loader.loader import load_model, resolve_dtype
 from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.models.packed_linear import can_pack, pack_linear_weights
 from worker_svc.plan_validation import validate_plan
+from worker_svc.pooling import pool_embeddings
 from worker_svc.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows
 from worker_svc.sampler import Sampler, SamplingRow
 from worker_svc.spec_verify import DraftVerifier
@@ -90,6 +91,7 @@ class ModelRunner:
         self.host_pool: HostKVPool | None = None  # --swap-space: swapped-out blocks
         self._last_step_id: int | None = None
         self.unsampled: list[CachedRequestState] = []  # TP follower: awaiting rank 0's tokens
+        self._embeddings: list = []  # the pooling requests' vectors of the step being executed
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -166,6 +168,7 @@ class ModelRunner:
         started = time.perf_counter()
         logits, rows, states, drafted, prompt_logprobs = self._forward(seqs, forks, plan.draft_token_ids)
         result.prompt_logprobs = prompt_logprobs
+        result.embeddings = self._embeddings
         if logits is None:  # a TP follower: rank 0 samples and sends the tokens with the next plan
             self.unsampled = states
             return result
@@ -261,6 +264,9 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.finish_step()
         prompt_rows = plan_prompt_rows(seqs, inputs.last_rows) if self.tp.is_driver else []
+        # Before num_computed advances (it tells the last chunk); every rank's hidden is whole.
+        self._embeddings = (pool_embeddings(seqs, hidden, inputs.last_rows, self.config.pooling_type,
+                                            self.config.normalize_embeddings) if self.tp.is_driver else [])
         logit_rows: list[int] = []
         rows: list[SamplingRow] = []
         states: list[CachedRequestState] = []

@@ -23,10 +23,13 @@ from gateway.openai.protocol import (
 )
 from gateway.openai.responses_api.protocol import ResponsesRequest
 from gateway.openai.responses_api.serving import create_response
-from gateway.openai.serving_chat import chat_prompt_ids, create_chat_completion, tool_plan
+from gateway.openai.serving_chat import ToolPlan, chat_prompt_ids, create_chat_completion
 from gateway.openai.serving_completion import create_completion
+from gateway.openai.serving_embedding import EmbeddingRequest, create_embedding
+from gateway.openai.tool_parsers import ToolParserManager
 from gateway.state import GatewayState
 from gateway.tenancy.rate_limit import retry_after_header
+from gateway.tokenizer import Tokenizer
 from gateway.web.chat_page import add_chat_page
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.runtime.logging import get_logger
@@ -105,6 +108,22 @@ def _add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         app.add_exception_handler(error_class, on_error)
 
 
+def _chat_tokens(body: TokenizeRequest, tokenizer: Tokenizer, state: GatewayState) -> list[int]:
+    """The prompt /v1/chat/completions would send for these messages. Tools are listed as the
+    template lists them whatever tool_choice would be: tokenizing calls nothing (as vLLM)."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.continue_final_message:  # the last (assistant) message left open for the model to go on
+        kwargs["continue_final_message"] = True
+    chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
+                                 chat_template_kwargs=kwargs)
+    parser = ToolParserManager.get_tool_parser(state.config.tool_call_parser)
+    tokens = chat_prompt_ids(chat, tokenizer, ToolPlan(parser, body.tools or None))
+    if body.add_special_tokens:  # vLLM's opt-in: the tokenizer's specials (BOS) again in front of the
+        # template's. What it adds to empty text is its prefix: the Llama family adds only a prefix.
+        tokens = tokenizer.encode("", add_special_tokens=True) + tokens
+    return tokens
+
+
 def _add_routes(app: FastAPI, state: GatewayState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -118,6 +137,10 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(body, request, state)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
+        return await create_embedding(body, request, state)
+
     @app.get("/v1/models")
     async def models() -> dict:
         if not state.ready:
@@ -128,16 +151,12 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
     async def tokenize(body: TokenizeRequest) -> dict:
         tokenizer, info = state.pool(body.model).require_ready()
         if body.messages is not None:
-            chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
-            tokens = chat_prompt_ids(chat, tokenizer, tool_plan(chat, state.config))  # tools: none
-        elif body.prompt is not None:
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = _chat_tokens(body, tokenizer, state)
         else:
-            raise InvalidRequestError("either prompt or messages is required")
-        reply = {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
-        if body.return_token_strs:
-            reply["token_strs"] = tokenizer.hf.convert_ids_to_tokens(tokens)
-        return reply
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        # vLLM's TokenizeResponse: token_strs is null unless asked for
+        return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens,
+                "token_strs": tokenizer.hf.convert_ids_to_tokens(tokens) if body.return_token_strs else None}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:

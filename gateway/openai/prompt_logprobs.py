@@ -35,20 +35,22 @@ def vllm_prompt_logprobs(tokenizer: Tokenizer, prompt_ids: Sequence[int],
 
 
 def add_echo_logprobs(out: CompletionLogprobs, tokenizer: Tokenizer, prompt_ids: Sequence[int],
-                      logprobs: Sequence[common_pb2.TokenLogprobs], top_k: int) -> None:
-    """Append the echoed prompt's entries to `out`; their text offsets count from 0."""
+                      logprobs: Sequence[common_pb2.TokenLogprobs], top_k: int, names: Tokenizer | None = None) -> None:
+    """Append the echoed prompt's entries to `out`; their text offsets count from 0. `names` names
+    the tokens (Tokenizer.logprob_names); the offsets stay those of the text."""
+    names = names or tokenizer
     offset = 0
     for i, token_id in enumerate(prompt_ids):
-        token = tokenizer.token_text(token_id)
+        token = names.token_text(token_id)
         lp = logprobs[i - 1] if 0 < i <= len(logprobs) else None
         out.tokens.append(token)
         out.text_offset.append(offset)
-        offset += len(token)
+        offset += len(tokenizer.token_text(token_id))
         if lp is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             continue
-        top = {tokenizer.token_text(t.token_id): t.logprob for t in lp.top[:top_k]}
+        top = {names.token_text(t.token_id): t.logprob for t in lp.top[:top_k]}
         top.setdefault(token, lp.logprob)
         out.token_logprobs.append(lp.logprob)
         out.top_logprobs.append(top)

@@ -76,6 +76,7 @@ class _GenerationFields(StructuredFields):
     use_beam_search: bool = False  # beam search in the engine: n beams returned, best first
     length_penalty: float = 1.0  # beam ranking: cumulative logprob / output length ** this
     prompt_logprobs: int | None = None  # each prompt token's logprob + top k (non-streaming)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's)
 
     @field_validator(*CONDITIONAL, mode="before", check_fields=False)
     @classmethod
@@ -180,13 +181,28 @@ class ChatCompletionRequest(_GenerationFields):
 
 
 class TokenizeRequest(BaseModel):
+    """vLLM's TokenizeCompletionRequest ({"prompt"}) and TokenizeChatRequest ({"messages"}) in one
+    model: exactly one of the two. Other fields are accepted as vLLM accepts them (extra="allow")."""
+
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool = True
+    # None: vLLM's defaults, True for a prompt, False for messages (the chat template holds BOS)
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=128)
     return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt or messages is required")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
 
 
 class DetokenizeRequest(BaseModel):

@@ -174,13 +174,14 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
     request_id = new_request_id("chatcmpl")
     answer, plan = await start_chat(body, http, state, request_id)
     model, (tokenizer, prompt_ids) = answer.pool.name, answer.context
+    names = tokenizer.logprob_names(body.return_tokens_as_token_ids)  # names the logprobs' tokens
     if not body.stream:
         choices = [ChatChoice(index=i, message=ChatResponseMessage(content=""),
                               logprobs=ChatLogprobs(content=[]) if body.logprobs else None)
                    for i in range(body.n)]
         steps = prepend(answer.first, answer.steps)
         prompt_logprobs: list = []
-        last = await until_disconnected(http, _collect(steps, choices, tokenizer, prompt_logprobs))
+        last = await until_disconnected(http, _collect(steps, choices, names, prompt_logprobs))
         tools = plan.parsers(body.n, body.parallel_tool_calls) or [None] * body.n
         reasoners = reasoning_parsers(state.config, body.n) or [None] * body.n
         for choice, parser, reasoner in zip(choices, tools, reasoners, strict=True):
@@ -190,13 +191,13 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request,
             timings=timings_of(last, state.config.enable_request_timings),
             prompt_logprobs=(vllm_prompt_logprobs(tokenizer, prompt_ids, prompt_logprobs)
                              if body.prompt_logprobs is not None else None)).model_dump())
-    events = _stream(answer.first, answer.steps, body, tokenizer, request_id, model,
+    events = _stream(answer.first, answer.steps, body, names, request_id, model,
                      plan.parsers(body.n, body.parallel_tool_calls), reasoning_parsers(state.config, body.n),
                      state.config.enable_request_timings)
     return StreamingResponse(sse_stream(events), media_type="text/event-stream")
 
 
-async def _collect(steps: AsyncIterator[GenerationStep], choices: list[ChatChoice], tokenizer: Tokenizer,
+async def _collect(steps: AsyncIterator[GenerationStep], choices: list[ChatChoice], names: Tokenizer,
                    prompt_logprobs: list):
     """Fold the steps into `choices` (and the request's prompt logprobs into `prompt_logprobs`); the
     last step (usage, timings)."""
@@ -207,7 +208,7 @@ async def _collect(steps: AsyncIterator[GenerationStep], choices: list[ChatChoic
             choice = choices[chunk.index]
             choice.message.content += chunk.text
             if choice.logprobs is not None:
-                choice.logprobs.content.extend(chat_logprobs(tokenizer, chunk).content)
+                choice.logprobs.content.extend(chat_logprobs(names, chunk).content)
             if chunk.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = chunk.finish_reason, chunk.stop_reason
         if step.usage is not None:
@@ -231,7 +232,7 @@ def _finish_choice(choice: ChatChoice, parser: ToolParser | None, reasoner: Reas
 
 
 async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], body: ChatCompletionRequest,
-                  tokenizer: Tokenizer, request_id: str, model: str,
+                  names: Tokenizer, request_id: str, model: str,
                   parsers: list[ToolParser] | None, reasoners: list[ReasoningParser] | None,
                   with_timings: bool) -> AsyncIterator[ChatCompletionChunk]:
     created = int(time.time())
@@ -255,7 +256,7 @@ async def _stream(first: GenerationStep, steps: AsyncIterator[GenerationStep], b
                 deltas.append(ChatStreamChoice(
                     index=c.index, delta=DeltaMessage(content=text or (None if calls or reasoning else ""),
                                                       reasoning_content=reasoning or None, tool_calls=calls),
-                    logprobs=chat_logprobs(tokenizer, c) if body.logprobs else None,
+                    logprobs=chat_logprobs(names, c) if body.logprobs else None,
                     finish_reason=finish_reason, stop_reason=c.stop_reason))
         timings = timings_of(step, with_timings)  # on the stream's last chunk
         if deltas:

@@ -60,8 +60,9 @@ class CompletionChoices:
 
     def __init__(self, echo_texts: list[str], tokenizer: Tokenizer, with_logprobs: bool,
                  prompt_ids: list[list[int]] | None = None, echo_logprobs: int | None = None,
-                 return_prompt_logprobs: bool = False) -> None:
+                 return_prompt_logprobs: bool = False, names: Tokenizer | None = None) -> None:
         self._tokenizer = tokenizer
+        self._names = names or tokenizer  # what names tokens in logprobs (return_tokens_as_token_ids)
         self._with_logprobs = with_logprobs
         self._pending_echo = list(echo_texts)  # one per choice: sent with its first delta
         self._offsets = [0] * len(echo_texts)  # length of the text each choice has so far
@@ -101,21 +102,21 @@ class CompletionChoices:
         prompt_ids, prompt_logprobs = self._prompt_ids[chunk.index], chunk.prompt_logprobs or []
         if self._echo_logprobs is not None and delta.logprobs is not None:
             add_echo_logprobs(delta.logprobs, self._tokenizer, prompt_ids, prompt_logprobs,
-                              self._echo_logprobs)
+                              self._echo_logprobs, self._names)
         if self._return_prompt_logprobs:
             self.choices[chunk.index].prompt_logprobs = vllm_prompt_logprobs(
                 self._tokenizer, prompt_ids, prompt_logprobs)
 
     def _add_logprobs(self, out: CompletionLogprobs, chunk: SequenceChunk, offset: int) -> None:
         for token_id, logprob in zip(chunk.token_ids, chunk.logprobs, strict=False):
-            token = self._tokenizer.token_text(token_id)
-            top = {self._tokenizer.token_text(t.token_id): t.logprob for t in logprob.top}
+            token = self._names.token_text(token_id)
+            top = {self._names.token_text(t.token_id): t.logprob for t in logprob.top}
             top.setdefault(token, logprob.logprob)
             out.tokens.append(token)
             out.token_logprobs.append(logprob.logprob)
             out.top_logprobs.append(top)
             out.text_offset.append(offset)
-            offset += len(token)
+            offset += len(self._tokenizer.token_text(token_id))  # the text's offsets, whatever names it
 
 
 async def create_completion(body: CompletionRequest, http: Request, state: GatewayState) -> Response:
@@ -140,7 +141,8 @@ async def create_completion(body: CompletionRequest, http: Request, state: Gatew
             [text if body.echo else "" for _, text in prompts for _ in range(body.n)],
             tokenizer, body.logprobs is not None, [ids for ids, _ in prompts for _ in range(body.n)],
             body.logprobs if body.echo else None,
-            return_prompt_logprobs=prompt_logprobs is not None and not body.stream)
+            return_prompt_logprobs=prompt_logprobs is not None and not body.stream,
+            names=tokenizer.logprob_names(body.return_tokens_as_token_ids))
         requests, leases = admit_batch(admit_once, requests, info.max_model_len)
         steps = merge_steps([
             generate(pool.client, tokenizer, r, start_request_span(

@@ -35,7 +35,7 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
         logit_bias=params.logit_bias or {}, allowed_token_ids=params.allowed_token_ids or (),
         bad_words=[common_pb2.TokenIds(token_ids=word) for word in params.bad_words_token_ids],
-        beam_width=params.beam_width, length_penalty=params.length_penalty)
+        beam_width=params.beam_width, length_penalty=params.length_penalty, pooling=params.pooling)
     for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None:
@@ -56,7 +56,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty,
         logit_bias=dict(pb.logit_bias) or None, allowed_token_ids=tuple(pb.allowed_token_ids) or None,
         bad_words_token_ids=tuple(tuple(word.token_ids) for word in pb.bad_words),
-        beam_width=pb.beam_width,
+        beam_width=pb.beam_width, pooling=pb.pooling,
         structured_outputs=(StructuredOutputsParams.from_kind(pb.structured_outputs.kind,
                                                               pb.structured_outputs.spec)
                             if pb.HasField("structured_outputs") else None))

@@ -63,6 +63,9 @@ class SamplingParams:
     # Logprobs of the prompt's tokens (vLLM's): None: none; k: each prompt token's logprob, its rank
     # and the top k. The first token has none. Disables the prefix-cache hit for the request.
     prompt_logprobs: int | None = None
+    # An embedding request (POST /v1/embeddings): the worker returns the prompt's pooled final hidden
+    # state. Prefill only: it samples one token nobody reads, and gets no prefix-cache hit.
+    pooling: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -129,6 +132,8 @@ class SamplingParams:
         self._validate_token_constraints(bad)
         if self.beam_width:
             self._validate_beam_search(bad)
+        if self.pooling and (self.n != 1 or self.beam_width):  # (the gateway also sets max_tokens 1)
+            bad("a pooling request is one sequence (n=1, no beam search)")
         # Integers must also fit their wire types (common.proto), or encoding fails mid-request.
         for name, low, high in _INTEGER_RANGES:
             value = getattr(self, name)

@@ -136,6 +136,14 @@ class PromptLogprobs:
 
 
 @dataclass(slots=True)
+class Embedding:
+    """A pooling request's pooled final hidden state, reported with its last prefill chunk."""
+
+    request_id: RequestId
+    values: list[float]
+
+
+@dataclass(slots=True)
 class StepResult:
     """One sampled token per request that sampled in this step (forks included), in entries of
     request_ids / token_ids. A beam-search request's entry carries its candidates in `logprobs`
@@ -151,6 +159,7 @@ class StepResult:
     sample_seconds: float = 0.0
     # Requests with prompt_logprobs: what this step's prefill chunk covered (worker_svc/prompt_logprobs.py)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    embeddings: list[Embedding] = field(default_factory=list)  # pooling requests (SamplingParams.pooling)
 
 
 @dataclass(frozen=True, slots=True)

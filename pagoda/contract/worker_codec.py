@@ -19,6 +19,7 @@ from pagoda.contract.ids import BlockId, RequestId
 from pagoda.contract.step import (
     BeamUpdate,
     BlockCopy,
+    Embedding,
     Fork,
     NewRequestData,
     PromptLogprobs,
@@ -104,7 +105,8 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
         sample_seconds=result.sample_seconds,
         prompt_logprobs=[worker_pb2.PromptLogprobs(
             request_id=p.request_id, start=p.start, logprobs=[logprobs_to_pb(lp) for lp in p.logprobs])
-            for p in result.prompt_logprobs])
+            for p in result.prompt_logprobs],
+        embeddings=[worker_pb2.Embedding(request_id=e.request_id, values=e.values) for e in result.embeddings])
 
 
 def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
@@ -115,7 +117,8 @@ def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
         forward_seconds=pb.forward_seconds, sample_seconds=pb.sample_seconds,
         prompt_logprobs=[PromptLogprobs(RequestId(p.request_id), p.start,
                                         [logprobs_from_pb(lp) for lp in p.logprobs])
-                         for p in pb.prompt_logprobs])
+                         for p in pb.prompt_logprobs],
+        embeddings=[Embedding(RequestId(e.request_id), list(e.values)) for e in pb.embeddings])
 
 
 def error_result_pb(step_id: int, code: int, message: str) -> worker_pb2.StepResult:

@@ -51,8 +51,9 @@ class KVCacheManager:
     def find_cached_prefix(self, seq: Sequence) -> tuple[list[BlockId], int]:
         """Verified cached full blocks of a waiting sequence, leaving >= 1 token to compute. None
         for a request still owed prompt logprobs: they need the logits of every prompt position
-        (vLLM also skips the hit for such requests)."""
-        if self.index is None or seq.request.needs_prompt_logprobs:
+        (vLLM also skips the hit for such requests), nor for a pooling request: mean pooling needs the
+        hidden state of every prompt position (worker_svc/pooling.py)."""
+        if self.index is None or seq.request.needs_prompt_logprobs or seq.request.sampling.pooling:
             return [], 0
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
         self._ensure_hashes(seq, max_blocks)

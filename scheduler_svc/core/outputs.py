@@ -27,6 +27,7 @@ class SequenceDelta:
     # With prompt_logprobs: the logprobs of prompt tokens 1.. (the first has none), once per
     # request, on sequence 0's delta that carries its first token.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    embedding: list[float] | None = None  # a pooling request's vector, with its one (unread) token
 
     @property
     def finished(self) -> bool:

@@ -499,6 +499,8 @@ class Scheduler:
         deltas: list[SequenceDelta] = []
         live, eos = self._queues.live, self.config.eos_token_ids
         token_ids, logprobs = result.token_ids, result.logprobs
+        # Pooling requests: the vector rides on the delta of the token sampled in the same step
+        embeddings = {e.request_id: e.values for e in result.embeddings} if result.embeddings else None
         num_accepted, previous = 0, None
         beam_requests: list[Request] = []
         for i, seq_id in enumerate(result.request_ids):
@@ -521,6 +523,8 @@ class Scheduler:
             delta = SequenceDelta(req.request_id, seq.seq_index, [token],
                                   [logprobs[i]] if logprobs and logprobs[i] is not None else [],
                                   None, req.num_prompt_tokens, req.num_cached_tokens)
+            if embeddings is not None and seq_id in embeddings:
+                delta.embedding = embeddings[seq_id]
             # stop_reason() can only answer for a stop token or at max_tokens: test that first.
             if token in req.stop_token_set or len(tokens) >= req.max_num_tokens:
                 reason = seq.stop_reason(token, eos)

@@ -79,6 +79,8 @@ class SwapManager:
             return
         if seq.num_window_freed:  # part of its KV is gone (out of the window): swap-in cannot restore it
             return
+        if seq.request.sampling.pooling:  # the worker drops its mean-pooling sum with its state: the
+            return  # KV alone cannot resume it, so it recomputes (worker_svc/pooling.py)
         if mode is None and seq.num_computed_tokens <= self._threshold:
             return  # auto: recomputing it fits in one prefill chunk
         host = pool.allocate(num_blocks)

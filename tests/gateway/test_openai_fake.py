@@ -127,6 +127,35 @@ async def test_completion_logprobs_have_offsets_into_the_text(gateway, upstream,
     assert logprobs["top_logprobs"][0] == {logprobs["tokens"][0]: -0.5}
 
 
+async def test_return_tokens_as_token_ids_names_logprobs_by_id(gateway, upstream, tokenizer):
+    """vLLM's return_tokens_as_token_ids: every logprob token is "token_id:N"; the text and the
+    completions' text offsets stay those of the text."""
+    script = upstream.engine.scripts[0][:3]
+    names = [f"token_id:{t}" for t in script]
+    chat = (await gateway.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+        "return_tokens_as_token_ids": True})).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [e["token"] for e in content] == names
+    assert [t["token"] for t in content[0]["top_logprobs"]] == [names[0], f"token_id:{script[0] + 1}"]
+    assert content[0]["bytes"] == list(names[0].encode())
+    assert chat["message"]["content"] == tokenizer.decode(script)
+    stream = await gateway.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True, "stream": True,
+        "return_tokens_as_token_ids": True})
+    streamed = [e["token"] for line in stream.text.splitlines() if line.startswith("data: {")
+                for c in json.loads(line[6:])["choices"] if c.get("logprobs") for e in c["logprobs"]["content"]]
+    assert streamed == names
+    prompt = [5, 6]
+    text = (await gateway.http.post("/v1/completions", json={
+        "prompt": prompt, "max_tokens": 3, "logprobs": 1, "echo": True,
+        "return_tokens_as_token_ids": True})).json()["choices"][0]
+    assert text["logprobs"]["tokens"] == [f"token_id:{t}" for t in prompt] + names
+    assert text["logprobs"]["top_logprobs"][2] == {names[0]: -0.5}
+    real = tokenizer.token_texts(prompt + script)
+    assert text["logprobs"]["text_offset"] == [sum(len(t) for t in real[:i]) for i in range(len(real))]
+
+
 async def test_echo_prepends_the_prompt(gateway):
     reply = await gateway.http.post("/v1/completions", json={"prompt": "Hi there", "echo": True, "max_tokens": 2})
     assert reply.json()["choices"][0]["text"].startswith("Hi there")
@@ -163,6 +192,32 @@ async def test_models_tokenize_detokenize_version(gateway, tokenizer, tokenizer_
     text = (await gateway.http.post("/detokenize", json={"tokens": tokens["tokens"][1:]})).json()
     assert text == {"prompt": "Hello world"}
     assert (await gateway.http.get("/version")).json() == {"version": "0.1.0"}
+
+
+async def test_tokenize_has_vllms_completion_and_chat_shapes(gateway, upstream, tokenizer):
+    """vLLM's TokenizeCompletionRequest / TokenizeChatRequest -> TokenizeResponse field for field."""
+    plain = (await gateway.http.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False})).json()
+    expected = tokenizer.encode("Hello world", add_special_tokens=False)
+    assert plain == {"count": len(expected), "max_model_len": 256, "tokens": expected, "token_strs": None}
+    strs = (await gateway.http.post("/tokenize", json={"prompt": "Hello", "return_token_strs": True})).json()
+    assert strs["token_strs"] == tokenizer.hf.convert_ids_to_tokens(tokenizer.encode("Hello"))
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    chat = (await gateway.http.post("/tokenize", json={"messages": messages[:1]})).json()
+    rendered = tokenizer.hf.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)  # chat: no second BOS
+    doubled = (await gateway.http.post("/tokenize", json={"messages": messages[:1], "add_special_tokens": True})).json()
+    assert doubled["tokens"] == [tokenizer.hf.bos_token_id] + chat["tokens"]
+    # the same prompt /v1/chat/completions sends
+    await gateway.http.post("/v1/chat/completions", json={"messages": messages[:1]})
+    assert list(upstream.engine.requests[-1].prompt_token_ids) == chat["tokens"]
+    open_end = (await gateway.http.post("/tokenize", json={
+        "messages": messages, "add_generation_prompt": False, "continue_final_message": True})).json()
+    assert tokenizer.decode(open_end["tokens"], skip_special_tokens=False).endswith("Hel")
+    for bad in ({}, {"prompt": "a", "messages": messages}, {"messages": messages, "continue_final_message": True}):
+        reply = await gateway.http.post("/tokenize", json=bad)
+        assert reply.status_code == 400 and reply.json()["error"]["type"] == "BadRequestError", bad
+    wrong = await gateway.http.post("/detokenize", json={"tokens": [10**9]})
+    assert wrong.status_code == 400 and "token ids" in wrong.json()["error"]["message"]
 
 
 async def test_health_ready_and_metrics(make_gateway):

@@ -6,9 +6,11 @@ import pytest
 
 from pagoda.contract import worker_codec as convert
 from pagoda.contract.errors import InvalidRequestError
+from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason, SamplingParams
 from pagoda.contract.step import (
     BlockCopy,
+    Embedding,
     Fork,
     NewRequestData,
     PromptLogprobs,
@@ -114,3 +116,15 @@ def test_response_carries_the_prompt_logprobs_of_its_first_sequence():
     pb = engine_convert.response_to_pb("r", deltas, finished=False)
     assert [engine_convert.logprobs_from_pb(lp) for lp in pb.prompt_logprobs] == prompt
     assert not engine_convert.response_to_pb("r", deltas[1:], finished=False).prompt_logprobs
+
+
+def test_pooling_round_trips_and_its_embedding_reaches_the_response():
+    params = SamplingParams(max_tokens=1, temperature=0.0, pooling=True)
+    assert convert.sampling_from_pb(convert.sampling_to_pb(params)) == params
+    result = StepResult(step_id=3, embeddings=[Embedding(RequestId("e"), [0.25, -0.5])])
+    pb = worker_pb2.StepResult.FromString(convert.result_to_pb(result).SerializeToString())
+    assert convert.result_from_pb(pb) == result  # 0.25 and -0.5 are exact in float32
+    delta = SequenceDelta(RequestId("e"), 0, [7], finish_reason=FinishReason.LENGTH, embedding=[0.25, -0.5])
+    assert list(engine_convert.response_to_pb("e", [delta], finished=True).embedding) == [0.25, -0.5]
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(n=2, pooling=True)

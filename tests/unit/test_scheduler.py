@@ -5,7 +5,7 @@ import pytest
 from pagoda.contract.errors import InvalidRequestError, QueueFullError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason, SamplingParams
-from pagoda.contract.step import BlockCopy, Fork, StepResult, TableUpdate
+from pagoda.contract.step import BlockCopy, Embedding, Fork, StepPlan, StepResult, TableUpdate
 from pagoda.tools.simulate import drive
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
 from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
@@ -57,6 +57,25 @@ def test_prefix_hits_full_partial_none():
         assert new.num_computed_tokens == cached and deltas[0].num_cached_tokens == cached, rid
         assert new.block_ids[:cached // 4] == [0, 1][:cached // 4], rid
     assert sched.stats().prefix_hits == 16
+
+
+def test_a_pooling_request_gets_no_prefix_hit_and_its_embedding_rides_on_its_final_delta():
+    """Mean pooling needs every prompt position's hidden state: no hit, though its blocks register."""
+    sched, worker = setup()
+    prompt = list(range(1, 9))
+    sched.add_request(req("a", prompt, max_tokens=1))
+    drive(sched, worker)
+    sched.add_request(req("e", prompt, max_tokens=1, pooling=True))
+    plan = sched.schedule()
+    (new,) = plan.new_requests
+    assert new.num_computed_tokens == 0 and new.num_scheduled_tokens == 8 and new.sampling.pooling
+    result = worker.execute(plan)
+    result.embeddings = [Embedding(RequestId("e"), [0.6, 0.8])]
+    (delta,) = sched.update(result)
+    assert delta.embedding == [0.6, 0.8] and delta.finish_reason is FinishReason.LENGTH
+    sched.add_request(req("b", prompt, max_tokens=1))  # a generation request still hits
+    plan, _ = step(sched, worker)
+    assert plan.new_requests[0].num_computed_tokens == 4
 
 
 def test_forced_hash_collision_is_not_a_hit(monkeypatch):
@@ -252,3 +271,20 @@ def test_a_continuation_must_be_one_sequence_and_shorter_than_its_prompt(samplin
     with pytest.raises(InvalidRequestError, match="num_prior_output_tokens"):
         sched.add_request(EngineRequest(RequestId("c"), (1, 2, 3, 4, 5), SamplingParams(max_tokens=4, **sampling),
                                         num_prior_output_tokens=prior))
+
+
+def test_a_pooling_request_is_never_swapped_out():
+    """Its worker state (mean pooling's running sum) is dropped at preemption: swapping only its KV
+    back would resume the sum from nothing, so it recomputes."""
+    from scheduler_svc.core.request import Request, Sequence
+    from scheduler_svc.core.swap import SwapManager
+
+    swap = SwapManager(num_cpu_blocks=8, block_size=4, mode="swap", threshold=0)
+    for pooling, swapped in [(False, 1), (True, 0)]:
+        request = Request(RequestId("r"), tuple(range(1, 9)), SamplingParams(max_tokens=1, pooling=pooling),
+                          1, 0, 0.0, 0, None)
+        seq = Sequence(RequestId("r"), 0, request, list(range(1, 9)), num_computed_tokens=4, block_table=[3, 4])
+        plan = StepPlan(step_id=1)
+        swap.swap_out(seq, plan)
+        assert len(plan.swap_out) == swapped, pooling
+        swap.reset()

@@ -59,6 +59,10 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
                    help="GPUs (worker ranks) per replica (default: 1)")
     g.add_argument("--swap-space", type=float, default=0.0, metavar="GiB",
                    help="the worker's host memory for KV swapped out at preemption (default 0: none)")
+    g.add_argument("--pooling-type", default="last", choices=("last", "mean"),
+                   help="/v1/embeddings: the last prompt position's hidden state, or the mean (default: last)")
+    g.add_argument("--no-normalize-embeddings", dest="normalize_embeddings", action="store_false",
+                   help="/v1/embeddings: the raw pooled vector (default: L2-normalised)")
     g.add_argument("--enable-lora", action="store_true", help="LoRA adapters (implied by --lora-modules)")
     g.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                    help="LoRA adapters the gateway serves as model NAME")
