@@ -132,7 +132,7 @@ def test_every_format_is_a_registered_parser_class():
     assert ToolParserManager.names() == ("hermes", "llama3_json")
     assert ToolParserManager.get_tool_parser("hermes") is HermesToolParser
     assert ToolParserManager.get_tool_parser("llama3_json") is Llama3JsonToolParser
-    assert all(issubclass(cls, ToolParser) and cls.name == name for name, cls in ToolParserManager.tool_parsers.items())
+    assert all(issubclass(cls, ToolParser) and cls.name == name for name, cls in ToolParserManager.parsers.items())
     assert parse_args(["--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
     with pytest.raises(KeyError, match="known: hermes, llama3_json"):
         ToolParserManager.get_tool_parser("mistral")

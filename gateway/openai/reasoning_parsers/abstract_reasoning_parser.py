@@ -17,8 +17,9 @@ A reply cut before its end tag (max_tokens counts reasoning tokens too) is all r
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ClassVar, NamedTuple
+
+from gateway.openai.parser_registry import ParserRegistry
 
 
 class SplitText(NamedTuple):
@@ -90,29 +91,9 @@ class ReasoningParser:
         return SplitText("", held)
 
 
-class ReasoningParserManager:
+class ReasoningParserManager(ParserRegistry, kind="reasoning parser"):
     """The reasoning formats by their `--reasoning-parser` name, in registration order."""
-
-    reasoning_parsers: ClassVar[dict[str, type[ReasoningParser]]] = {}
-
-    @classmethod
-    def register_module(cls, name: str) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
-        """Class decorator: register a ReasoningParser subclass under `name` (vLLM's names)."""
-        def register(parser: type[ReasoningParser]) -> type[ReasoningParser]:
-            if name in cls.reasoning_parsers:
-                raise ValueError(f"reasoning parser {name!r} is already registered")
-            parser.name = name
-            cls.reasoning_parsers[name] = parser
-            return parser
-        return register
 
     @classmethod
     def get_reasoning_parser(cls, name: str) -> type[ReasoningParser]:
-        try:
-            return cls.reasoning_parsers[name]
-        except KeyError:
-            raise KeyError(f"no reasoning parser {name!r} (known: {', '.join(cls.reasoning_parsers)})") from None
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(cls.reasoning_parsers)
+        return cls.get(name)

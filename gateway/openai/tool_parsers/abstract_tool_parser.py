@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
+from gateway.openai.parser_registry import ParserRegistry
 from gateway.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall, ToolCall, ToolDef
 from pagoda.contract.structured import JSON_OPTIONS, StructuredOutputsParams
 
@@ -149,29 +149,9 @@ def call_of(value: Any, key: str) -> ToolCall | None:
     return ToolCall.of(value["name"], arguments)
 
 
-class ToolParserManager:
+class ToolParserManager(ParserRegistry, kind="tool-call parser"):
     """The tool-call formats by their `--tool-call-parser` name, in registration order."""
-
-    tool_parsers: ClassVar[dict[str, type[ToolParser]]] = {}
-
-    @classmethod
-    def register_module(cls, name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-        """Class decorator: register a ToolParser subclass under `name` (vLLM's names)."""
-        def register(parser: type[ToolParser]) -> type[ToolParser]:
-            if name in cls.tool_parsers:
-                raise ValueError(f"tool-call parser {name!r} is already registered")
-            parser.name = name
-            cls.tool_parsers[name] = parser
-            return parser
-        return register
 
     @classmethod
     def get_tool_parser(cls, name: str) -> type[ToolParser]:
-        try:
-            return cls.tool_parsers[name]
-        except KeyError:
-            raise KeyError(f"no tool-call parser {name!r} (known: {', '.join(cls.tool_parsers)})") from None
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(cls.tool_parsers)
+        return cls.get(name)
