@@ -138,11 +138,14 @@ def tool_output(args: argparse.Namespace) -> dict:
     before = {name: counters(llm) for name, llm in engines.items()}
     rates: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         for name, llm in engines.items():  # interleaved: drift hits every engine alike
             _, out, rate = timed(llm, [prompt], args.tool_max_tokens, ignore_eos=False)
             rates[name].append(rate)
             outputs[name] += out
+        # one line a request: a long run that is stopped still leaves its figures so far
+        print(f"request {i}: {len(outputs['off'][-1])} tokens; decode tok/s "
+              + ", ".join(f"{name} {r[-1]:.1f}" for name, r in rates.items()), flush=True)
     off = statistics.fmean(rates["off"])
     results = {"model": args.model, "dtype": args.dtype, "k": args.k, "requests": args.requests,
                "prompt_tokens": statistics.fmean(len(p["prompt_token_ids"]) for p in prompts),
