@@ -1,6 +1,7 @@
 """n-gram speculative decoding against plain decoding, same model, same prompts, interleaved runs.
 
     python -m benchmarks.spec_decode [--model models/smollm2-135m-instruct] [--k 4]
+    python -m benchmarks.spec_decode --workload tool-output [--k 8] [--requests 32]
 
 Two workloads, greedy, prefix caching off (every run computes the same thing):
 - copy-heavy: chat prompts asking the model to repeat a passage that is in the prompt (what RAG,
@@ -20,6 +21,15 @@ only as far as the request that copies worst. Best of `--repeats` interleaved of
 ShareGPT-like reports output tokens/s of the whole batch. Also checks that greedy outputs are
 identical with and without.
 Prints a table and writes benchmarks/results/spec_decode.json.
+
+`--workload tool-output` (suffix decoding's case) runs only this: one ~300-token JSON tool result
+quoted by `--requests` chat requests that each ask, in their own words, to repeat it or extract a
+part of it; greedy, batch 1 (one request at a time, in order, each answer ending where the model
+ends it), through three engines: no speculation, ngram and suffix, both at K = `--k`. Requests run
+interleaved (request i on every engine, then i + 1), so drift hits all alike; suffix decoding's
+cache holds the earlier requests' answers by the time a later one runs, which is the point. Prints
+each engine's per-request decode tok/s (mean over the requests, as above), acceptance, and whether
+the outputs are identical; writes benchmarks/results/spec_decode_tool_output.json.
 """
 
 from __future__ import annotations
@@ -61,6 +71,108 @@ PASSAGES = [
     "before it reaches the sea. Its water feeds the farms along its banks and the cities that grew "
     "up where it meets the coast.",
 ]
+
+
+TOOL_RESULT = {
+    "order_id": "A-20931", "status": "shipped", "placed_at": "2026-11-02T14:31:08Z",
+    "customer": {"name": "Maria Lopez", "email": "maria.lopez@example.com", "tier": "gold"},
+    "shipping": {"carrier": "DHL Express", "tracking_number": "JD014600006281720395",
+                 "address": {"street": "Calle Mayor 12, 3B", "city": "Madrid", "postal_code": "28013",
+                             "country": "ES"},
+                 "estimated_delivery": "2026-11-06"},
+    "items": [{"sku": "KB-7781", "name": "Mechanical keyboard, brown switches", "quantity": 1, "price": 89.9},
+              {"sku": "MS-1204", "name": "Wireless mouse", "quantity": 2, "price": 24.5},
+              {"sku": "CB-0033", "name": "USB-C cable, 2 m", "quantity": 3, "price": 7.99}],
+    "totals": {"subtotal": 162.87, "shipping": 0.0, "tax": 34.2, "total": 197.07, "currency": "EUR"},
+}
+
+TOOL_ASKS = [
+    "Repeat the tool output above exactly, as JSON.",
+    "Copy the JSON returned by the tool, unchanged.",
+    "Show me the raw tool result.",
+    "Return the tool's JSON verbatim so I can paste it into my ticket.",
+    "Print the order JSON exactly as the tool gave it.",
+    "What did the tool return? Quote it in full.",
+    "Echo the tool response back to me.",
+    "Reproduce the JSON result without changing anything.",
+    "Give me the shipping object from the tool output, as JSON.",
+    "Extract the items array from the tool result, exactly as JSON.",
+    "Extract the totals object from the tool result.",
+    "Extract the customer object from the JSON above.",
+    "Paste the full tool output in a code block.",
+    "I need the exact JSON for my records. Repeat it.",
+    "Please output the tool result again, word for word.",
+    "Show the order details JSON exactly as received.",
+]
+
+
+def tool_output_prompts(tokenizer, n: int) -> list[dict]:
+    """`n` requests quoting the same tool result, each asking in its own words (TOOL_ASKS, then the
+    same asks with a request number, so no two prompts are the same)."""
+    import json
+
+    quoted = "The tool get_order_status returned:\n```json\n" + json.dumps(TOOL_RESULT) + "\n```\n\n"
+    prompts = []
+    for i in range(n):
+        ask = TOOL_ASKS[i % len(TOOL_ASKS)]
+        if i >= len(TOOL_ASKS):
+            ask = f"(request {i}) {ask}"
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": quoted + ask}],
+                                            add_generation_prompt=True, tokenize=True)
+        prompts.append({"prompt_token_ids": list(ids["input_ids"] if hasattr(ids, "keys") else ids)})
+    return prompts
+
+
+def tool_output(args: argparse.Namespace) -> dict:
+    """The tool-output workload: off / ngram / suffix at batch 1 (see the module docstring)."""
+    common = dict(dtype=args.dtype, enable_prefix_caching=False, max_num_batched_tokens=2048)
+    specs = {"off": None,
+             f"ngram k={args.k}": {"method": "ngram", "num_speculative_tokens": args.k,
+                                   "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+             f"suffix k={args.k}": {"method": "suffix", "num_speculative_tokens": args.k}}
+    engines = {name: LLM(args.model, speculative_config=spec, **common) for name, spec in specs.items()}
+    tokenizer = engines["off"].tokenizer
+    for llm in engines.values():  # (not the JSON: suffix decoding's cache starts without it)
+        timed(llm, copy_prompts(tokenizer, 2), 8)
+    prompts = tool_output_prompts(tokenizer, args.requests)
+    before = {name: counters(llm) for name, llm in engines.items()}
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
+    for i, prompt in enumerate(prompts):
+        for name, llm in engines.items():  # interleaved: drift hits every engine alike
+            _, out, rate = timed(llm, [prompt], args.tool_max_tokens, ignore_eos=False)
+            rates[name].append(rate)
+            outputs[name] += out
+        # one line a request: a long run that is stopped still leaves its figures so far
+        print(f"request {i}: {len(outputs['off'][-1])} tokens; decode tok/s "
+              + ", ".join(f"{name} {r[-1]:.1f}" for name, r in rates.items()), flush=True)
+    off = statistics.fmean(rates["off"])
+    results = {"model": args.model, "dtype": args.dtype, "k": args.k, "requests": args.requests,
+               "prompt_tokens": statistics.fmean(len(p["prompt_token_ids"]) for p in prompts),
+               "max_tokens": args.tool_max_tokens,
+               "mean_output_tokens": statistics.fmean(map(len, outputs["off"]))}
+    print(f"\ntool-output workload: {args.requests} requests quoting one JSON tool result "
+          f"({results['prompt_tokens']:.0f} prompt tokens on average), batch 1, greedy, {args.model}, {args.dtype}")
+    print(f"mean output {results['mean_output_tokens']:.0f} tokens (max {args.tool_max_tokens})")
+    print(f"{'engine':<14}{'decode tok/s':>14}{'vs off':>8}{'accept':>9}{'acc/step':>10}  identical"
+          f"  (per request: first 8 / last 8 requests)")
+    for name in engines:
+        rate = statistics.fmean(rates[name])
+        acc = acceptance(engines[name], before[name])
+        same = outputs[name] == outputs["off"]
+        half = max(1, min(8, len(rates[name]) // 2))
+        early, late = statistics.fmean(rates[name][:half]), statistics.fmean(rates[name][-half:])
+        results[name] = {"decode_tok_s_per_request": round(rate, 1), "speedup": round(rate / off, 2),
+                         "first_requests_tok_s": round(early, 1), "last_requests_tok_s": round(late, 1),
+                         "identical_outputs": same, **acc}
+        accept = acc["acceptance_rate"]
+        per_step = acc["mean_accepted_per_draft_step"]
+        print(f"{name:<14}{rate:>14.1f}{rate / off:>7.2f}x{'' if accept is None else f'{accept:.0%}':>9}"
+              f"{'' if per_step is None else f'{per_step:.2f}':>10}  {str(same):<9}  {early:.1f} / {late:.1f}")
+    for llm in engines.values():
+        llm.close()
+    write_result(args.out.replace("spec_decode.json", "spec_decode_tool_output.json"), results)
+    return results
 
 
 def copy_prompts(tokenizer, batch: int) -> list[dict]:
@@ -134,6 +246,8 @@ def whole_batch_row(engines: dict[str, LLM], args: argparse.Namespace, prompts: 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.workload == "tool-output":
+        return tool_output(args)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     common = dict(dtype=args.dtype, enable_prefix_caching=False, max_num_batched_tokens=2048)
     engines = {"off": LLM(args.model, **common), f"ngram k={args.k}": LLM(args.model, speculative_config=spec,
@@ -197,6 +311,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sharegpt-prompts", type=int, default=16)
     p.add_argument("--length-scale", type=float, default=0.25)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--workload", choices=["all", "tool-output"], default="all",
+                   help="all: the ngram workloads above; tool-output: off / ngram / suffix on a quoted tool result")
+    p.add_argument("--requests", type=int, default=32, help="tool-output: how many requests")
+    p.add_argument("--tool-max-tokens", type=int, default=384, help="tool-output: the cap on each answer")
     p.add_argument("--out", default="benchmarks/results/spec_decode.json")
     return p.parse_args(argv)
 

@@ -32,8 +32,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "host pool and back (needs the worker's --swap-space). Default: by cost, swap "
                         "a sequence longer than one prefill chunk when the host pool has room"),
     p.add_argument("--speculative-config", type=_speculative_config, default=None,
-                   help='n-gram speculative decoding, as vLLM spells it: \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
+                   help='speculative decoding, as vLLM spells it: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+                        'or \'{"method": "suffix", "num_speculative_tokens": 8}\' (suffix decoding; '
+                        'suffix_decoding_* keys: docs/speculative_decoding.md)')
     p.add_argument("--pinned-prompts", metavar="FILE", default=None,
                    help="JSON list of prompts (token-id lists, strings, or {\"messages\": [...]}) prefilled "
                         "at start and kept in the prefix cache for the engine's lifetime")

@@ -80,7 +80,8 @@ class LLM:
                  kv_cache_dtype: str = "auto", swap_space: float = 0.0,
                  preemption_mode: str | None = None) -> None:
         # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
-        # "prompt_lookup_min": 2} (scheduler_svc/core/spec_decode.py). Checked before loading.
+        # "prompt_lookup_min": 2}, or {"method": "suffix", ...} (scheduler_svc/core/spec/). Checked
+        # before loading.
         speculative = SpeculativeConfig.parse(speculative_config)
         # Swap preemption (scheduler_svc/core/swap.py), vLLM's names: swap_space GiB of host memory,
         # preemption_mode "recompute" / "swap" / None (by cost). Checked before loading.

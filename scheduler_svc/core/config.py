@@ -21,20 +21,39 @@ from scheduler_svc.core.request import EngineRequest
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """n-gram prompt lookup (vLLM's `--speculative-config '{"method": "ngram", ...}'`)."""
+    """vLLM's `--speculative-config '{"method": ..., ...}'`: "ngram" (prompt lookup, spec/ngram.py) or
+    "suffix" (suffix decoding over the request and a cache of recent outputs, spec/suffix.py)."""
 
     num_speculative_tokens: int = 4  # K: drafts proposed per step at most
-    prompt_lookup_max: int = 4  # the longest suffix n-gram looked up first
-    prompt_lookup_min: int = 2  # the shortest one tried before giving up
-    method: Literal["ngram"] = "ngram"
+    prompt_lookup_max: int = 4  # ngram: the longest suffix n-gram looked up first
+    prompt_lookup_min: int = 2  # ngram: the shortest one tried before giving up
+    method: Literal["ngram", "suffix"] = "ngram"
+    # suffix (vLLM's names and defaults, but the token budget): the deepest a suffix-tree path goes
+    # (longest pattern matched + draft), the finished requests whose outputs stay cached (and how
+    # many of their tokens, at most: the cache costs up to depth nodes a token), draft length
+    # <= factor * matched length, and the lowest path probability a draft token may have.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_cached_tokens: int = 65536
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative method {self.method!r} is not supported: only 'ngram'")
+        if self.method not in ("ngram", "suffix"):
+            raise ValueError(f"speculative method {self.method!r} is not supported: only 'ngram' "
+                             "and 'suffix'")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if not 2 <= self.suffix_decoding_max_tree_depth <= 256:
+            raise ValueError("suffix_decoding_max_tree_depth must be in [2, 256]")
+        if self.suffix_decoding_max_cached_requests < 0 or self.suffix_decoding_max_cached_tokens < 0:
+            raise ValueError("suffix_decoding_max_cached_requests/_tokens must be >= 0 (0: no cache)")
+        if self.suffix_decoding_max_spec_factor <= 0:
+            raise ValueError("suffix_decoding_max_spec_factor must be > 0")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
@@ -67,7 +86,7 @@ class SchedulerConfig:
     # A request that took part in this many failed steps is failed (poison.py); one that fails a
     # step alone, after failing one batched, is failed at once.
     max_step_failures: int = 3
-    # n-gram speculative decoding (core/spec_decode.py); None: off. With it on, one step is in flight
+    # speculative decoding (core/spec/); None: off. With it on, one step is in flight
     # at a time: proposing needs every sequence's last token, and a step after one whose
     # acceptance is unknown would not know where its tokens go.
     speculative: SpeculativeConfig | None = None

@@ -81,7 +81,7 @@ class SchedulerStats:
     blocks_freed: int = 0  # total blocks returned to it
     num_step_failures: int = 0  # failed steps (the worker's forward or sampler raised)
     num_requests_isolated: int = 0  # requests failed alone for them (poison.py)
-    spec_num_drafts: int = 0  # sequence-steps that carried draft tokens (spec_decode.py)
+    spec_num_drafts: int = 0  # sequence-steps that carried draft tokens (spec/)
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at position i (0-based)

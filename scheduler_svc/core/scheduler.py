@@ -24,7 +24,7 @@ Shape: `Scheduler` declares the whole public API here and runs the per-step path
 running, preempt, fork, apply results, finish). What keeps state is an object it holds and calls,
 each owning its own: the KV manager (kv_cache_manager.py), the run queues (queues.py), admission
 (admission.py), the swap manager (swap.py), the brownout governor (brownout.py), the poison isolator
-(poison.py), the prompt pinner (pinning.py), the n-gram speculator (spec_decode.py), the beam groups
+(poison.py), the prompt pinner (pinning.py), the speculator (spec/), the beam groups
 (beam_group.py) and the counters (outputs.py). They get the KV manager, the run queues and
 callbacks, never the Scheduler. Invariants: check_invariants (block accounting, queues, host pool).
 """
@@ -50,7 +50,7 @@ from scheduler_svc.core.poison import PoisonIsolator
 from scheduler_svc.core.prompt_logprobs import attach_prompt_logprobs, fold_prompt_logprobs
 from scheduler_svc.core.queues import RunQueues
 from scheduler_svc.core.request import EngineRequest, Request, SeqStatus, Sequence, new_beam_group
-from scheduler_svc.core.spec_decode import NgramSpeculator
+from scheduler_svc.core.spec import make_speculator
 from scheduler_svc.core.step_draft import InflightStep, StepDraft
 from scheduler_svc.core.swap import SwapManager
 
@@ -77,7 +77,7 @@ class Scheduler:
         self._counters = SchedulerCounters()
         self._isolator = PoisonIsolator(config.max_step_failures)
         spec = config.speculative
-        self._spec = NgramSpeculator(spec, self._kv, self._threshold) if spec is not None else None
+        self._spec = make_speculator(spec, self._kv, self._threshold) if spec is not None else None
         self._pins = PromptPinner(self._kv, self._queues.requests, self.add_request)
         self._brownout = BrownoutGovernor(config.brownout, config.max_num_batched_tokens, config.max_num_seqs)
         self._beams = BeamGroups(self._kv, self._queues, self._threshold, make_room=self._preempt_until_fits,
@@ -558,6 +558,8 @@ class Scheduler:
         """End a sequence once: release its blocks (deferred while in flight), tell the worker."""
         q = self._queues
         del q.live[seq.seq_id]
+        if self._spec is not None:  # suffix decoding caches the output, drops the sequence's tree
+            self._spec.finished(seq)
         self._isolator.suspects.discard(seq.seq_id)
         if seq.status is SeqStatus.RUNNING:
             self._pins.finishing(seq)  # before its blocks drop: a pin keeps one reference

@@ -18,7 +18,7 @@ from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason, SamplingParams
 from scheduler_svc.core import EngineRequest, SchedulerConfig
 from scheduler_svc.core.config import SpeculativeConfig
-from scheduler_svc.core.spec_decode import propose_ngram
+from scheduler_svc.core.spec.ngram import propose_ngram
 from tests.unit.test_fake_worker_property import EOS, expected, traces
 from tests.unit.test_poison_isolation import Run
 from worker_svc.fake.fake_worker import FakeSampler
@@ -47,7 +47,7 @@ def test_speculative_config_is_parsed_as_vllm_spells_it() -> None:
                                      '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
     assert parsed == SpeculativeConfig(3, 4, 2)
     assert SpeculativeConfig.parse(None) is None
-    with pytest.raises(ValueError, match="only 'ngram'"):
+    with pytest.raises(ValueError, match="only 'ngram' and 'suffix'"):
         SpeculativeConfig.parse({"method": "eagle"})
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
         SpeculativeConfig.parse({"draft_model": "x"})
@@ -91,13 +91,16 @@ def test_drafts_are_accepted_on_a_small_vocabulary_and_streams_stay_exact() -> N
     assert core.stats().num_used_blocks == 0
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), st.sampled_from([3, 5, 40]), st.integers(1, 4),
        st.sampled_from([(0.0, 0.0), (0.05, 0.0001), (0.01, 0.002), (0.001, 0.01)]))
-def test_random_traces_with_speculation_keep_invariants_and_streams(trace, vocab, k, step_cost) -> None:
+def test_random_traces_with_speculation_keep_invariants_and_streams(method, trace, vocab, k, step_cost) -> None:
     config, requests, aborts, eos_probability, worker_loss_step = trace
     assume(all(samplable(request.sampling, vocab) for _, request in requests))
-    spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3, prompt_lookup_min=1)
+    # suffix: a shallow tree and a small cache, so that eviction and depth cuts take part too
+    spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3, prompt_lookup_min=1, method=method,
+                             suffix_decoding_max_tree_depth=6, suffix_decoding_max_cached_tokens=40)
     config = dataclasses.replace(config, speculative=spec)
     lost = []
 
@@ -123,6 +126,9 @@ def test_random_traces_with_speculation_keep_invariants_and_streams(trace, vocab
                 assert got == want, f"{key}: got {got}, expected {want}"
     stats = run.scheduler.stats()
     assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
+    if method == "suffix":  # every sequence's own tree dropped; the cache within its bound
+        suffix = run.scheduler._spec
+        assert suffix.num_tracked == 0 and suffix.cache.num_tokens <= 40  # type: ignore[union-attr]
 
 
 def test_a_tiny_vocabulary_keeps_a_token_to_sample_or_the_trace_is_not_drawn() -> None:

@@ -1,4 +1,4 @@
-"""n-gram speculative decoding on the real model runner (the tiny generated model).
+"""Speculative decoding (n-gram and suffix) on the real model runner (the tiny generated model).
 
 Greedy: outputs with speculation on are token-identical to speculation off, for a mixed batch with
 chunked prefill, prefix hits and preemption. Sampling: the verifier's rejection rule leaves the
@@ -17,6 +17,7 @@ from worker_svc.sampler import Sampler, SamplingRow
 from worker_svc.spec_verify import DraftVerifier
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
 
 
 def mixed_prompts() -> list[dict]:
@@ -26,11 +27,12 @@ def mixed_prompts() -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts]
 
 
+@pytest.mark.parametrize("method", [SPEC, SUFFIX], ids=["ngram", "suffix"])
 @pytest.mark.parametrize("num_blocks", [256, 24])  # 24 blocks of 4: the batch must preempt
-def test_greedy_with_speculation_matches_without(tiny_model_dir: str, num_blocks: int) -> None:
+def test_greedy_with_speculation_matches_without(tiny_model_dir: str, num_blocks: int, method: dict) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs, stats = {}, {}
-    for spec in (None, SPEC):
+    for spec in (None, method):
         llm = LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks_override=num_blocks,
                   max_num_batched_tokens=64, long_prefill_token_threshold=16, speculative_config=spec)
         results = llm.generate(mixed_prompts(), params, use_tqdm=False)
@@ -38,6 +40,14 @@ def test_greedy_with_speculation_matches_without(tiny_model_dir: str, num_blocks
         for r in results:  # vLLM's RequestOutput.metrics: what per-request TTFT / TPOT are read from
             assert r.metrics.arrival_time <= r.metrics.first_token_time <= r.metrics.finished_time
         stats[spec is not None] = llm.scheduler
+        if spec is not None and spec["method"] == "suffix":
+            # Again: now every answer is in the cache of finished outputs, which suffix decoding
+            # drafts from, so more is accepted, and the outputs stay the same.
+            core = llm.scheduler
+            first = core.spec_num_accepted_tokens
+            again = llm.generate(mixed_prompts(), params, use_tqdm=False)
+            assert [r.outputs[0].token_ids for r in again] == outputs[True]
+            assert core.spec_num_accepted_tokens - first > first
         llm.close()
     assert outputs[True] == outputs[False]
     spec_core = stats[True]

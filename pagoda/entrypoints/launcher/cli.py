@@ -75,7 +75,7 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
                    help="the scheduler's: recompute or swap a preempted sequence (default: by cost)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="the scheduler's n-gram speculative decoding, as JSON (see its --help)")
+                   help="the scheduler's speculative decoding (ngram or suffix), as JSON (see its --help)")
 
     g = groups["gateway"]
     g.add_argument("--no-gateway", action="store_true", help="start only the workers and schedulers")

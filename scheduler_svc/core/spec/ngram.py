@@ -1,4 +1,5 @@
-"""n-gram speculative decoding, the scheduler's half: propose drafts, settle what the worker accepted.
+"""Speculative decoding, the scheduler's half: propose drafts, settle what the worker accepted;
+and the n-gram proposer (the suffix proposer is suffix.py).
 
 The proposer (prompt lookup): for a decoding sequence whose last token is known, find the most
 recent earlier occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
@@ -15,8 +16,10 @@ The worker cuts its copy of the table by the same rule. Stop conditions were alr
 by token by the scheduler's update(); a sequence that stopped inside the run is finished and
 skipped here.
 
-The Scheduler holds one NgramSpeculator (with speculation on): it owns the proposer's settings, the
-step-cost fit and the speculation counters, and changes block tables only through the KV manager.
+The Scheduler holds one Speculator (with speculation on; `make_speculator` in this package picks the
+class by `method`): it owns the proposer's settings, the step-cost fit and the speculation counters,
+and changes block tables only through the KV manager. A subclass only says what to draft for one
+sequence (`draft`) and what to forget when a sequence ends (`finished`).
 """
 
 from __future__ import annotations
@@ -69,7 +72,10 @@ def _rindex(tokens: list[int], value: int, lo: int, hi: int) -> int:
     raise ValueError(value)
 
 
-class NgramSpeculator:
+class Speculator:
+    """What every proposer shares: which sequences may draft, the goodput cut, scheduling the
+    drafts, settling what was accepted, the counters."""
+
     def __init__(self, config: SpeculativeConfig, kv: KVCacheManager, threshold: int) -> None:
         self.config = config
         self._kv = kv
@@ -107,7 +113,7 @@ class NgramSpeculator:
             if not self._may_draft(seq, total):
                 continue
             limit = min(spec.num_speculative_tokens, seq.request.max_num_tokens - total - 1)
-            drafts = propose_ngram(seq.token_ids, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            drafts = self.draft(seq, limit)
             if drafts:
                 proposals[seq.seq_id] = drafts
                 alphas[seq.seq_id] = acceptance_rate(seq.spec_accepts, seq.spec_tries)
@@ -117,6 +123,13 @@ class NgramSpeculator:
         lengths = choose_draft_lengths({sid: len(d) for sid, d in proposals.items()}, alphas,
                                        base_tokens, base_yield, cost)
         return {sid: d[:lengths[sid]] for sid, d in proposals.items() if lengths[sid]}
+
+    def draft(self, seq: Sequence, limit: int) -> list[int]:
+        """At most `limit` (>= 0) draft tokens to follow `seq`'s last token; [] for none."""
+        raise NotImplementedError
+
+    def finished(self, seq: Sequence) -> None:
+        """`seq` ended (finished, aborted, failed): drop what was kept for it."""
 
     def schedule(self, draft: StepDraft, seq: Sequence, drafts: list[int], budget: int) -> int:
         """Give `seq` (one `propose` chose) its drafts, as many as fit in the budget and the pool
@@ -160,3 +173,11 @@ class NgramSpeculator:
             if len(table) > keep:
                 self._kv.release(table[keep:], after_step)
                 del table[keep:]
+
+
+class NgramSpeculator(Speculator):
+    """Prompt lookup over the sequence's own prompt + output (vLLM's "ngram")."""
+
+    def draft(self, seq: Sequence, limit: int) -> list[int]:
+        spec = self.config
+        return propose_ngram(seq.token_ids, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
