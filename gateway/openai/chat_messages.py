@@ -35,6 +35,19 @@ class ChatMessage(BaseModel):
                                       f"{info.field_name} (use tools / tool_calls)")
         return value
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_have_a_function(cls, calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        # Earlier calls are rendered into the prompt: each needs OpenAI's {"function": {"name",
+        # "arguments"}}; anything else would fail deep in a template or a tool parser (a 500).
+        for call in calls or ():
+            function = call.get("function")
+            if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                    or not isinstance(function.get("arguments", "{}"), str | dict)):
+                raise PydanticCustomError("invalid_tool_call", "each of an assistant message's tool_calls "
+                                          "needs function: {name: string, arguments: string}")
+        return calls
+
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):  # content parts: only text is served

@@ -96,6 +96,10 @@ async def test_tools_and_past_tool_turns_are_rendered_hermes_style(tools_gateway
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "combined"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    # an earlier call the prompt must render: once a 500 (schemathesis found it)
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": [1]}]}]}, "function: {name"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     "function: {name"),
 ])
 async def test_bad_tool_requests_are_400(tools_gateway, upstream, fields, message):
     gateway = await tools_gateway()

@@ -90,3 +90,10 @@ def _launcher_parser():
     parser = argparse.ArgumentParser()
     add_flags(add_groups(parser))
     return parser
+
+
+def test_pooling_flags_reach_the_worker_only_when_they_differ_from_its_defaults():
+    worker = build_children(parse_args(["--fake"]))[0].argv
+    assert "--pooling-type" not in worker and "--no-normalize-embeddings" not in worker
+    worker = build_children(parse_args(["--fake", "--pooling-type", "mean", "--no-normalize-embeddings"]))[0].argv
+    assert worker[-3:] == ["--pooling-type", "mean", "--no-normalize-embeddings"]

@@ -86,7 +86,9 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
     swap = ["--swap-space", str(args.swap_space)] if args.swap_space else []
     preemption = ["--preemption-mode", args.preemption_mode] if args.preemption_mode else []
-    pooling = ["--pooling-type", args.pooling_type, *([] if args.normalize_embeddings else ["--no-normalize-embeddings"])]
+    # Like the flags above, only what differs from the worker's defaults (last, normalised).
+    pooling = [*(["--pooling-type", args.pooling_type] if args.pooling_type != "last" else []),
+               *([] if args.normalize_embeddings else ["--no-normalize-embeddings"])]
     lora = ["--enable-lora", "--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank),
             *(["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras else [])
             ] if args.enable_lora or args.lora_modules else []
@@ -94,7 +96,7 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
         Child(f"worker{suffix}", ["worker_svc", *model, "--port", str(worker_port),
                                   "--tensor-parallel-size", str(args.tensor_parallel_size),
                                   "--device", args.device, "--dtype", args.dtype,
-                                  "--kv-cache-dtype", args.kv_cache_dtype, *swap, *lora, *pooling], worker,
+                                  "--kv-cache-dtype", args.kv_cache_dtype, *swap, *pooling, *lora], worker,
               needs_serving=False),
         Child(f"scheduler{suffix}", ["scheduler_svc", "--workers", worker, "--port", str(scheduler_port),
                                      *drain, *spec, *preemption], scheduler, needs_serving=True),
