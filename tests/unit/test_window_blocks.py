@@ -14,6 +14,7 @@ from pagoda.contract.params import SamplingParams
 from pagoda.contract.step import TableUpdate
 from pagoda.tools.simulate import drive
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
+from tests.unit.test_scheduler import step
 from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
 
 
@@ -27,13 +28,6 @@ def setup(num_blocks=16, block_size=4, window=8, **kw):
 def req(rid, prompt, **sampling):
     return EngineRequest(RequestId(rid), tuple(prompt),
                          SamplingParams(**{"max_tokens": 4, "ignore_eos": True, **sampling}))
-
-
-def step(sched, worker):
-    plan = sched.schedule()
-    deltas = sched.update(worker.execute(plan))
-    sched.check_invariants()
-    return plan, deltas
 
 
 def test_blocks_before_the_window_are_freed_and_reused():
