@@ -57,7 +57,7 @@ class FakeSampler:
             if x / 2.0**64 < self.eos_probability and num_outputs >= sampling.min_tokens:
                 return self.eos_token_id
             banned.add(self.eos_token_id)  # EOS only through eos_probability
-        if len(banned.intersection(range(self.vocab_size))) == self.vocab_size:
+        if len(banned) >= self.vocab_size and banned.issuperset(range(self.vocab_size)):
             # Looping below would never end: say which request asked for the impossible.
             raise ValueError(f"every token of the fake vocabulary ({self.vocab_size}) is banned: "
                              f"EOS and stop ids {sorted(banned)} before min_tokens")
