@@ -64,3 +64,18 @@ def test_timings_are_consistent_and_count_the_prefix_hits(gateway_stack, timed_u
     plain = client_of(gateway_stack.http_url).completions.create(model=gateway_stack.model_dir, prompt=prompt,
                                                                  max_tokens=6, temperature=0)
     assert "timings" not in (plain.model_extra or {})
+
+
+def test_responses_count_the_reasoning_tokens_and_carry_timings(gateway_stack, timed_url):
+    # The tiny model's greedy reply is all thinking for deepseek_r1: every output token is reasoning.
+    client = client_of(timed_url)
+    kwargs = {"model": gateway_stack.model_dir, "input": "Say hello.", "max_output_tokens": 12, "temperature": 0}
+    whole = client.responses.create(**kwargs)
+    assert whole.status == "incomplete" and [item.type for item in whole.output] == ["reasoning"]
+    assert whole.usage.output_tokens == whole.usage.output_tokens_details.reasoning_tokens == 12
+    assert whole.model_extra["timings"]["predicted_n"] == 12
+    with client.responses.stream(**kwargs) as stream:
+        final = stream.get_final_response()
+    assert final.usage.output_tokens_details.reasoning_tokens == 12 and final.model_extra["timings"]["predicted_n"] == 12
+    plain = client_of(gateway_stack.http_url).responses.create(**kwargs)
+    assert plain.usage.output_tokens_details.reasoning_tokens == 0 and "timings" not in (plain.model_extra or {})

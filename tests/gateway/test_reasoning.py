@@ -101,6 +101,16 @@ def streamed(reply) -> list[ChatCompletionChunk]:
     return [ChatCompletionChunk.model_validate_json(e) for e in sse_events(reply.text)[:-1]]
 
 
+@pytest.mark.parametrize(("name", "text", "thinking"), [
+    ("qwen3", QWEN3_TEXT, "<think>\nThe user wants Paris.</think>"), ("deepseek_r1", R1_TEXT, "Paris is far.</think>"),
+    ("qwen3", "No thinking here.", ""), ("deepseek_r1", "cut while thinking", "cut while thinking"),
+    ("deepseek_r1", "</think>Just content.", "</think>")])
+def test_reasoning_tokens_are_the_thinking_span_tags_included(tokenizer, name, text, thinking):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    count = ReasoningParserManager.get_reasoning_parser(name).count_reasoning_tokens(ids, tokenizer.decode)
+    assert tokenizer.decode(ids[:count]) == thinking
+
+
 @pytest.mark.parametrize(("name", "text"), [("qwen3", QWEN3_TEXT), ("deepseek_r1", R1_TEXT)])
 async def test_chat_replies_carry_reasoning_content(make_gateway, upstream, tokenizer, name, text):
     num_tokens = script(upstream, tokenizer, text)
@@ -166,6 +176,8 @@ async def test_responses_have_a_reasoning_item_whole_and_streamed(make_gateway, 
     assert thinking.summary == [] and [(c.type, c.text) for c in thinking.content] == [
         ("reasoning_text", "\nThe user wants Paris.")]
     assert whole.output_text == "\n\nSure, Paris."
+    thinking_ids = tokenizer.encode("<think>\nThe user wants Paris.</think>", add_special_tokens=False)
+    assert whole.usage.output_tokens_details.reasoning_tokens == len(thinking_ids) < whole.usage.output_tokens
     events = events_of((await gateway.http.post("/v1/responses", json={"input": "Hi", "stream": True})).text)
     kinds = [e.type for e in events]
     thoughts, words = kinds.count("response.reasoning_text.delta"), kinds.count("response.output_text.delta")
@@ -182,6 +194,7 @@ async def test_responses_have_a_reasoning_item_whole_and_streamed(make_gateway, 
     final = events[-1].response
     assert [i.type for i in final.output] == ["reasoning", "message"] and final.output_text == whole.output_text
     assert final.output[0].content[0].text == thinking.content[0].text and final.output[0].status == "completed"
+    assert final.usage == whole.usage
 
 
 async def test_a_response_cut_while_thinking_is_only_reasoning(make_gateway, upstream, tokenizer):
@@ -190,6 +203,7 @@ async def test_a_response_cut_while_thinking_is_only_reasoning(make_gateway, ups
     whole = Response.model_validate((await gateway.http.post("/v1/responses", json={
         "input": "Hi", "max_output_tokens": 9})).json())
     assert whole.status == "incomplete" and [i.type for i in whole.output] == ["reasoning"]
+    assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens == 9  # all thinking
     events = events_of((await gateway.http.post("/v1/responses", json={
         "input": "Hi", "max_output_tokens": 9, "stream": True})).text)
     final = events[-1].response

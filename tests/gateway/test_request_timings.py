@@ -1,6 +1,7 @@
 """--enable-request-timings: the scheduler's per-request timings (the fake engine sends fixed ones)
-and the prefix-cache hits, as `timings` on chat / completion responses and their last stream chunk
-and on the public gRPC API's final chunk; absent without the flag."""
+and the prefix-cache hits, as `timings` on chat / completion responses and their last stream chunk,
+on the Responses API's finished Response (whole and in its response.completed event) and on the
+public gRPC API's final chunk; absent without the flag."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 
 import pytest
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
 
 from pagoda.v1 import common_pb2, gateway_pb2
 from tests.gateway.conftest import sse_events
@@ -78,7 +80,19 @@ async def test_a_stop_string_times_the_request_at_the_gateway(timed):
     assert t["cache_n"] == CACHED
 
 
+async def test_responses_carry_timings_whole_and_streamed(timed):
+    reply = (await timed.http.post("/v1/responses", json={"input": "Hi"})).json()
+    usage = {"prompt_tokens": reply["usage"]["input_tokens"], "completion_tokens": reply["usage"]["output_tokens"]}
+    assert reply["timings"] == approx(expected(usage))
+    assert Response.model_validate(reply).model_extra["timings"] == reply["timings"]  # the client keeps it
+    body = (await timed.http.post("/v1/responses", json={"input": "Hi", "stream": True})).text
+    events = [json.loads(block.split("\ndata: ")[1]) for block in body.split("\n\n") if block]
+    assert [e["type"] for e in events if "timings" in e.get("response", {})] == ["response.completed"]
+    assert events[-1]["response"]["timings"] == reply["timings"]
+
+
 async def test_without_the_flag_there_are_no_timings(gateway):
+    assert "timings" not in (await gateway.http.post("/v1/responses", json={"input": "Hi"})).json()
     chat = await gateway.http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "Hi"}], "stream": True, "stream_options": {"include_usage": True}})
     assert '"timings"' not in chat.text

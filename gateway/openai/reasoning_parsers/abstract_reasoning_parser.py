@@ -13,10 +13,15 @@ whole one, wherever the deltas cut the tags. One instance per choice: it keeps t
 - reasoning: text until the end tag; a tail that may be the start of the end tag is held back.
 - content: everything after the end tag (the tool-call parser reads only this).
 A reply cut before its end tag (max_tokens counts reasoning tokens too) is all reasoning.
+
+`count_reasoning_tokens` says how many of a reply's tokens its thinking took (the Responses API's
+`reasoning_tokens`, Anthropic's `thinking_tokens`): the tags count with it, as Anthropic counts
+"the thinking-block delimiter tokens", so output tokens - reasoning tokens are the answer's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import ClassVar, NamedTuple
 
 from gateway.openai.parser_registry import ParserRegistry
@@ -44,6 +49,7 @@ class ReasoningParser:
     def __init__(self) -> None:
         self.state = "opening"
         self.held = ""  # text read but not given out yet: the tags may be in it
+        self.thought = False  # the reply has a thinking span (its state was "reasoning" once)
 
     def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
         """A whole reply: (reasoning, content), None for a part that is empty."""
@@ -67,6 +73,7 @@ class ReasoningParser:
             else:
                 self.state = "content"
         if self.state == "reasoning":
+            self.thought = True
             end = text.find(self.end_tag)
             if end < 0:
                 keep = partial_suffix(text, self.end_tag)
@@ -87,8 +94,36 @@ class ReasoningParser:
         """The reply ended: the held text, as what it was inside of (blanks before anything: content)."""
         held, self.held = self.held, ""
         if self.state == "reasoning" or (self.state == "opening" and self.implicit_start and held.strip()):
+            self.thought = True
             return SplitText(held, "")
         return SplitText("", held)
+
+    @property
+    def thinking(self) -> bool:
+        """Inside the thinking span now (or not yet past its opening)."""
+        return self.state != "content"
+
+    @classmethod
+    def count_reasoning_tokens(cls, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> int:
+        """How many of a reply's tokens its thinking took, tags included: 0 without thinking,
+        every token when the thinking never closed, else the shortest prefix whose text closes it
+        (a binary search: a prefix that closes it has every longer one close it too)."""
+        whole = cls()
+        whole.stream(decode(token_ids), last=True)
+        if not whole.thought:
+            return 0
+        if whole.state != "content":
+            return len(token_ids)
+        low, high = 1, len(token_ids)  # the shortest closing prefix is in [low, high]
+        while low < high:
+            middle = (low + high) // 2
+            prefix = cls()
+            prefix.feed(decode(token_ids[:middle]))
+            if prefix.state == "content":
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
 
 class ReasoningParserManager(ParserRegistry, kind="reasoning parser"):

@@ -7,6 +7,9 @@ With --reasoning-parser, the model's thinking comes first as a `reasoning` item 
 output is then a `message` item holding its text as one `output_text` part, then a
 `function_call` item per call the tool parser finds (the chat's `tool_calls`). A reply cut by
 `max_output_tokens` is `"incomplete"`, with `incomplete_details.reason` "max_output_tokens".
+`usage.output_tokens_details.reasoning_tokens` counts the thinking's tokens, tags included
+(`ReasoningParser.count_reasoning_tokens`); with --enable-request-timings the finished Response
+carries the chat route's `timings` object (`timings_of`).
 
 Streamed: response.created, response.in_progress; per message item output_item.added,
 content_part.added, output_text.delta..., output_text.done, content_part.done, output_item.done;
@@ -26,14 +29,16 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.generation import GenerationStep, Usage
+from gateway.generation import GenerationStep, SequenceChunk, Usage
 from gateway.openai.reasoning_parsers import ReasoningParser
+from gateway.openai.responses import timings_of
 from gateway.openai.responses_api.protocol import ResponsesRequest
 from gateway.openai.serving_chat import reasoning_parsers, start_chat
 from gateway.openai.streaming import sse_stream, until_disconnected
 from gateway.openai.tool_parsers import ToolParser
 from gateway.openai.tool_protocol import DeltaToolCall, ToolCall
 from gateway.state import GatewayState
+from gateway.tokenizer import Tokenizer
 from gateway.upstream.fallback import prepend
 
 
@@ -41,10 +46,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def usage_object(usage: Usage) -> dict[str, Any]:
+def usage_object(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {"input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": usage.total_tokens}
 
 
@@ -81,18 +87,35 @@ class ResponseWriter:
     """One response's Response objects: whole (`whole`) or as events (`events`)."""
 
     def __init__(self, body: ResponsesRequest, response_id: str, model: str, parser: ToolParser | None,
-                 reasoner: ReasoningParser | None = None) -> None:
+                 reasoner: ReasoningParser | None = None, tokenizer: Tokenizer | None = None,
+                 with_timings: bool = False) -> None:
         self.body, self.id, self.model, self.parser, self.reasoner = body, response_id, model, parser, reasoner
+        self.tokenizer, self.with_timings = tokenizer, with_timings
         self.created_at = int(time.time())
 
-    def response(self, output: list[dict[str, Any]], status: str, usage: Usage | None) -> dict[str, Any]:
-        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-                "completed_at": int(time.time()) if status == "completed" else None,
-                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "error": None, "model": self.model, "output": output,
-                "usage": usage_object(usage) if usage is not None else None, **self.body.echo()}
+    def response(self, output: list[dict[str, Any]], status: str, last: GenerationStep | None = None,
+                 token_ids: list[int] = ()) -> dict[str, Any]:
+        """A Response object; `last`: the finished request's last step (usage, timings), with
+        `token_ids` its reply's tokens (they count the reasoning)."""
+        usage = last.usage if last is not None else None
+        response = {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                    "completed_at": int(time.time()) if status == "completed" else None,
+                    "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                    "error": None, "model": self.model, "output": output,
+                    "usage": usage_object(usage, self._reasoning_tokens(token_ids)) if usage is not None else None,
+                    **self.body.echo()}
+        timings = timings_of(last, self.with_timings) if last is not None else None
+        if timings is not None:
+            response["timings"] = timings.model_dump()
+        return response
 
-    def whole(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
+    def _reasoning_tokens(self, token_ids: list[int]) -> int:
+        if self.reasoner is None or self.tokenizer is None or not token_ids:
+            return 0
+        return type(self.reasoner).count_reasoning_tokens(token_ids, self.tokenizer.decode)
+
+    def whole(self, text: str, finish_reason: str | None, last: GenerationStep,
+              token_ids: list[int] = ()) -> dict[str, Any]:
         """A finished reply: its thinking as a reasoning item, its text, and the calls in it as
         function_call items."""
         reasoning, text = self.reasoner.extract_reasoning(text) if self.reasoner is not None else (None, text)
@@ -104,18 +127,20 @@ class ResponseWriter:
         if content is not None and (content.strip() or not (calls or output)):
             output.append(message_item(new_id("msg"), content, status))
         output += [function_call_item(new_id("fc"), call) for call in calls]
-        return self.response(output, status, usage)
+        return self.response(output, status, last, token_ids)
 
     async def events(self, first: GenerationStep, steps: AsyncIterator[GenerationStep]
                      ) -> AsyncIterator[dict[str, Any]]:
         stream = _EventStream()
-        yield stream.event("response.created", response=self.response([], "in_progress", None))
-        yield stream.event("response.in_progress", response=self.response([], "in_progress", None))
+        yield stream.event("response.created", response=self.response([], "in_progress"))
+        yield stream.event("response.in_progress", response=self.response([], "in_progress"))
         step: GenerationStep | None = first
-        usage: Usage | None = None
+        last = first
         finish_reason: str | None = None
+        token_ids: list[int] = []
         while step is not None:
             for chunk in step.chunks:
+                token_ids += chunk.token_ids
                 reasoning, text = (self.reasoner.stream(chunk.text, chunk.finish_reason is not None)
                                    if self.reasoner is not None else ("", chunk.text))
                 for event in stream.reasoning(reasoning):
@@ -129,12 +154,12 @@ class ResponseWriter:
                 for event in stream.call_deltas(calls or ()):
                     yield event
                 finish_reason = chunk.finish_reason or finish_reason
-            usage = step.usage
+            last = step
             step = await anext(steps, None) if step.usage is None else None
         status = _status(finish_reason)
         for event in stream.finish(status):
             yield event
-        yield stream.event(f"response.{status}", response=self.response(stream.output, status, usage))
+        yield stream.event(f"response.{status}", response=self.response(stream.output, status, last, token_ids))
 
 
 class _EventStream:
@@ -265,21 +290,22 @@ async def create_response(body: ResponsesRequest, http: Request, state: GatewayS
     parsers = plan.parsers(1, chat.parallel_tool_calls)
     reasoners = reasoning_parsers(state.config, 1)
     writer = ResponseWriter(body, response_id, answer.pool.name, parsers[0] if parsers else None,
-                            reasoners[0] if reasoners else None)
+                            reasoners[0] if reasoners else None, answer.context[0],
+                            state.config.enable_request_timings)
     if body.stream:
         return StreamingResponse(sse_stream(writer.events(answer.first, answer.steps), named=True),
                                  media_type="text/event-stream")
-    text, finish_reason, usage = await until_disconnected(http, _collect(prepend(answer.first, answer.steps)))
-    return JSONResponse(writer.whole(text, finish_reason, usage))
+    chunks, last = await until_disconnected(http, _collect(prepend(answer.first, answer.steps)))
+    finish_reason = next((c.finish_reason for c in reversed(chunks) if c.finish_reason), None)
+    return JSONResponse(writer.whole("".join(c.text for c in chunks), finish_reason, last,
+                                     [t for c in chunks for t in c.token_ids]))
 
 
-async def _collect(steps: AsyncIterator[GenerationStep]) -> tuple[str, str | None, Usage]:
-    """The one choice's text, its finish reason, and the usage."""
-    text, finish_reason = [], None
+async def _collect(steps: AsyncIterator[GenerationStep]) -> tuple[list[SequenceChunk], GenerationStep]:
+    """The one choice's chunks, and the last step (usage, timings)."""
+    chunks = []
     async for step in steps:
-        for chunk in step.chunks:
-            text.append(chunk.text)
-            finish_reason = chunk.finish_reason or finish_reason
+        chunks += step.chunks
         if step.usage is not None:
-            return "".join(text), finish_reason, step.usage
+            return chunks, step
     raise RuntimeError("generation ended without usage")  # generate() always ends with usage
