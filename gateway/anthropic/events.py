@@ -12,10 +12,17 @@ input_json_delta): Anthropic's blocks are sequential, and a call's arguments are
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from gateway.anthropic.protocol import MessagesResponse, Usage, stop_reason, tool_input, tool_use_id
+from gateway.anthropic.protocol import (
+    MessagesResponse,
+    OutputTokensDetails,
+    Usage,
+    stop_reason,
+    tool_input,
+    tool_use_id,
+)
 from gateway.errors import anthropic_error_body, to_client_error
 from gateway.generation import GenerationStep
 from gateway.openai.reasoning_parsers import ReasoningParser
@@ -67,20 +74,25 @@ class _Blocks:
         return [*out, self.delta({"type": "text_delta", "text": text})]
 
 
-async def message_events(first: GenerationStep, steps: AsyncIterator[GenerationStep], message_id: str,
-                         model: str, input_tokens: int, parser: ToolParser | None,
-                         reasoner: ReasoningParser | None = None) -> AsyncIterator[str]:
+async def message_events(steps: AsyncIterator[GenerationStep], message_id: str, model: str, input_tokens: int,
+                         parser: ToolParser | None, reasoner: ReasoningParser | None = None,
+                         details: Callable[[list[int]], OutputTokensDetails | None] = lambda _ids: None,
+                         ) -> AsyncIterator[str]:
+    """The events of a message whose steps are `steps` (every one, the last with usage);
+    `details` gives the usage's output_tokens_details from the reply's token ids."""
     blocks = _Blocks()
     calls: dict[int, dict[str, str]] = {}  # call index -> id, name, arguments (as they arrive)
     finish, stop, usage = None, None, None
+    token_ids: list[int] = []
     try:
         start = MessagesResponse(id=message_id, content=[], model=model,
                                  usage=Usage(input_tokens=input_tokens, output_tokens=0))
         yield event({"type": "message_start", "message": start.model_dump()})
         yield event({"type": "ping"})
-        step: GenerationStep | None = first
+        step: GenerationStep | None = await anext(steps)
         while step is not None:
             for chunk in step.chunks:
+                token_ids += chunk.token_ids
                 thinking, text = (reasoner.stream(chunk.text, chunk.finish_reason is not None)
                                   if reasoner is not None else ("", chunk.text))
                 for line in blocks.thinking(thinking) if thinking else ():
@@ -113,9 +125,13 @@ async def message_events(first: GenerationStep, steps: AsyncIterator[GenerationS
                                 "partial_json": json.dumps(tool_input(call["arguments"]), ensure_ascii=False)})
             yield blocks.stop()
         reason = stop_reason(finish, stop, bool(calls) and finish == "stop")
+        counts = {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
+        output_details = details(token_ids)
+        if output_details is not None:
+            counts["output_tokens_details"] = output_details.model_dump()
         yield event({"type": "message_delta",
                      "delta": {"stop_reason": reason, "stop_sequence": stop if isinstance(stop, str) else None},
-                     "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}})
+                     "usage": counts})
         yield event({"type": "message_stop"})
     except Exception as error:  # noqa: BLE001 - headers are gone: report in-band
         client_error = to_client_error(error)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from gateway.openai.tool_protocol import ToolCall
@@ -105,6 +105,30 @@ class Metadata(_Forbid):
     user_id: str | None = None
 
 
+class ThinkingConfig(_Forbid):
+    """`enabled` needs --reasoning-parser (checked by the route) and a budget_tokens below
+    max_tokens (Anthropic's rule; its minimum of 1024 is not asked: small local models think
+    briefly). The thinking stops at the budget (thinking.py); `adaptive` has no budget."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=1)
+    display: Literal["summarized"] | None = None  # "omitted" (redacted thinking): not served
+
+
+class JsonOutputFormat(_Forbid):
+    """Structured outputs: the reply is JSON following `schema` (the OpenAI routes' response_format
+    json_schema, enforced by the same grammar on the worker)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Forbid):
+    format: JsonOutputFormat | None = None
+    effort: None = None  # how long a model thinks is its chat template's business: only absent
+
+
 class MessagesRequest(_Forbid):
     model: str | None = None
     messages: list[InputMessage] = Field(min_length=1)
@@ -120,20 +144,35 @@ class MessagesRequest(_Forbid):
     service_tier: Literal["auto", "standard_only"] | None = None  # informational
     cache_control: CacheControl | None = None  # informational: the prefix cache is automatic
     # The model thinks or not by its chat template; "enabled" needs --reasoning-parser (checked by
-    # the route), budget_tokens is not enforced (max_tokens bounds thinking and text together).
-    thinking: dict[str, Any] | None = None
+    # the route) and its budget_tokens bounds the thinking (max_tokens bounds thinking and text).
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None  # the structured-outputs beta's output_config.format
     stream: bool = False
 
-    @field_validator("thinking")
-    @classmethod
-    def _known_thinking(cls, thinking: dict[str, Any] | None) -> dict[str, Any] | None:
-        if thinking is not None and thinking.get("type") not in ("enabled", "disabled", "adaptive"):
-            raise ValueError('thinking.type must be "enabled", "disabled" or "adaptive"')
-        return thinking
+    @model_validator(mode="after")
+    def _budget_below_max_tokens(self) -> MessagesRequest:
+        thinking = self.thinking
+        if thinking is not None and thinking.type == "enabled":
+            if thinking.budget_tokens is None:
+                raise PydanticCustomError("missing_budget", 'thinking of type "enabled" needs budget_tokens')
+            if thinking.budget_tokens >= self.max_tokens:
+                raise PydanticCustomError("budget_too_large", "thinking.budget_tokens must be less than max_tokens")
+        if self.output_format is not None and self.output_config is not None and self.output_config.format:
+            raise PydanticCustomError("two_formats", "send output_config.format or output_format, not both")
+        return self
 
     @property
     def wants_thinking(self) -> bool:
-        return self.thinking is not None and self.thinking.get("type") != "disabled"
+        return self.thinking is not None and self.thinking.type != "disabled"
+
+    @property
+    def thinking_budget(self) -> int | None:
+        return self.thinking.budget_tokens if self.thinking is not None and self.thinking.type == "enabled" else None
+
+    @property
+    def json_format(self) -> JsonOutputFormat | None:
+        return self.output_format or (self.output_config.format if self.output_config is not None else None)
 
     @field_validator("stop_sequences")
     @classmethod
@@ -150,9 +189,21 @@ class MessagesRequest(_Forbid):
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
+class OutputTokensDetails(BaseModel):
+    thinking_tokens: int  # tags included, as Anthropic counts "the thinking-block delimiter tokens"
+
+
 class Usage(BaseModel):
     input_tokens: int
     output_tokens: int
+    output_tokens_details: OutputTokensDetails | None = None  # with --reasoning-parser (else left out)
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_details(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("output_tokens_details") is None:
+            data.pop("output_tokens_details", None)
+        return data
 
 
 class OutputText(BaseModel):

@@ -8,7 +8,9 @@ Mappings: `system` is the first (system) message; a `tool_use` block is an assis
 a named function / "none". Finish reasons: "length" is max_tokens, a stop string stop_sequence,
 a reply with calls tool_use, anything else end_turn. With --reasoning-parser the model's thinking
 is a `thinking` block before the text (thinking blocks sent back are accepted and left out of the
-prompt).
+prompt), `usage.output_tokens_details.thinking_tokens` counts it, and thinking.budget_tokens ends
+it (thinking.py says exactly how). `output_config.format` (or the beta's `output_format`) is the
+chat's response_format json_schema: the same llguidance grammar on the worker.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.anthropic.events import message_events
+from gateway.anthropic.thinking import thinking_tokens, within_budget
 from gateway.anthropic.protocol import (
     InputMessage,
     MessagesRequest,
@@ -38,6 +41,7 @@ from gateway.openai.chat_messages import ChatMessage
 from gateway.openai.protocol import ChatCompletionRequest
 from gateway.openai.serving_chat import reasoning_parsers, start_chat
 from gateway.openai.streaming import until_disconnected
+from gateway.openai.structured_outputs import JsonSchemaFormat, ResponseFormat
 from gateway.openai.tool_parsers import ToolParser
 from gateway.openai.tool_protocol import FunctionDef, NamedFunction, NamedToolChoice, ToolDef
 from gateway.state import GatewayState
@@ -98,10 +102,14 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         else:
             tool_choice = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
         parallel = False if choice.disable_parallel_tool_use else None
+    json_format = body.json_format
+    response_format = (ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+        name="output", json_schema=json_format.json_schema)) if json_format is not None else None)
     return ChatCompletionRequest(
         model=body.model, messages=chat_messages(body), max_tokens=body.max_tokens,
         stop=body.stop_sequences or None, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-        tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel, stream=body.stream)
+        tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel, stream=body.stream,
+        response_format=response_format)
 
 
 @dataclass(slots=True)
@@ -110,6 +118,7 @@ class _Reply:
     finish_reason: str | None = None
     stop: str | int | None = None
     usage: Usage | None = None
+    token_ids: list[int] = field(default_factory=list)
 
 
 async def _collect(steps: AsyncIterator[GenerationStep]) -> _Reply:
@@ -117,6 +126,7 @@ async def _collect(steps: AsyncIterator[GenerationStep]) -> _Reply:
     async for step in steps:
         for chunk in step.chunks:
             reply.text += chunk.text
+            reply.token_ids += chunk.token_ids
             if chunk.finish_reason is not None:
                 reply.finish_reason, reply.stop = chunk.finish_reason, chunk.stop_reason
         if step.usage is not None:
@@ -128,18 +138,27 @@ async def _collect(steps: AsyncIterator[GenerationStep]) -> _Reply:
 async def create_message(body: MessagesRequest, http: Request, state: GatewayState) -> Response:
     if body.wants_thinking and state.config.reasoning_parser is None:
         raise InvalidRequestError("thinking needs a reasoning model: the gateway runs without --reasoning-parser")
+    if body.wants_thinking and body.json_format is not None:
+        # The grammar holds from the reply's first token: it leaves no room for a thinking span.
+        raise InvalidRequestError("thinking cannot be combined with a JSON output format: the grammar "
+                                  "constrains the whole reply, where the thinking would be")
     chat = to_chat_request(body)
     message_id = new_message_id()
     answer, plan = await start_chat(chat, http, state, message_id)
-    model, (_tokenizer, prompt_ids) = answer.pool.name, answer.context
+    model, (tokenizer, prompt_ids) = answer.pool.name, answer.context
     parsers: list[ToolParser] | None = plan.parsers(1, chat.parallel_tool_calls)
     parser = parsers[0] if parsers else None
     reasoners = reasoning_parsers(state.config, 1)
     reasoner = reasoners[0] if reasoners else None
+    steps = prepend(answer.first, answer.steps)
+    if reasoner is not None and body.thinking_budget is not None:
+        steps = within_budget(steps, type(reasoner), body.thinking_budget)
     if body.stream:
-        events = message_events(answer.first, answer.steps, message_id, model, len(prompt_ids), parser, reasoner)
+        events = message_events(steps, message_id, model, len(prompt_ids), parser, reasoner,
+                                lambda ids: thinking_tokens(reasoner, tokenizer, ids))
         return StreamingResponse(events, media_type="text/event-stream")
-    reply = await until_disconnected(http, _collect(prepend(answer.first, answer.steps)))
+    reply = await until_disconnected(http, _collect(steps))
+    reply.usage.output_tokens_details = thinking_tokens(reasoner, tokenizer, reply.token_ids)
     thinking, text, calls = None, reply.text, []
     if reasoner is not None:
         thinking, content = reasoner.extract_reasoning(text)

@@ -1,12 +1,18 @@
 """Anthropic's Messages API (POST /v1/messages) over real worker, scheduler and gateway processes,
 driven by the real `anthropic` client: the same greedy text as the chat route, streamed and not,
-stop reasons, usage, a forced tool_use round trip and errors."""
+stop reasons, usage, a forced tool_use round trip, structured outputs (`messages.parse`), the
+thinking budget on a second gateway with --reasoning-parser deepseek_r1, and errors."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import anthropic
 import openai
 import pytest
+from pydantic import BaseModel
+
+from tests.e2e.gateway_conftest import start_gateway
 
 pytestmark = pytest.mark.slow
 # anthropic 2.x has no sampling parameters (temperature, top_p, top_k): they go in the body as extras.
@@ -16,6 +22,23 @@ WEATHER = {"name": "get_weather", "description": "Get the current weather in a c
            "input_schema": {"type": "object", "properties": {
                "city": {"enum": ["Paris", "London"]}, "unit": {"enum": ["celsius", "fahrenheit"]}},
                "required": ["city", "unit"], "additionalProperties": False}}
+
+
+class Verdict(BaseModel):
+    """A schema the tiny model can finish within a few tokens (an enum and a bounded integer)."""
+
+    answer: Literal["yes", "no"]
+    score: Literal[0, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def thinking_client(engine_processes, tmp_path_factory):
+    gateway, http_url = start_gateway(engine_processes.scheduler_target, tmp_path_factory.mktemp("gw-thinking"),
+                                      "--reasoning-parser", "deepseek_r1")
+    try:
+        yield anthropic.Anthropic(base_url=http_url, api_key="unused", max_retries=0)
+    finally:
+        gateway.stop()
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +114,30 @@ def test_errors_through_the_anthropic_client(client, model):
     assert bad.value.body == {"type": "error", "error": {"type": "invalid_request_error",
                                                          "message": bad.value.body["error"]["message"]}}
     assert "temperature" in bad.value.body["error"]["message"]
+
+
+def test_structured_output_through_messages_parse(client, model):
+    parsed = client.messages.parse(model=model, messages=[{"role": "user", "content": "Is the sky blue?"}],
+                                   max_tokens=64, output_format=Verdict, **GREEDY)
+    assert parsed.stop_reason == "end_turn", parsed.content
+    assert isinstance(parsed.parsed_output, Verdict)
+    assert Verdict.model_validate_json(parsed.content[0].text) == parsed.parsed_output
+
+
+def test_the_thinking_budget_ends_the_thinking(client, thinking_client, model):
+    # The tiny model never writes </think>: for deepseek_r1 its whole reply is thinking, and the
+    # budget of 5 tokens ends it after exactly 5 (one token a step), the plain reply's first 5.
+    plain = client.messages.create(model=model, messages=ASK, max_tokens=5, **GREEDY).content[0].text
+    ask = {"model": model, "messages": ASK, "max_tokens": 12, "thinking": {"type": "enabled", "budget_tokens": 5},
+           **GREEDY}
+    message = thinking_client.messages.create(**ask)
+    assert [block.type for block in message.content] == ["thinking"] and message.stop_reason == "max_tokens"
+    assert message.content[0].thinking == plain
+    assert message.usage.output_tokens == message.usage.output_tokens_details.thinking_tokens == 5
+    with thinking_client.messages.stream(**ask) as stream:
+        deltas = [event.thinking for event in stream if event.type == "thinking"]
+        final = stream.get_final_message()
+    assert len(deltas) > 1 and "".join(deltas) == plain == final.content[0].thinking
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens_details.thinking_tokens == 5
+    unbudgeted = thinking_client.messages.create(model=model, messages=ASK, max_tokens=12, **GREEDY)
+    assert unbudgeted.usage.output_tokens == unbudgeted.usage.output_tokens_details.thinking_tokens == 12

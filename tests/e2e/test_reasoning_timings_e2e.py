@@ -74,8 +74,7 @@ def test_responses_count_the_reasoning_tokens_and_carry_timings(gateway_stack, t
     assert whole.status == "incomplete" and [item.type for item in whole.output] == ["reasoning"]
     assert whole.usage.output_tokens == whole.usage.output_tokens_details.reasoning_tokens == 12
     assert whole.model_extra["timings"]["predicted_n"] == 12
-    with client.responses.stream(**kwargs) as stream:
-        final = stream.get_final_response()
+    final = list(client.responses.create(**kwargs, stream=True))[-1].response  # response.incomplete
     assert final.usage.output_tokens_details.reasoning_tokens == 12 and final.model_extra["timings"]["predicted_n"] == 12
     plain = client_of(gateway_stack.http_url).responses.create(**kwargs)
     assert plain.usage.output_tokens_details.reasoning_tokens == 0 and "timings" not in (plain.model_extra or {})

@@ -71,7 +71,7 @@ async def test_stop_reasons(gateway):
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 8}, 400, "image"),
     ({"messages": ASK, "max_tokens": 8, "frequency_penalty": 1}, 400, "frequency_penalty"),
     ({"messages": ASK, "max_tokens": 8, "temperature": -1}, 400, "temperature"),
-    ({"messages": ASK, "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "thinking"),
+    ({"messages": ASK, "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 4}}, 400, "--reasoning-parser"),
     ({"messages": ASK, "max_tokens": 8, "tools": [WEATHER]}, 400, "--enable-auto-tool-choice"),
     ({"messages": ASK, "max_tokens": 8, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},
      400, "not in tools"),

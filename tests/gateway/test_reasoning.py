@@ -221,7 +221,7 @@ async def test_anthropic_messages_have_a_thinking_block_whole_and_streamed(make_
     gateway = await make_gateway(reasoning_parser="qwen3")
     body = {"messages": [*ASK, {"role": "assistant", "content": [
         {"type": "thinking", "thinking": "earlier", "signature": "x"}, {"type": "text", "text": "Earlier."}]},
-        {"role": "user", "content": "And now?"}], "max_tokens": 64, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+        {"role": "user", "content": "And now?"}], "max_tokens": 64, "thinking": {"type": "enabled", "budget_tokens": 32}}
     reply = await gateway.http.post("/v1/messages", json=body)
     assert reply.status_code == 200, reply.text
     message = Message.model_validate(reply.json())
@@ -246,7 +246,7 @@ async def test_anthropic_messages_have_a_thinking_block_whole_and_streamed(make_
 
 async def test_anthropic_thinking_needs_a_reasoning_parser(gateway):
     reply = await gateway.http.post("/v1/messages", json={
-        "messages": ASK, "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+        "messages": ASK, "max_tokens": 64, "thinking": {"type": "enabled", "budget_tokens": 32}})
     assert reply.status_code == 400 and reply.json()["type"] == "error" and "--reasoning-parser" in reply.text
 
 
