@@ -1,4 +1,5 @@
-"""The public gRPC API: pagoda.v1.Generation/Generate, the text-level twin of the OpenAI routes."""
+"""The public gRPC API: pagoda.v1.Generation/Generate, the text-level twin of the OpenAI routes,
+and Generation/Embed, /v1/embeddings' twin (the same pooling path, gateway/embedding.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gateway.batch_admission import MAX_PROMPTS, admit_batch
+from gateway.embedding import embed, pooling_requests
 from gateway.errors import UnauthorizedError, to_client_error
 from gateway.generation import (
     GenerationInput,
@@ -18,6 +21,7 @@ from gateway.generation import (
 from gateway.state import GatewayState
 from gateway.stop_strings import check_stop_strings
 from gateway.tenancy.auth import grpc_bearer_token
+from gateway.tenancy.leases import Lease
 from gateway.tenancy.rate_limit import retry_after_header
 from gateway.upstream.fallback import AdmitOnce, first_answer, prepend
 from gateway.upstream.model_pools import ModelPool
@@ -42,10 +46,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         # (trailing, with retry-after, on RESOURCE_EXHAUSTED), and the lease closes however it ends.
         lease = None
         try:
-            tenant = self._state.tenancy.authenticate(grpc_bearer_token(context.invocation_metadata()))
-            if tenant is None:
-                raise UnauthorizedError("a valid API key is required (metadata authorization: Bearer KEY)")
-            lease = self._state.tenancy.lease(tenant)
+            lease = self._lease(context)
+            tenant = lease.tenant
             route = self._state.route(request.model)
             admit_once = AdmitOnce(lambda g, max_model_len: (lease.admit(g, max_model_len), lease))
             operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
@@ -67,16 +69,48 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                                        self._state.config.enable_request_timings):
                     yield chunk
         except Exception as error:  # noqa: BLE001 - every failure leaves with a status code
-            client_error = to_client_error(error)
-            log.info("grpc_generate_failed", code=client_error.grpc_code.name, error=client_error.message)
-            trailing = lease.headers() if lease is not None else []
-            if client_error.retry_after_s is not None:
-                trailing.append(("retry-after", retry_after_header(client_error.retry_after_s)))
-            await context.abort(client_error.grpc_code, client_error.message,
-                                trailing_metadata=tuple(trailing))
+            await _abort(context, error, lease, "grpc_generate_failed")
         finally:
             if lease is not None:
                 lease.close()
+
+    async def Embed(self, request: gateway_pb2.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> gateway_pb2.EmbedResponse:
+        """One vector per text, admitted under one lease as /v1/embeddings' inputs are."""
+        lease = None
+        try:
+            lease = self._lease(context)
+            pool = self._state.pool(request.model)
+            tokenizer, info = pool.require_ready()
+            if not request.texts or len(request.texts) > MAX_PROMPTS:
+                raise InvalidRequestError(f"texts holds 1 to {MAX_PROMPTS} texts, got {len(request.texts)}")
+            if not all(request.texts):
+                raise InvalidRequestError("a text must not be empty")
+            special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            prompts = [tokenizer.encode(text, add_special_tokens=special) for text in request.texts]
+            requests = pooling_requests(request.request_id or f"embd-{uuid.uuid4().hex}", prompts,
+                                        info.max_model_len)
+            requests, leases = admit_batch(lambda g, max_model_len: (lease.admit(g, max_model_len), lease),
+                                           requests, info.max_model_len)
+            if headers := lease.headers():
+                await context.send_initial_metadata(headers)
+            vectors = await embed(pool.client, requests, leases)
+            num_tokens = sum(len(ids) for ids in prompts)
+            return gateway_pb2.EmbedResponse(
+                model=pool.name, embeddings=[gateway_pb2.EmbeddingVector(values=v) for v in vectors],
+                usage=common_pb2.Usage(prompt_tokens=num_tokens))
+        except Exception as error:  # noqa: BLE001 - every failure leaves with a status code
+            await _abort(context, error, lease, "grpc_embed_failed")
+        finally:
+            if lease is not None:
+                lease.close()
+
+    def _lease(self, context: grpc.aio.ServicerContext) -> Lease:
+        """The caller's tenant lease; the tenant's limits apply as over HTTP."""
+        tenant = self._state.tenancy.authenticate(grpc_bearer_token(context.invocation_metadata()))
+        if tenant is None:
+            raise UnauthorizedError("a valid API key is required (metadata authorization: Bearer KEY)")
+        return self._state.tenancy.lease(tenant)
 
     @staticmethod
     def _prepare(pool: ModelPool, request: gateway_pb2.GenerationRequest) -> tuple[GenerationInput, int]:
@@ -104,6 +138,17 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             skip_special_tokens=(request.skip_special_tokens if request.HasField("skip_special_tokens")
                                  else True),
             cache_salt=request.cache_salt), info.max_model_len
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: Exception, lease: Lease | None, event: str) -> None:
+    """Leave with the error's status code; the lease's rate-limit headers (and retry-after on
+    RESOURCE_EXHAUSTED) as trailing metadata."""
+    client_error = to_client_error(error)
+    log.info(event, code=client_error.grpc_code.name, error=client_error.message)
+    trailing = lease.headers() if lease is not None else []
+    if client_error.retry_after_s is not None:
+        trailing.append(("retry-after", retry_after_header(client_error.retry_after_s)))
+    await context.abort(client_error.grpc_code, client_error.message, trailing_metadata=tuple(trailing))
 
 
 def to_chunks(request_id: str, step: GenerationStep, model: str = "",

@@ -12,19 +12,20 @@ if TYPE_CHECKING:
     from pagoda.contract.params import SamplingParams
     from pagoda.contract.structured import StructuredOutputsParams
     from pagoda.entrypoints.beam_search import BeamSearchParams
-    from pagoda.entrypoints.llm import LLM, CompletionOutput, RequestOutput
+    from pagoda.entrypoints.llm import LLM, CompletionOutput, EmbeddingRequestOutput, RequestOutput
 
 _EXPORTS = {
     "LLM": "pagoda.entrypoints.llm",
     "RequestOutput": "pagoda.entrypoints.llm",
     "CompletionOutput": "pagoda.entrypoints.llm",
+    "EmbeddingRequestOutput": "pagoda.entrypoints.llm",
     "SamplingParams": "pagoda.contract.params",
     "LoRARequest": "pagoda.contract.lora",
     "StructuredOutputsParams": "pagoda.contract.structured",
     "BeamSearchParams": "pagoda.entrypoints.beam_search",
 }
 
-__all__ = ["BeamSearchParams", "CompletionOutput", "LLM", "LoRARequest", "RequestOutput", "SamplingParams",
+__all__ = ["BeamSearchParams", "CompletionOutput", "EmbeddingRequestOutput", "LLM", "LoRARequest", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams"]
 
 

@@ -24,7 +24,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.anthropic.events import message_events
-from gateway.anthropic.thinking import thinking_tokens, within_budget
 from gateway.anthropic.protocol import (
     InputMessage,
     MessagesRequest,
@@ -36,6 +35,7 @@ from gateway.anthropic.protocol import (
     message_content,
     stop_reason,
 )
+from gateway.anthropic.thinking import thinking_tokens, within_budget
 from gateway.generation import GenerationStep
 from gateway.openai.chat_messages import ChatMessage
 from gateway.openai.protocol import ChatCompletionRequest

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.batch_admission import admit_batch
 from gateway.generation import (
     GenerationStep,
     SequenceChunk,
@@ -15,7 +16,7 @@ from gateway.generation import (
     generate,
     start_request_span,
 )
-from gateway.openai.batch_prompts import admit_batch, merge_steps, split_prompts
+from gateway.openai.batch_prompts import merge_steps, split_prompts
 from gateway.openai.middleware import admit
 from gateway.openai.prompt_logprobs import add_echo_logprobs, vllm_prompt_logprobs
 from gateway.openai.protocol import CompletionRequest

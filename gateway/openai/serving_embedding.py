@@ -1,16 +1,9 @@
-"""POST /v1/embeddings for decoder models: each input a prefill-only engine request.
-
-An input (a string, token ids, or a list of either, as /v1/completions' prompt) becomes one
-GenerateRequest with SamplingParams.pooling and max_tokens 1: the scheduler runs it like any prompt
-(chunked prefill; no prefix-cache hit: see worker_svc/pooling.py), the worker pools its final
-hidden states (--pooling-type last|mean, L2-normalised unless --no-normalize-embeddings) and the
-final response carries the vector in `embedding`. The one token sampled alongside is never read or
-counted: usage is prompt tokens only, as OpenAI's. Several inputs run concurrently under one lease.
-"""
+"""POST /v1/embeddings (OpenAI's shape, vLLM's extras): the inputs tokenized, then the pooling
+path every front end shares (gateway/embedding.py: one prefill-only engine request per input, the
+worker's pooled vector back)."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from typing import Any, Literal
 
@@ -18,15 +11,12 @@ import numpy as np
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from gateway.generation import GenerationInput, to_engine_request
-from gateway.openai.batch_prompts import admit_batch, split_prompts
+from gateway.batch_admission import admit_batch
+from gateway.embedding import embed, pooling_requests
+from gateway.openai.batch_prompts import split_prompts
 from gateway.openai.middleware import admit
 from gateway.openai.request_inputs import check_token_ids, new_request_id
 from gateway.state import GatewayState
-from pagoda.contract.errors import InvalidRequestError
-from pagoda.contract.params import SamplingParams, check_context_length
-
-_POOLING = SamplingParams(max_tokens=1, temperature=0.0, pooling=True)  # its token is discarded
 
 
 class EmbeddingRequest(BaseModel):
@@ -74,28 +64,11 @@ async def create_embedding(body: EmbeddingRequest, http: Request, state: Gateway
         else:
             ids = list(prompt)
             check_token_ids(ids, info.vocab_size)
-        if not ids:
-            raise InvalidRequestError("an input must not be empty")
-        check_context_length(info.max_model_len, len(ids), 1)
         prompts.append(ids)
-    requests = [GenerationInput(request_id=f"{request_id}-{k}", prompt_token_ids=tuple(ids), sampling=_POOLING)
-                for k, ids in enumerate(prompts)]
+    requests = pooling_requests(request_id, prompts, info.max_model_len)
     requests, leases = admit_batch(lambda r, max_model_len: admit(http, r, max_model_len), requests,
                                    info.max_model_len)
-
-    async def embed(request: GenerationInput, lease) -> list[float]:
-        vector: list[float] = []
-        async for response in pool.client.generate(to_engine_request(request)):
-            if response.embedding:
-                vector = list(response.embedding)
-            if response.finished:
-                break
-        lease.record(len(request.prompt_token_ids))
-        if not vector:
-            raise InvalidRequestError("the engine returned no embedding for this model")
-        return vector
-
-    vectors = await asyncio.gather(*(embed(r, lease) for r, lease in zip(requests, leases, strict=True)))
+    vectors = await embed(pool.client, requests, leases)
     num_tokens = sum(len(ids) for ids in prompts)
     return {"object": "list", "model": pool.name,
             "data": [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}

@@ -184,6 +184,11 @@ class SamplingParams:
                 "the output ends (EOS would be both required and forbidden)")
 
 
+# An embedding request (every API's, and the offline LLM.embed): a prefill whose final hidden
+# states the worker pools (worker_svc/pooling.py); the one token sampled alongside is never read.
+POOLING = SamplingParams(max_tokens=1, temperature=0.0, pooling=True)
+
+
 def num_beam_candidates(beam_width: int, num_stop_tokens: int) -> int:
     """Candidates a beam step ranks: HF's max(2, 1 + stop tokens) x width, enough that `width`
     of them continue even when every beam's best candidates are stop tokens. The worker returns

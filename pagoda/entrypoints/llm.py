@@ -1,4 +1,7 @@
-"""The offline API, shaped like vLLM's: `LLM(model=DIR).generate(prompts, sampling_params)`.
+"""The offline API, shaped like vLLM's: `LLM(model=DIR).generate(prompts, sampling_params)`, and
+`LLM(model=DIR).embed(texts)` for embeddings (the services' pooling path: a prefill-only request
+whose final hidden states the worker pools, `pooling_type` last | mean, L2-normalised unless
+`normalize_embeddings=False`).
 
 One process, synchronous loop: scheduler.schedule -> runner.execute -> scheduler.update, until
 every request of the batch has finished. Same scheduler core and model runner as the services.
@@ -18,7 +21,7 @@ from typing import Any
 
 from pagoda.contract.ids import RequestId
 from pagoda.contract.lora import LoRARequest, read_adapter_config
-from pagoda.contract.params import SamplingParams, check_vocab, with_bad_words_tokenized
+from pagoda.contract.params import POOLING, SamplingParams, check_vocab, with_bad_words_tokenized
 from pagoda.contract.step import TokenLogprobs
 from pagoda.contract.structured import check_grammar
 from pagoda.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
@@ -65,6 +68,22 @@ class RequestOutput:
     # predicts it); each TokenLogprobs holds the prompt token's raw-model logprob, its rank and the
     # top k. None when not asked.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # the model's hidden size
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """One input's embedding, as vLLM's `LLM.embed` returns it (`.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
 
 
 class LLM:
@@ -78,7 +97,8 @@ class LLM:
                  pinned_prompts: Sequence[str | list[int]] | None = None, enable_lora: bool = False,
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
                  kv_cache_dtype: str = "auto", swap_space: float = 0.0,
-                 preemption_mode: str | None = None) -> None:
+                 preemption_mode: str | None = None, pooling_type: str = "last",
+                 normalize_embeddings: bool = True) -> None:
         # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
         # "prompt_lookup_min": 2}, or {"method": "suffix", ...} (scheduler_svc/core/spec/). Checked
         # before loading.
@@ -95,7 +115,7 @@ class LLM:
             attention_backend=attention_backend, seed=seed, tensor_parallel_size=tensor_parallel_size,
             enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-            swap_space=swap_space)
+            swap_space=swap_space, pooling_type=pooling_type, normalize_embeddings=normalize_embeddings)
         self.runner = create_runner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
         # Runs close()'s work when the LLM is garbage-collected (vLLM's users `del` their engine);
         # it holds the runner's bound close, never `self`, so it does not keep the LLM alive.
@@ -185,6 +205,18 @@ class LLM:
             for completion in output.outputs:
                 completion.text = self._detokenize(completion.token_ids)
         return list(outputs.values())
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (text, or {"prompt_token_ids": [...]}), in input order: the same
+        engine request /v1/embeddings and the gRPC Embed send (SamplingParams POOLING), so the
+        same model and pooling give the same vector."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        if any(not self._tokenize(prompt)[1] for prompt in prompts):
+            raise ValueError("an input must not be empty")
+        outputs = self.generate(prompts, POOLING, use_tqdm=use_tqdm)
+        return [EmbeddingRequestOutput(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.embedding))
+                for out in outputs]
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -277,6 +309,8 @@ def _apply_delta(outputs: dict[RequestId, RequestOutput], delta: SequenceDelta) 
         completion.cumulative_logprob = delta.cumulative_logprob
     if delta.prompt_logprobs and output.prompt_logprobs is not None:
         output.prompt_logprobs.extend(delta.prompt_logprobs)
+    if delta.embedding is not None:
+        output.embedding = delta.embedding
     output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
     if delta.finish_reason is None:
         return False

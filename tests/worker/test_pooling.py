@@ -72,3 +72,22 @@ def test_chunked_prefill_next_to_a_generating_request(tiny_model_dir, hf_hidden,
     assert set(third.request_ids) == {e, g}
     torch.testing.assert_close(torch.tensor(embedding.values), expected(hf_hidden, pooling_type, False),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pooling_type", ["last", "mean"])
+def test_the_offline_llm_embeds_as_hf_does(tiny_model_dir, hf_hidden, pooling_type) -> None:
+    """`LLM.embed`: the same vector, whole prompt or prefilled 4 tokens at a time, in input order."""
+    from pagoda import LLM
+
+    other = [7, 8, 9, 10, 11]
+    with LLM(model=tiny_model_dir, dtype="float32", block_size=BLOCK_SIZE, num_gpu_blocks_override=16,
+             max_num_batched_tokens=4, pooling_type=pooling_type) as llm:
+        outputs = llm.embed([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": other}], use_tqdm=False)
+        assert [o.prompt_token_ids for o in outputs] == [PROMPT, other] and all(o.finished for o in outputs)
+        torch.testing.assert_close(torch.tensor(outputs[0].outputs.embedding),
+                                   expected(hf_hidden, pooling_type, True), atol=1e-4, rtol=1e-4)
+        again = llm.embed({"prompt_token_ids": PROMPT}, use_tqdm=False)[0].outputs.embedding
+        assert again == outputs[0].outputs.embedding  # a prefix-cache hit is never taken for pooling
+        with pytest.raises(ValueError, match="empty"):
+            llm.embed({"prompt_token_ids": []})
+        llm.scheduler.check_invariants()

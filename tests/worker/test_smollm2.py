@@ -75,3 +75,15 @@ def test_bf16_greedy_stays_within_tolerance_of_fp32(smollm2_dir, chats, hf_model
     assert worst_gap < 0.5, f"bf16 chose a token {worst_gap:.3f} nats below fp32's best"
     assert worst_logprob_error < 0.25, f"bf16 logprobs off fp32's by up to {worst_logprob_error:.3f}"
     assert "Paris" in llm.tokenizer.decode(outputs[0].token_ids)
+
+
+def test_offline_mean_embeddings_rank_a_paraphrase_above_an_unrelated_text(smollm2_dir):
+    with LLM(model=str(smollm2_dir), dtype="float32", kv_cache_memory_bytes=KV_BYTES, pooling_type="mean") as llm:
+        for anchor, paraphrase, unrelated in [
+                ("The cat is sleeping on the sofa.", "A kitten naps on the couch.",
+                 "Interest rates rose sharply at the central bank."),
+                ("How do I bake bread at home?", "What is a simple recipe for homemade bread?",
+                 "The rocket launched into orbit yesterday.")]:
+            a, p, u = (torch.tensor(o.outputs.embedding) for o in llm.embed([anchor, paraphrase, unrelated],
+                                                                           use_tqdm=False))
+            assert a @ p > a @ u + 0.1, (a @ p, a @ u)  # unit vectors: dot = cosine similarity
