@@ -1,16 +1,19 @@
 """POST /v1/embeddings through real processes with the real `openai` client: the tiny model with
-the default last-token pooling (shapes, inputs, base64, usage, 400s), and SmolLM2-135M-Instruct
-with `--pooling-type mean`, where a paraphrase is nearer than an unrelated sentence."""
+the default last-token pooling (shapes, inputs, base64, usage, 400s), the public gRPC Embed giving
+the HTTP route's vectors exactly, and SmolLM2-135M-Instruct with `--pooling-type mean`, where a
+paraphrase is nearer than an unrelated sentence (over HTTP and over gRPC)."""
 
 from __future__ import annotations
 
 import base64
 
+import grpc
 import httpx
 import numpy as np
 import openai
 import pytest
 
+from pagoda.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.e2e.conftest import start_scheduler, start_worker
 from tests.e2e.gateway_conftest import start_gateway
 
@@ -50,6 +53,29 @@ def test_tiny_model_embeddings_shapes_inputs_and_usage(client, gateway_stack) ->
     assert raw["usage"] == {"prompt_tokens": counts[0], "total_tokens": counts[0]}
 
 
+def grpc_embed(target: str, request: gateway_pb2.EmbedRequest) -> gateway_pb2.EmbedResponse:
+    with grpc.insecure_channel(target) as channel:
+        return gateway_pb2_grpc.GenerationStub(channel).Embed(request, timeout=60)
+
+
+def test_grpc_embed_gives_the_http_routes_vectors(client, gateway_stack) -> None:
+    texts = ["Hello world", "The quick brown fox jumps", "Hello world"]
+    http = client.embeddings.create(model=gateway_stack.model_dir, input=texts, encoding_format="float")
+    reply = grpc_embed(gateway_stack.grpc_target, gateway_pb2.EmbedRequest(texts=texts))
+    # Both carry the worker's float32 values untouched: equal, not merely close.
+    assert [list(e.values) for e in reply.embeddings] == [d.embedding for d in http.data]
+    assert reply.model == http.model and reply.usage.prompt_tokens == http.usage.prompt_tokens
+    plain = grpc_embed(gateway_stack.grpc_target, gateway_pb2.EmbedRequest(texts=texts[:1], add_special_tokens=False))
+    unmarked = httpx.post(f"{gateway_stack.http_url}/v1/embeddings",
+                          json={"input": texts[0], "add_special_tokens": False}).json()
+    assert list(plain.embeddings[0].values) == unmarked["data"][0]["embedding"]
+    for bad in (gateway_pb2.EmbedRequest(), gateway_pb2.EmbedRequest(texts=["ok", ""]),
+                gateway_pb2.EmbedRequest(texts=["x " * 4000])):
+        with pytest.raises(grpc.RpcError) as refused:
+            grpc_embed(gateway_stack.grpc_target, bad)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 @pytest.mark.parametrize("kwargs", [
     {"input": "hi", "dimensions": 8},
     {"input": []},
@@ -70,7 +96,7 @@ def smollm2_mean(smollm2_dir, tmp_path_factory):
         processes.append(start_scheduler(processes[0].target, logs, max_num_seqs=8, max_num_batched_tokens=8))
         gateway, http_url = start_gateway(processes[1].target, logs)
         processes.append(gateway)
-        yield http_url
+        yield http_url, gateway
     finally:
         for process in reversed(processes):
             process.stop()
@@ -78,7 +104,8 @@ def smollm2_mean(smollm2_dir, tmp_path_factory):
 
 def test_smollm2_mean_pooling_ranks_a_paraphrase_above_an_unrelated_text(smollm2_mean) -> None:
     """Mean pooling (max_num_batched_tokens 8: every sentence is prefilled in chunks)."""
-    client = openai.OpenAI(base_url=f"{smollm2_mean}/v1", api_key="unused", max_retries=0)
+    url, gateway = smollm2_mean
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     for anchor, paraphrase, unrelated in [
             ("The cat is sleeping on the sofa.", "A kitten naps on the couch.",
@@ -88,5 +115,7 @@ def test_smollm2_mean_pooling_ranks_a_paraphrase_above_an_unrelated_text(smollm2
         reply = client.embeddings.create(model=model, input=[anchor, paraphrase, unrelated])
         a, p, u = (np.array(d.embedding) for d in reply.data)
         assert a @ p > a @ u + 0.1, (a @ p, a @ u)  # unit vectors: dot = cosine similarity
-        counts = [len(_tokens(smollm2_mean, t)) for t in (anchor, paraphrase, unrelated)]
+        counts = [len(_tokens(url, t)) for t in (anchor, paraphrase, unrelated)]
         assert reply.usage.prompt_tokens == sum(counts)
+        over_grpc = grpc_embed(gateway.target, gateway_pb2.EmbedRequest(texts=[anchor, paraphrase, unrelated]))
+        assert [list(e.values) for e in over_grpc.embeddings] == [d.embedding for d in reply.data]
