@@ -1,7 +1,8 @@
 """A test double of the scheduler's pagoda.v1.Engine: streams scripted token ids, injects failures.
 
 Deterministic: sequence i of every request streams `scripts[i % len(scripts)]`, `tokens_per_response`
-ids per message, finishing with "length" at max_tokens and "stop" when the script runs out.
+ids per message, finishing with "length" at max_tokens and "stop" when the script runs out. A
+pooling request's last response carries `fake_embedding(prompt)`.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 finished=start + self.tokens_per_response >= total)
             if response.finished:
                 response.timings.CopyFrom(self.timings)
+                if sampling.pooling:  # a vector only its prompt decides (a real one: worker_svc/pooling.py)
+                    response.embedding.extend(fake_embedding(request.prompt_token_ids))
             if start == 0 and sampling.HasField("prompt_logprobs"):  # with the first tokens, once
                 response.prompt_logprobs.extend(fake_prompt_logprobs(request.prompt_token_ids,
                                                                      sampling.prompt_logprobs))
@@ -107,6 +110,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
 
     async def GetStats(self, request, context):
         return engine_pb2.EngineStats(idle=not self.active, invariant_ok=True)
+
+
+def fake_embedding(prompt_ids) -> list[float]:
+    return [float(len(prompt_ids)), float(sum(prompt_ids) % 97), float(prompt_ids[0])]
 
 
 def fake_logprobs(token_id: int, position: int, num_top: int) -> common_pb2.TokenLogprobs:

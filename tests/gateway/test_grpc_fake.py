@@ -12,6 +12,7 @@ from gateway.server import start_grpc_server
 from pagoda.runtime.grpc_health import SERVING, check
 from pagoda.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.gateway.conftest import SCRIPT_TEXTS, wait_until
+from tests.gateway.fake_engine import fake_embedding
 
 
 @pytest.fixture
@@ -107,6 +108,32 @@ async def test_api_key_metadata(public):
                            metadata=[("authorization", "Bearer sekret")])
     assert chunks[-1].HasField("usage")
     assert await check(channel) == SERVING  # health stays open
+
+
+async def test_embed_over_grpc_is_the_http_routes_path(public, upstream, tokenizer):
+    gateway, channel = await public(api_key="sekret")
+    stub, key = gateway_pb2_grpc.GenerationStub(channel), [("authorization", "Bearer sekret")]
+    texts = ["Hello world", "The quick brown fox"]
+    reply = await stub.Embed(gateway_pb2.EmbedRequest(texts=texts), metadata=key, timeout=10)
+    http = (await gateway.http.post("/v1/embeddings", json={"input": texts},
+                                    headers={"authorization": "Bearer sekret"})).json()
+    assert [list(e.values) for e in reply.embeddings] == [d["embedding"] for d in http["data"]]
+    ids = [tokenizer.encode(text) for text in texts]
+    assert [list(e.values) for e in reply.embeddings] == [fake_embedding(i) for i in ids]
+    assert reply.usage.prompt_tokens == http["usage"]["prompt_tokens"] == sum(map(len, ids))
+    sent = upstream.engine.requests[-1]
+    assert sent.sampling.pooling and sent.sampling.max_tokens == 1
+    bare = await stub.Embed(gateway_pb2.EmbedRequest(texts=texts[:1], add_special_tokens=False), metadata=key)
+    assert list(bare.embeddings[0].values) == fake_embedding(tokenizer.encode(texts[0], add_special_tokens=False))
+    for request, code in [(gateway_pb2.EmbedRequest(texts=texts), grpc.StatusCode.UNAUTHENTICATED),
+                          (gateway_pb2.EmbedRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+                          (gateway_pb2.EmbedRequest(texts=["x", ""]), grpc.StatusCode.INVALID_ARGUMENT),
+                          (gateway_pb2.EmbedRequest(texts=["x"] * 257), grpc.StatusCode.INVALID_ARGUMENT),
+                          (gateway_pb2.EmbedRequest(texts=["x"], model="nope"), grpc.StatusCode.NOT_FOUND)]:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.Embed(request, metadata=key if code != grpc.StatusCode.UNAUTHENTICATED else None,
+                             timeout=10)
+        assert raised.value.code() == code, raised.value.details()
 
 
 async def test_reflection_lists_the_services(public):
