@@ -28,6 +28,7 @@ async def within_budget(steps: AsyncIterator[GenerationStep], reasoner: type[Rea
                         budget: int) -> AsyncIterator[GenerationStep]:
     """`steps` (one sequence), ended at the step where `budget` tokens of open thinking are reached."""
     watcher, used = reasoner(), 0
+    close = getattr(steps, "aclose", None)
     try:
         async for step in steps:
             cut = None
@@ -36,17 +37,17 @@ async def within_budget(steps: AsyncIterator[GenerationStep], reasoner: type[Rea
                 used += len(chunk.token_ids)
                 if used >= budget and watcher.thinking and chunk.finish_reason is None:
                     cut = dataclasses.replace(chunk, finish_reason="length", stop_reason=None)
-            if cut is None:
-                yield step
-                if step.usage is not None:
-                    return
-                continue
-            yield GenerationStep([cut], usage=step.progress, progress=step.progress)
-            return
+            if cut is not None:
+                if close is not None:
+                    await close()  # cancels the request upstream now, before the reply's end goes out
+                yield GenerationStep([cut], usage=step.progress, progress=step.progress)
+                return
+            yield step
+            if step.usage is not None:
+                return
     finally:
-        close = getattr(steps, "aclose", None)
         if close is not None:
-            await close()  # cancels the request upstream when the budget ended it
+            await close()  # idempotent: a client gone mid-reply cancels the request too
 
 
 def thinking_tokens(reasoner: ReasoningParser | None, tokenizer: Tokenizer,
