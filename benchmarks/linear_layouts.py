@@ -1,5 +1,6 @@
 """aten's `linear` (row-major weight, MKL) against oneDNN with the weight pre-packed once
-(worker_svc/models/packed_linear.py), on one model's GEMM shapes.
+(worker_svc/models/packed_linear.py), and in bf16 the batch-invariant op (`--batch-invariant`,
+worker_svc/models/batch_invariant_linear.py), on one model's GEMM shapes.
 
     .venv/bin/python -m benchmarks.linear_layouts [--model models/smollm2-135m-instruct]
         [--rows 1 16 64 512 2048] [--dtypes float32 bfloat16] [--threads N]
@@ -16,6 +17,7 @@ import time
 import torch
 
 from worker_svc.model_loader.model_config import ModelConfig
+from worker_svc.models.batch_invariant_linear import BatchInvariantLinear
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -24,6 +26,12 @@ def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     per_layer = [(qkv, cfg.hidden_size), (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
                  (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)]
     return per_layer * cfg.num_layers + [(cfg.vocab_size, cfg.hidden_size)]
+
+
+def _as_linear(weight: torch.Tensor) -> torch.nn.Linear:
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    linear.weight.data = weight
+    return linear
 
 
 def time_it(fn, repeats: int) -> float:
@@ -45,11 +53,14 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     shapes = layer_shapes(ModelConfig.from_dir(args.model))
     print(f"{args.model}: {len(shapes)} linear layers, {torch.get_num_threads()} threads")
-    print(f"{'dtype':>9} {'rows':>5} {'aten ms':>9} {'packed ms':>10} {'aten GF/s':>10} {'packed GF/s':>12} {'speed-up':>9}")
+    print(f"{'dtype':>9} {'rows':>5} {'aten ms':>9} {'packed ms':>10} {'aten GF/s':>10} {'packed GF/s':>12} "
+          f"{'speed-up':>9} {'invariant ms':>13}")
     with torch.inference_mode():
         for dtype in (getattr(torch, name) for name in args.dtypes):
             weights = [torch.randn(o, i).to(dtype) for o, i in shapes]
             packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+            invariant = ([BatchInvariantLinear(_as_linear(w)) for w in weights]
+                         if dtype == torch.bfloat16 else None)
             for rows in args.rows:
                 inputs = {i: torch.randn(rows, i).to(dtype) for _, i in shapes}
                 flops = sum(2 * rows * o * i for o, i in shapes)
@@ -58,8 +69,9 @@ def main(argv: list[str] | None = None) -> None:
                     torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights], repeats)
                 onednn = time_it(lambda inputs=inputs, packed=packed: [torch.ops.mkldnn._linear_pointwise(
                     inputs[w.shape[1]], w, None, "none", [], "") for w in packed], repeats)
+                bi = "" if invariant is None else f"{time_it(lambda inputs=inputs: [layer(inputs[layer.in_features]) for layer in invariant], repeats) * 1e3:.1f}"
                 print(f"{str(dtype).removeprefix('torch.'):>9} {rows:>5} {aten * 1e3:>9.1f} {onednn * 1e3:>10.1f} "
-                      f"{flops / aten / 1e9:>10.0f} {flops / onednn / 1e9:>12.0f} {aten / onednn:>8.2f}×")
+                      f"{flops / aten / 1e9:>10.0f} {flops / onednn / 1e9:>12.0f} {aten / onednn:>8.2f}× {bi:>13}")
 
 
 if __name__ == "__main__":

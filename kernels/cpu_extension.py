@@ -28,7 +28,8 @@ import torch
 
 NAME = "pagoda_cpu"
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention.cpp"]
+SOURCES = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention.cpp",
+           Path(__file__).resolve().parent / "linear" / "cpu_bi_linear.cpp"]
 HEADERS = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention_kernel.h"]
 BUILD_ROOT = Path(os.environ.get("PAGODA_CPU_EXTENSION_DIR") or ROOT / "build" / "torch_extensions")
 BUILD_DIR = BUILD_ROOT / NAME

@@ -37,6 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU: pre-pack linear weights for oneDNN at load (faster GEMMs; see "
                         "worker_svc/models/packed_linear.py)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="CPU bf16: every token's result independent of the batch shape (greedy outputs "
+                        "equal with and without speculation; slower GEMMs: "
+                        "worker_svc/models/batch_invariant_linear.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pooling-type", default="last", choices=("last", "mean"),
                    help="embeddings (/v1/embeddings): the last prompt position's final hidden state, "
@@ -69,6 +73,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, pack_weights=args.pack_weights,
+        batch_invariant=args.batch_invariant,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, swap_space=args.swap_space, pooling_type=args.pooling_type,
         normalize_embeddings=args.normalize_embeddings)

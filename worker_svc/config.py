@@ -27,6 +27,10 @@ class WorkerConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     pack_weights: bool = True  # CPU: linear weights pre-packed for oneDNN (models/packed_linear.py)
+    # CPU bf16: linears whose rows do not depend on the batch shape (models/batch_invariant_linear.py),
+    # so greedy outputs are the same with speculation on or off, alone or in a batch. vLLM's
+    # VLLM_BATCH_INVARIANT.
+    batch_invariant: bool = False
     # Multi-LoRA (worker_svc/lora/): vLLM's --enable-lora --max-loras --max-lora-rank --max-cpu-loras
     enable_lora: bool = False
     max_loras: int = 1  # adapters in device slots at once (distinct adapters per step)

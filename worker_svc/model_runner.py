@@ -32,6 +32,8 @@ from worker_svc.kv_cache import num_cpu_blocks as num_host_blocks_for
 from worker_svc.lora.manager import LoRAManager
 from worker_svc.model_loader.loader import load_model, resolve_dtype
 from worker_svc.model_loader.model_config import ModelConfig
+from worker_svc.models.batch_invariant_linear import make_linears_batch_invariant
+from worker_svc.models.batch_invariant_linear import uses_amx as batch_invariant_uses_amx
 from worker_svc.models.packed_linear import can_pack, pack_linear_weights
 from worker_svc.plan_validation import validate_plan
 from worker_svc.pooling import pool_embeddings
@@ -66,7 +68,9 @@ class ModelRunner:
         self.device = resolve_device(config.device, tp.rank, tp.size)
         self.dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(config.model))
         self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp)
-        if config.pack_weights and tp.size == 1 and self.device.type == "cpu":
+        if config.batch_invariant:
+            self._make_batch_invariant()
+        elif config.pack_weights and tp.size == 1 and self.device.type == "cpu":
             self._pack_weights()
         self.lora = (LoRAManager(self.model, self.model_config, config.max_loras, config.max_lora_rank,
                                  config.max_cpu_loras, self.dtype, self.device, tp)
@@ -323,6 +327,19 @@ class ModelRunner:
             log.warning("linear_packing_unsupported", dtype=str(self.dtype).removeprefix("torch."),
                         cpu_capability=torch.backends.cpu.get_cpu_capability(),
                         fallback="nn.Linear")
+
+    def _make_batch_invariant(self) -> None:
+        """fp32 results here do not depend on the batch shape already (oneDNN's fp32 kernels sum
+        each row alike); bf16 ones do, so bf16 linears move to the batch-invariant op."""
+        if self.device.type != "cpu" or self.tp.size != 1:
+            raise ValueError("--batch-invariant is implemented for a single CPU worker")
+        if self.dtype == torch.bfloat16:
+            count = make_linears_batch_invariant(self.model)
+            log.info("batch_invariant_linears", count=count, amx=batch_invariant_uses_amx())
+        elif self.dtype == torch.float32:
+            self._pack_weights()
+        else:
+            raise ValueError(f"--batch-invariant supports float32 and bfloat16, not {self.dtype}")
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -98,7 +98,7 @@ class LLM:
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
                  kv_cache_dtype: str = "auto", swap_space: float = 0.0,
                  preemption_mode: str | None = None, pooling_type: str = "last",
-                 normalize_embeddings: bool = True) -> None:
+                 normalize_embeddings: bool = True, batch_invariant: bool = False) -> None:
         # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
         # "prompt_lookup_min": 2}, or {"method": "suffix", ...} (scheduler_svc/core/spec/). Checked
         # before loading.
@@ -115,7 +115,8 @@ class LLM:
             attention_backend=attention_backend, seed=seed, tensor_parallel_size=tensor_parallel_size,
             enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-            swap_space=swap_space, pooling_type=pooling_type, normalize_embeddings=normalize_embeddings)
+            swap_space=swap_space, pooling_type=pooling_type, normalize_embeddings=normalize_embeddings,
+            batch_invariant=batch_invariant)
         self.runner = create_runner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
         # Runs close()'s work when the LLM is garbage-collected (vLLM's users `del` their engine);
         # it holds the runner's bound close, never `self`, so it does not keep the LLM alive.

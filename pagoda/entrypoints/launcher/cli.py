@@ -57,6 +57,9 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
                    help="the worker's KV cache: auto (the compute dtype) or FP8 (one byte per value)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="GPUs (worker ranks) per replica (default: 1)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="CPU bf16: results independent of the batch shape (greedy outputs equal with "
+                        "and without speculation), slower GEMMs")
     g.add_argument("--swap-space", type=float, default=0.0, metavar="GiB",
                    help="the worker's host memory for KV swapped out at preemption (default 0: none)")
     g.add_argument("--pooling-type", default="last", choices=("last", "mean"),
