@@ -2,8 +2,10 @@
 
 - In queue order, while `max_num_seqs` slots, the step's token budget, the worker's LoRA slots and
   the pool allow; the first that does not fit stops admission (the order is kept: no overtaking).
-- A sequence starts after its verified prefix-cache hit, or after its swapped KV (swap.py), and
-  computes at most one prefill chunk (`long_prefill_token_threshold`) in its first step.
+- A sequence starts after its verified prefix-cache hit (device blocks, then the host tier's,
+  host_tier.py: only at ordinary admission, not a beam group's nor a suspect's), or after its
+  swapped KV (swap.py), and computes at most one prefill chunk (`long_prefill_token_threshold`)
+  in its first step.
 - A beam group (beam_group.py) enters whole, or waits whole.
 - The LoRA rule: at most `max_loras` distinct adapters among the running sequences. Why: the worker
   has `max_loras` device slots and every resident sequence may be scheduled in the same step, so the
@@ -59,26 +61,28 @@ class Admission:
                     return  # the group enters whole, or waits (in order)
                 continue
             hits, last_serial = kv.find_cached_prefix(seq)
-            num_hit = len(hits) * cfg.block_size
+            host = kv.find_offloaded(seq, len(hits))  # the host tier's hits past the device's
+            num_hit = (len(hits) + len(host)) * cfg.block_size
             start = resume_point(seq, num_hit)  # past the hit, or past its swapped KV
             num_new = min(len(seq.token_ids) - start, self._threshold, draft.budget)
             if not kv.pool.can_allocate(kv.blocks_to_admit(hits, start + num_new)):
                 return
             waiting.pop()
-            self.admit(draft, seq, hits, last_serial, num_hit, num_new)
+            self.admit(draft, seq, hits, last_serial, num_hit, num_new, host)
 
     def admit(self, draft: StepDraft, seq: Sequence, hits: list[BlockId], last_serial: int, num_hit: int,
-              num_new: int) -> None:
+              num_new: int, host: list[int] | None = None) -> None:
         """Make `seq` (just taken off the waiting queue) resident: blocks, plan entry, running.
-        `num_new` tokens are computed from its resume point (its hit, or its swapped tokens)."""
+        `num_new` tokens are computed from its resume point (its hit, or its swapped tokens); its
+        hit is its device `hits` then the host tier's `host` slots (loaded in the plan)."""
         start = resume_point(seq, num_hit)
-        self._kv.admit(seq, hits, last_serial, start + num_new)
+        self._kv.admit(seq, hits, last_serial, start + num_new, host, draft.plan)
         seq.num_computed_tokens = start
         req = seq.request
         if self._counters.note_admission(seq, num_hit) and self._brownout.cap:
             self._brownout.cap_max_tokens(req)  # in brownout: a new request gets the short limit
         if seq.host_blocks:  # swapped out: its KV comes back from the host
-            self._swap.swap_in(seq, len(hits), draft.plan)
+            self._swap.swap_in(seq, num_hit // self._config.block_size, draft.plan)
         draft.plan.new_requests.append(NewRequestData(
             seq.seq_id, list(seq.token_ids), req.worker_num_prompt_tokens, list(seq.block_table),
             start, num_new, req.worker_sampling, seq.seq_index, req.lora))

@@ -24,7 +24,7 @@ Shape: `Scheduler` declares the whole public API here and runs the per-step path
 running, preempt, fork, apply results, finish). What keeps state is an object it holds and calls,
 each owning its own: the KV manager (kv_cache_manager.py), the run queues (queues.py), admission
 (admission.py), the swap manager (swap.py), the brownout governor (brownout.py), the poison isolator
-(poison.py), the prompt pinner (pinning.py), the speculator (spec/), the beam groups
+(poison.py), the prompt pinner (pinning.py), the host tier (host_tier.py, in the KV manager), the speculator (spec/), the beam groups
 (beam_group.py) and the counters (outputs.py). They get the KV manager, the run queues and
 callbacks, never the Scheduler. Invariants: check_invariants (block accounting, queues, host pool).
 """
@@ -43,6 +43,7 @@ from scheduler_svc.core.admission import Admission, adapter_names
 from scheduler_svc.core.beam_group import BeamGroups
 from scheduler_svc.core.brownout import BrownoutChange, BrownoutGovernor
 from scheduler_svc.core.config import SchedulerConfig, check_request
+from scheduler_svc.core.host_tier import tier_stats
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.outputs import SchedulerCounters, SchedulerStats, SequenceDelta
 from scheduler_svc.core.pinning import PromptPinner
@@ -66,7 +67,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         bs = config.block_size
-        self._kv = KVCacheManager(config.num_blocks, bs, config.enable_prefix_caching, config.sliding_window)
+        self._kv = KVCacheManager(config.num_blocks, bs, config.enable_prefix_caching, config.sliding_window,
+                                  config.num_cpu_blocks, config.num_offload_blocks)
         self._threshold = config.long_prefill_token_threshold or max(1, config.max_num_batched_tokens // 2)
         self._queues = RunQueues(config.policy)
         self._inflight: deque[InflightStep] = deque()
@@ -289,7 +291,8 @@ class Scheduler:
             max_loras=self.config.max_loras, num_swapped=swap.num_swapped,
             num_swap_preemptions=swap.num_swap_preemptions, blocks_swapped_out=swap.blocks_swapped_out,
             blocks_swapped_in=swap.blocks_swapped_in, num_cpu_blocks=self.config.num_cpu_blocks,
-            cpu_kv_usage=swap.cpu_kv_usage, prefill_tokens_computed=c.prefill_tokens_computed)
+            cpu_kv_usage=swap.cpu_kv_usage, prefill_tokens_computed=c.prefill_tokens_computed,
+            **tier_stats(self._kv.tier))
 
     def check_invariants(self) -> None:
         """Raise AssertionError with details when the block accounting is off (O(total): tests)."""
@@ -314,6 +317,8 @@ class Scheduler:
         self._inflight.append(InflightStep(plan.step_id, draft.computed, draft.spec, num_tokens))
         self._counters.last_step = (draft.num_prefill, draft.num_decode, len(plan.preempted_ids))
         self._counters.prefill_tokens_computed += draft.num_prefill
+        if self._kv.tier is not None:  # the host tier's offloads of the blocks this plan evicted
+            self._kv.tier.seal(plan)
         self._next_step_id += 1
         return plan
 

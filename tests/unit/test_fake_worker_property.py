@@ -2,8 +2,9 @@
 
 After every step the block accounting holds; every sequence ends exactly once; each finished
 sequence's tokens equal what the deterministic fake sampler must produce for it whatever the
-scheduling (prefix hits, chunking, preemption by recompute or swap, forks, pipelining); the fake
-worker's KV check (every attended slot holds the right token, swapped-in ones included) passes on
+scheduling (prefix hits, host-tier offloads and loads, chunking, preemption by recompute or swap,
+forks, pipelining); the fake worker's KV check (every attended slot holds the right token, swapped-in
+and host-tier-loaded ones included) passes on
 every step; the host pool is empty at the end.
 """
 
@@ -30,6 +31,8 @@ def traces(draw):
     per_seq = cdiv(MAX_MODEL_LEN, block_size)
     num_cpu_blocks = draw(st.sampled_from([0, 2, per_seq, per_seq * 4]))  # 2: often full
     modes = [None, "recompute", "swap"] if num_cpu_blocks else [None, "recompute"]
+    # The prefix cache's host tier: none, 1 or 2 slots (full at once: drops, busy slots), or roomy
+    num_offload_blocks = draw(st.sampled_from([0, 0, 1, 2, per_seq * 3]))
     config = SchedulerConfig(
         num_blocks=draw(st.integers(per_seq, per_seq * 4)), block_size=block_size,
         max_model_len=MAX_MODEL_LEN, max_num_seqs=draw(st.integers(3, 8)),
@@ -38,6 +41,7 @@ def traces(draw):
         enable_prefix_caching=draw(st.booleans()), eos_token_ids=(EOS,),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         max_inflight_steps=draw(st.sampled_from([1, 2, 3])), num_cpu_blocks=num_cpu_blocks,
+        num_offload_blocks=num_offload_blocks,
         preemption_mode=draw(st.sampled_from(modes)))
     bases = draw(st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=20), min_size=1, max_size=3))
     requests = []
@@ -68,7 +72,8 @@ def expected(sampler: FakeSampler, request: EngineRequest, seq_index: int) -> li
 def run(config, requests, aborts, eos_probability, worker_loss_step):
     sampler = FakeSampler(vocab_size=40, eos_token_id=EOS, eos_probability=eos_probability)
     scheduler = Scheduler(config)
-    worker = FakeWorker(config.num_blocks, config.block_size, sampler, num_cpu_blocks=config.num_cpu_blocks)
+    worker = FakeWorker(config.num_blocks, config.block_size, sampler,
+                        num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks)
     streams: dict[tuple[str, int], list] = {}
     ended: dict[tuple[str, int], FinishReason] = {}
     prompt_logprobs: dict[str, list] = {}
@@ -98,7 +103,7 @@ def run(config, requests, aborts, eos_probability, worker_loss_step):
             scheduler.reset_after_worker_loss()
             pending.clear()
             worker = FakeWorker(config.num_blocks, config.block_size, sampler,
-                                num_cpu_blocks=config.num_cpu_blocks)
+                                num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks)
         scheduler.check_invariants()
         if step > 12 and not scheduler.has_unfinished_requests() and not pending:
             break

@@ -28,7 +28,7 @@ class Run:
         self.sampler = FakeSampler(vocab_size=40, eos_token_id=EOS, eos_probability=eos_probability)
         self.scheduler = Scheduler(config)
         self.worker = FakeWorker(config.num_blocks, config.block_size, self.sampler,
-                                 num_cpu_blocks=config.num_cpu_blocks)
+                                 num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks)
         self.streams: dict[tuple[str, int], list[int]] = {}
         self.ended: dict[tuple[str, int], FinishReason] = {}
         self.errors: dict[str, str] = {}
@@ -74,7 +74,7 @@ class Run:
                     self.record(scheduler.note_step_failure(plan.step_id, "boom"))
                     scheduler.reset_after_worker_loss()
                     self.worker = FakeWorker(self.config.num_blocks, self.config.block_size, self.sampler,
-                                             num_cpu_blocks=self.config.num_cpu_blocks)
+                                             num_cpu_blocks=self.config.num_cpu_blocks + self.config.num_offload_blocks)
                     continue
                 pending.append(result)
             if pending and (plan is None or len(pending) >= self.config.max_inflight_steps):
