@@ -113,6 +113,9 @@ _STATS_FIELDS = {
     "blocks_swapped_out": "blocks_swapped_out", "blocks_swapped_in": "blocks_swapped_in",
     "num_cpu_blocks": "num_cpu_blocks", "cpu_kv_usage": "cpu_kv_cache_usage",
     "prefill_tokens_computed": "prefill_tokens_computed",
+    "num_offload_blocks": "num_offload_blocks", "offload_kv_usage": "offload_kv_cache_usage",
+    "blocks_offloaded": "blocks_offloaded", "blocks_loaded": "blocks_loaded",
+    "blocks_offload_dropped": "blocks_offload_dropped",
 }
 
 
