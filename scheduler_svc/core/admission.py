@@ -3,9 +3,10 @@
 - In queue order, while `max_num_seqs` slots, the step's token budget, the worker's LoRA slots and
   the pool allow; the first that does not fit stops admission (the order is kept: no overtaking).
 - A sequence starts after its verified prefix-cache hit (device blocks, then the host tier's,
-  host_tier.py: only at ordinary admission, not a beam group's nor a suspect's), or after its
+  tiers/host_tier.py: only at ordinary admission, not a beam group's nor a suspect's), or after its
   swapped KV (swap.py), and computes at most one prefill chunk (`long_prefill_token_threshold`)
   in its first step.
+- When the pool is short, idle sessions' leases are demoted first (tiers/sessions.py), oldest first.
 - A beam group (beam_group.py) enters whole, or waits whole.
 - The LoRA rule: at most `max_loras` distinct adapters among the running sequences. Why: the worker
   has `max_loras` device slots and every resident sequence may be scheduled in the same step, so the
@@ -36,7 +37,8 @@ from scheduler_svc.core.swap import SwapManager, resume_point
 class Admission:
     def __init__(self, config: SchedulerConfig, threshold: int, kv: KVCacheManager, queues: RunQueues,
                  swap: SwapManager, brownout: BrownoutGovernor, counters: SchedulerCounters,
-                 preempt: Callable[[Sequence, StepPlan], None]) -> None:
+                 preempt: Callable[[Sequence, StepPlan], None],
+                 demote: Callable[[], bool] = lambda: False) -> None:
         self._config = config
         self._threshold = threshold
         self._kv = kv
@@ -45,6 +47,7 @@ class Admission:
         self._brownout = brownout  # caps a request's max_tokens at its first admission
         self._counters = counters
         self._preempt = preempt  # the scheduler's preemption (a beam takes its group along)
+        self._demote = demote  # an idle session's lease lets its blocks go (tiers/sessions.py)
 
     def admit_waiting(self, draft: StepDraft) -> None:
         """Admit from the head of the waiting queue while everything fits (the policy above)."""
@@ -66,6 +69,8 @@ class Admission:
             start = resume_point(seq, num_hit)  # past the hit, or past its swapped KV
             num_new = min(len(seq.token_ids) - start, self._threshold, draft.budget)
             if not kv.pool.can_allocate(kv.blocks_to_admit(hits, start + num_new)):
+                if self._demote():  # idle sessions' blocks make room (to the LRU, then the host tier)
+                    continue
                 return
             waiting.pop()
             self.admit(draft, seq, hits, last_serial, num_hit, num_new, host)

@@ -5,7 +5,7 @@ A block is in exactly one of three places (the invariant `check` asserts):
 - the evictable LRU: ref 0, but holds a registered prefix block that a later request may hit;
 - in use: ref > 0 (shared when > 1: prefix hits, forked sequences, deferred frees).
 Allocation takes the free list first (FIFO, so block ids are predictable), then evicts the LRU head
-(handing its prefix entry to `on_evict` first, when set: the host tier copies it, host_tier.py).
+(handing its prefix entry to `on_evict` first, when set: the host tier copies it, tiers/host_tier.py).
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class SchedulerConfig:
     # tokens exceed one prefill chunk, long_prefill_token_threshold, when the host pool has room).
     num_cpu_blocks: int = 0
     preemption_mode: Literal["recompute", "swap"] | None = None
-    # The prefix cache's host tier (core/host_tier.py): host blocks of the worker's
+    # The prefix cache's host tier (core/tiers/host_tier.py): host blocks of the worker's
     # --kv-offloading-size (from its Init; host ids after the swap space's). 0: evicted prefixes drop.
     num_offload_blocks: int = 0
     # The model's sliding window when every layer has one (the worker's Init); 0: none. Blocks

@@ -13,9 +13,9 @@ from pagoda.contract.ids import BlockId
 from pagoda.contract.step import BlockCopy, StepPlan, TableUpdate
 from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core.block_pool import BlockPool
-from scheduler_svc.core.host_tier import HostTier
 from scheduler_svc.core.prefix_index import PrefixIndex, block_extra_keys
 from scheduler_svc.core.request import NULL_BLOCK, SeqStatus, Sequence
+from scheduler_svc.core.tiers.host_tier import HostTier
 
 
 def position_to_block(pos: int, block_size: int) -> tuple[int, int]:
@@ -35,7 +35,7 @@ class KVCacheManager:
         self.window = sliding_window  # every layer's window is at most this; 0: no freeing
         self.index = PrefixIndex() if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.index)
-        # The host tier (host_tier.py): evicted cached blocks go to host slots [offload_base, ...).
+        # The host tier (tiers/host_tier.py): evicted cached blocks go to host slots [offload_base, ...).
         self.tier = HostTier(offload_base, num_offload_blocks) \
             if enable_prefix_caching and num_offload_blocks else None
         if self.tier is not None:

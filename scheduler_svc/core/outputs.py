@@ -44,7 +44,7 @@ class SchedulerCounters:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens served from it
     prefill_tokens_computed: int = 0
-    # The prefix cache's host tier (host_tier.py)
+    # The prefix cache's host tier (tiers/host_tier.py)
     num_offload_blocks: int = 0  # its capacity; 0: none
     offload_kv_usage: float = 0.0  # offloaded / capacity, 0..1
     blocks_offloaded: int = 0  # total device -> host copies of evicted cached blocks
@@ -108,7 +108,7 @@ class SchedulerStats:
     cpu_kv_usage: float = 0.0  # used / total host blocks, 0..1
     # Tokens computed in prefill chunks, recomputation after preemption included (what swapping saves)
     prefill_tokens_computed: int = 0
-    # The prefix cache's host tier (host_tier.py)
+    # The prefix cache's host tier (tiers/host_tier.py)
     num_offload_blocks: int = 0  # its capacity; 0: none
     offload_kv_usage: float = 0.0  # offloaded / capacity, 0..1
     blocks_offloaded: int = 0  # total device -> host copies of evicted cached blocks

@@ -54,8 +54,10 @@ def traces(draw):
             min_tokens=draw(st.integers(0, 2)) if max_tokens >= 2 else 0,
             ignore_eos=draw(st.booleans()), stop_token_ids=tuple(draw(st.sets(st.integers(1, 40), max_size=2))),
             prompt_logprobs=draw(st.sampled_from([None, None, 0, 2])))
+        session = draw(st.sampled_from([None, None, "s0", "s1"]))  # a lease (tiers/sessions.py), TTL in steps
         request = EngineRequest(RequestId(f"r{i}"), tuple(prompt), sampling, priority=draw(st.integers(0, 2)),
-                                cache_salt=draw(st.sampled_from([None, None, "tenant"])))
+                                cache_salt=draw(st.sampled_from([None, None, "tenant"])), session_id=session,
+                                session_ttl=draw(st.sampled_from([3.0, 50.0])) if session else 0.0)
         requests.append((draw(st.integers(0, 12)), request))  # (arrival step, request)
     aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, len(requests) - 1)), max_size=3))
     worker_loss_step = draw(st.one_of(st.none(), st.integers(1, 30)))
@@ -71,7 +73,8 @@ def expected(sampler: FakeSampler, request: EngineRequest, seq_index: int) -> li
 
 def run(config, requests, aborts, eos_probability, worker_loss_step):
     sampler = FakeSampler(vocab_size=40, eos_token_id=EOS, eos_probability=eos_probability)
-    scheduler = Scheduler(config)
+    clock = [0.0]  # session leases expire after their TTL in steps
+    scheduler = Scheduler(config, clock=lambda: clock[0])
     worker = FakeWorker(config.num_blocks, config.block_size, sampler,
                         num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks)
     streams: dict[tuple[str, int], list] = {}
@@ -93,6 +96,7 @@ def run(config, requests, aborts, eos_probability, worker_loss_step):
 
     pending: deque = deque()
     for step in range(2000):
+        clock[0] = float(step)
         for arrival, request in requests:
             if arrival == step:
                 scheduler.add_request(request)
@@ -106,6 +110,9 @@ def run(config, requests, aborts, eos_probability, worker_loss_step):
                                 num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks)
         scheduler.check_invariants()
         if step > 12 and not scheduler.has_unfinished_requests() and not pending:
+            for _, request in requests:  # what the sessions still pin goes back to the pool
+                if request.session_id is not None:
+                    scheduler.end_session(request.cache_salt, request.session_id)
             break
         plan = scheduler.schedule()
         if plan is not None:

@@ -1,4 +1,4 @@
-"""The prefix cache's host tier (scheduler_svc/core/host_tier.py): cached blocks evicted from the
+"""The prefix cache's host tier (scheduler_svc/core/tiers/host_tier.py): cached blocks evicted from the
 device pool are offloaded to host slots in the plan, and a later prefix hit on them is loaded back
 instead of recomputed. Exact plans and block ids; the fake worker models the host pool slot by slot
 and checks every attended position, so a load that brought back the wrong KV fails the step."""
@@ -12,7 +12,7 @@ from pagoda.contract.params import SamplingParams
 from pagoda.contract.step import BlockCopy
 from pagoda.tools.simulate import drive
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
-from scheduler_svc.core.host_tier import HostTier
+from scheduler_svc.core.tiers.host_tier import HostTier
 from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
 
 
