@@ -9,6 +9,7 @@ import grpc
 
 from gateway.errors import UnauthorizedError, to_client_error
 from gateway.generation import (
+    DEFAULT_SESSION_TTL_S,
     GenerationInput,
     GenerationStep,
     check_structured_outputs,
@@ -103,7 +104,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=(request.skip_special_tokens if request.HasField("skip_special_tokens")
                                  else True),
-            cache_salt=request.cache_salt), info.max_model_len
+            cache_salt=request.cache_salt, session_id=request.session_id,
+            session_ttl_s=request.session_ttl_s or DEFAULT_SESSION_TTL_S), info.max_model_len
 
 
 def to_chunks(request_id: str, step: GenerationStep, model: str = "",

@@ -49,7 +49,9 @@ class SchedulerCounters:
     offload_kv_usage: float = 0.0  # offloaded / capacity, 0..1
     blocks_offloaded: int = 0  # total device -> host copies of evicted cached blocks
     blocks_loaded: int = 0  # total host -> device copies (prefix hits served from the host)
-    blocks_offload_dropped: int = 0  # total entries the full tier dropped  # recomputation after preemption included
+    blocks_offload_dropped: int = 0  # total entries the full tier dropped
+    num_sessions: int = 0  # live session leases (tiers/sessions.py)
+    num_session_blocks: int = 0  # device blocks they pin  # recomputation after preemption included
     last_step: tuple[int, int, int] = (0, 0, 0)  # (prefill tokens, decode sequences, preemptions)
 
     def note_admission(self, seq: Sequence, num_hit: int) -> bool:

@@ -314,6 +314,7 @@ class Scheduler:
             num_swap_preemptions=swap.num_swap_preemptions, blocks_swapped_out=swap.blocks_swapped_out,
             blocks_swapped_in=swap.blocks_swapped_in, num_cpu_blocks=self.config.num_cpu_blocks,
             cpu_kv_usage=swap.cpu_kv_usage, prefill_tokens_computed=c.prefill_tokens_computed,
+            num_sessions=len(self._leases), num_session_blocks=self._leases.num_blocks,
             **tier_stats(self._kv.tier))
 
     def check_invariants(self) -> None:
