@@ -43,15 +43,7 @@ class SchedulerCounters:
     generation_tokens: int = 0  # sampled tokens accepted
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens served from it
-    prefill_tokens_computed: int = 0
-    # The prefix cache's host tier (tiers/host_tier.py)
-    num_offload_blocks: int = 0  # its capacity; 0: none
-    offload_kv_usage: float = 0.0  # offloaded / capacity, 0..1
-    blocks_offloaded: int = 0  # total device -> host copies of evicted cached blocks
-    blocks_loaded: int = 0  # total host -> device copies (prefix hits served from the host)
-    blocks_offload_dropped: int = 0  # total entries the full tier dropped
-    num_sessions: int = 0  # live session leases (tiers/sessions.py)
-    num_session_blocks: int = 0  # device blocks they pin  # recomputation after preemption included
+    prefill_tokens_computed: int = 0  # recomputation after preemption included
     last_step: tuple[int, int, int] = (0, 0, 0)  # (prefill tokens, decode sequences, preemptions)
 
     def note_admission(self, seq: Sequence, num_hit: int) -> bool:
@@ -116,3 +108,5 @@ class SchedulerStats:
     blocks_offloaded: int = 0  # total device -> host copies of evicted cached blocks
     blocks_loaded: int = 0  # total host -> device copies (prefix hits served from the host)
     blocks_offload_dropped: int = 0  # total entries the full tier dropped
+    num_sessions: int = 0  # live session leases (tiers/sessions.py)
+    num_session_blocks: int = 0  # device blocks they pin
