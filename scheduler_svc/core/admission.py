@@ -105,15 +105,9 @@ class Admission:
         if queues.running_slots + len(beams) > self._config.max_num_seqs or draft.budget < len(beams) \
                 or any(beam.num_placeholders for beam in beams):
             return False
-        need, left = 0, draft.budget
-        for k, beam in enumerate(beams):
-            hits, _ = kv.find_cached_prefix(beam)
-            start = resume_point(beam, len(hits) * bs)  # its hit or swapped KV
-            num_new = min(len(beam.token_ids) - start, self._threshold, left - (len(beams) - k - 1))
-            left -= num_new
-            need += kv.blocks_to_admit(hits, start + num_new)
-        if not kv.pool.can_allocate(need):
-            return False
+        while not kv.pool.can_allocate(self._group_blocks(beams, draft.budget)):
+            if not self._demote():  # idle sessions' blocks go first (recounted: hits may revive)
+                return False
         # Each beam's hits are looked up again just before it is admitted: the blocks the beams
         # before it allocated may have evicted one (never making the total exceed `need`: an
         # evicted hit was counted as a revived block, and is now a new one).
@@ -125,6 +119,18 @@ class Admission:
             waiting.remove(beam)
             self.admit(draft, beam, hits, last_serial, num_hit, num_new)
         return True
+
+    def _group_blocks(self, beams: list[Sequence], budget: int) -> int:
+        """Blocks admitting every beam of a group consumes this step."""
+        kv, bs = self._kv, self._kv.block_size
+        need, left = 0, budget
+        for k, beam in enumerate(beams):
+            hits, _ = kv.find_cached_prefix(beam)
+            start = resume_point(beam, len(hits) * bs)  # its hit or swapped KV
+            num_new = min(len(beam.token_ids) - start, self._threshold, left - (len(beams) - k - 1))
+            left -= num_new
+            need += kv.blocks_to_admit(hits, start + num_new)
+        return need
 
     def admit_suspect(self, draft: StepDraft, target: Sequence) -> None:
         """Admit `target` out of queue order, preempting resident sequences from the tail until it
@@ -140,6 +146,8 @@ class Admission:
                     lora_fits(target, q.running, cfg.max_loras):  # the worker's slots
                 break
             if not q.running:
+                if self._demote():  # idle sessions' blocks go first
+                    continue
                 return  # cannot happen for an admitted request (add_request checked its size)
             self._preempt(q.running[-1], draft.plan)
         q.waiting.remove(target)
