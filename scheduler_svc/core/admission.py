@@ -109,8 +109,8 @@ class Admission:
             if not self._demote():  # idle sessions' blocks go first (recounted: hits may revive)
                 return False
         # Each beam's hits are looked up again just before it is admitted: the blocks the beams
-        # before it allocated may have evicted one (never making the total exceed `need`: an
-        # evicted hit was counted as a revived block, and is now a new one).
+        # before it allocated may have evicted one (never making the total exceed what
+        # _group_blocks counted: an evicted hit was counted as a revived block, and is now a new one).
         for k, beam in enumerate(beams):
             hits, last_serial = kv.find_cached_prefix(beam)
             num_hit = len(hits) * bs
