@@ -43,6 +43,10 @@ class UsageRecorder(Protocol):
         """Prompt + generated tokens so far; 0 when the engine refused the request."""
 
 
+# A session's retain TTL when its request names none: long enough for a person to type the next turn.
+DEFAULT_SESSION_TTL_S = 600.0
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationInput:
     request_id: str
@@ -53,6 +57,8 @@ class GenerationInput:
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str = ""
+    session_id: str = ""  # a session lease (docs/kv_tiers.md); "" none
+    session_ttl_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -153,7 +159,8 @@ def to_engine_request(request: GenerationInput) -> engine_pb2.GenerateRequest:
     return engine_pb2.GenerateRequest(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_pb(request.sampling), priority=request.priority,
-        cache_salt=request.cache_salt)
+        cache_salt=request.cache_salt, session_id=request.session_id,
+        session_ttl_s=request.session_ttl_s if request.session_id else 0.0)
 
 
 def start_request_span(operation: str, model: str, parent: Context | None,

@@ -12,6 +12,7 @@ from gateway.batch_admission import MAX_PROMPTS, admit_batch
 from gateway.embedding import embed, pooling_requests
 from gateway.errors import UnauthorizedError, to_client_error
 from gateway.generation import (
+    DEFAULT_SESSION_TTL_S,
     GenerationInput,
     GenerationStep,
     check_structured_outputs,
@@ -137,7 +138,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=(request.skip_special_tokens if request.HasField("skip_special_tokens")
                                  else True),
-            cache_salt=request.cache_salt), info.max_model_len
+            cache_salt=request.cache_salt, session_id=request.session_id,
+            session_ttl_s=request.session_ttl_s or DEFAULT_SESSION_TTL_S), info.max_model_len
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: Exception, lease: Lease | None, event: str) -> None:

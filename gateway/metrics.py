@@ -64,6 +64,8 @@ _GAUGES = (
      "Waiting requests whose KV is swapped out to host memory (counted in num_requests_waiting too)."),
     ("vllm:cpu_cache_usage_perc", "cpu_kv_cache_usage", "Host (swap space) KV-cache usage, 0..1."),
     ("pagoda:num_cpu_blocks", "num_cpu_blocks", "KV blocks in the host swap space."),
+    ("pagoda:num_offload_blocks", "num_offload_blocks", "KV blocks in the prefix cache's host tier."),
+    ("pagoda:offload_cache_usage_perc", "offload_kv_cache_usage", "Prefix cache host tier usage, 0..1."),
     ("pagoda:brownout_active", "brownout_active",
      "1 while the scheduler is in brownout (memory pressure: smaller steps, new requests' max_tokens capped)."),
 )
@@ -87,6 +89,11 @@ _COUNTERS = (
     ("pagoda:swapped_in_blocks", "blocks_swapped_in", "KV blocks copied from host memory back to the device."),
     ("pagoda:prefill_tokens_computed", "prefill_tokens_computed",
      "Prefill tokens computed, recomputation after preemption included."),
+    ("pagoda:offloaded_blocks", "blocks_offloaded",
+     "Cached KV blocks copied to the host tier when evicted from the device pool."),
+    ("pagoda:offload_loaded_blocks", "blocks_loaded",
+     "KV blocks copied back from the host tier for a prefix hit (not recomputed)."),
+    ("pagoda:offload_dropped_blocks", "blocks_offload_dropped", "Host tier entries dropped when it was full."),
     ("pagoda:brownout_capped_requests", "brownout_capped_requests",
      "Requests whose max_tokens brownout lowered at admission."),
 )

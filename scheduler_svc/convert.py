@@ -40,7 +40,8 @@ def request_from_pb(pb: engine_pb2.GenerateRequest, arrival_time: float,
         request_id=RequestId(pb.request_id or f"req-{uuid.uuid4().hex}"),
         prompt_token_ids=tuple(pb.prompt_token_ids), sampling=sampling_from_pb(pb.sampling),
         arrival_time=arrival_time, priority=pb.priority, cache_salt=pb.cache_salt or None,
-        lora=lora_from_pb(pb), num_prior_output_tokens=pb.num_prior_output_tokens)
+        lora=lora_from_pb(pb), num_prior_output_tokens=pb.num_prior_output_tokens,
+        session_id=pb.session_id or None, session_ttl=pb.session_ttl_s)
 
 
 def request_to_pb(request: EngineRequest) -> engine_pb2.GenerateRequest:
@@ -48,7 +49,8 @@ def request_to_pb(request: EngineRequest) -> engine_pb2.GenerateRequest:
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_pb(request.sampling), priority=request.priority,
         cache_salt=request.cache_salt or "", lora=lora_to_pb(request.lora),
-        num_prior_output_tokens=request.num_prior_output_tokens)
+        num_prior_output_tokens=request.num_prior_output_tokens,
+        session_id=request.session_id or "", session_ttl_s=request.session_ttl)
 
 
 def delta_to_pb(delta: SequenceDelta) -> engine_pb2.SequenceDelta:
@@ -113,6 +115,10 @@ _STATS_FIELDS = {
     "blocks_swapped_out": "blocks_swapped_out", "blocks_swapped_in": "blocks_swapped_in",
     "num_cpu_blocks": "num_cpu_blocks", "cpu_kv_usage": "cpu_kv_cache_usage",
     "prefill_tokens_computed": "prefill_tokens_computed",
+    "num_offload_blocks": "num_offload_blocks", "offload_kv_usage": "offload_kv_cache_usage",
+    "blocks_offloaded": "blocks_offloaded", "blocks_loaded": "blocks_loaded",
+    "blocks_offload_dropped": "blocks_offload_dropped", "num_sessions": "num_sessions",
+    "num_session_blocks": "num_session_blocks",
 }
 
 

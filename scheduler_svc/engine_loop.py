@@ -108,6 +108,12 @@ class EngineLoop:
         self._wake.set()  # the next plan tells the worker to drop the request
         return True
 
+    def end_session(self, cache_salt: str | None, session_id: str) -> bool:
+        """End a session's lease now (its blocks become ordinary cached blocks)."""
+        found = self.scheduler.end_session(cache_salt, session_id)
+        log.info("session_ended", session_id=session_id, found=found)
+        return found
+
     @property
     def idle(self) -> bool:
         return not self.scheduler.has_unfinished_requests() and self.scheduler.num_inflight_steps == 0

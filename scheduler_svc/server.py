@@ -78,6 +78,7 @@ def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> Scheduler
         policy=config.scheduling_policy, max_inflight_steps=2 if config.pipelining else 1,
         speculative=config.speculative, brownout=config.brownout, max_loras=info.max_loras,
         num_cpu_blocks=info.num_cpu_blocks, preemption_mode=config.preemption_mode,
+        num_offload_blocks=info.num_offload_blocks if config.enable_prefix_caching else 0,
         sliding_window=info.sliding_window)
 
 
@@ -141,7 +142,8 @@ async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
     await health.set_serving(True)
     log.info("scheduler_serving", address=f"{config.host}:{port}", num_blocks=sched_config.num_blocks,
              max_model_len=sched_config.max_model_len, pipelining=config.pipelining,
-             num_cpu_blocks=sched_config.num_cpu_blocks, preemption_mode=config.preemption_mode or "auto")
+             num_cpu_blocks=sched_config.num_cpu_blocks, num_offload_blocks=sched_config.num_offload_blocks,
+             preemption_mode=config.preemption_mode or "auto")
     return RunningEngine(server, engine, client, loop_task, port, health)
 
 

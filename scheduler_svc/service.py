@@ -1,4 +1,4 @@
-"""The Engine servicer: Generate / Abort / GetInfo / GetStats, thin over the engine loop.
+"""The Engine servicer: Generate / Abort / EndSession / GetInfo / GetStats, thin over the engine loop.
 
 Each method: validate -> convert -> call the engine -> convert back. Domain errors become gRPC
 statuses through the one table in pagoda/errors.py. A Generate call that ends before its request
@@ -77,6 +77,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             return engine_pb2.AbortResponse(found=False)
         found = self._engine.abort(RequestId(request.request_id), reason="abort_rpc")
         return engine_pb2.AbortResponse(found=found)
+
+    async def EndSession(self, request: engine_pb2.EndSessionRequest, context) -> engine_pb2.EndSessionResponse:
+        if self._engine_or_none is None:
+            return engine_pb2.EndSessionResponse(found=False)
+        found = self._engine.end_session(request.cache_salt or None, request.session_id)
+        return engine_pb2.EndSessionResponse(found=found)
 
     async def GetInfo(self, request, context) -> engine_pb2.EngineInfo:
         if self._info is None:

@@ -33,6 +33,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="host memory (per rank) for KV blocks swapped out at preemption, pinned on CUDA; "
                         "the scheduler's --preemption-mode uses it (default 0: preemption recomputes). "
                         "--fake: 1024 host blocks per GiB")
+    p.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GiB",
+                   help="host memory (summed over TP ranks, as vLLM's) for the prefix cache's host tier: "
+                        "cached blocks evicted from the device pool are copied there and copied back on "
+                        "a later prefix hit instead of recomputed (default 0: dropped). --fake: 1024 "
+                        "host blocks per GiB")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cupy"])
     p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU: pre-pack linear weights for oneDNN at load (faster GEMMs; see "
@@ -76,6 +81,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         batch_invariant=args.batch_invariant,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, swap_space=args.swap_space, pooling_type=args.pooling_type,
+        kv_offloading_size=args.kv_offloading_size,
         normalize_embeddings=args.normalize_embeddings)
 
 
@@ -106,7 +112,8 @@ def build_runner(args: argparse.Namespace):
         return FakeStepRunner(num_blocks=args.num_gpu_blocks_override or 4096,
                               block_size=args.block_size, max_model_len=args.max_model_len or 4096,
                               vocab_size=args.vocab_size or fake_vocab_size(args.model), check_kv=False,
-                              num_cpu_blocks=int(args.swap_space * FAKE_BLOCKS_PER_GIB))
+                              num_cpu_blocks=int(args.swap_space * FAKE_BLOCKS_PER_GIB),
+                              num_offload_blocks=int(args.kv_offloading_size * FAKE_BLOCKS_PER_GIB))
     if not args.model:
         raise SystemExit("--model is required (or --fake)")
     from worker_svc.tp_worker import create_runner  # torch import: after flags parse

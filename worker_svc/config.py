@@ -39,6 +39,10 @@ class WorkerConfig:
     # vLLM's --swap-space: GiB of host memory (per rank) for KV blocks swapped out at preemption
     # (pinned on CUDA). 0 (the default, as vLLM v1 which only recomputes): none.
     swap_space: float = 0.0
+    # vLLM's --kv-offloading-size: GiB of host memory, summed over TP ranks as vLLM's, for the prefix
+    # cache's host tier (scheduler_svc/core/tiers/host_tier.py): the same host pool as the swap space,
+    # the blocks after its. 0 (the default): cached blocks evicted from the device are dropped.
+    kv_offloading_size: float = 0.0
     # Embeddings (worker_svc/pooling.py): vLLM's --pooling-type (last | mean) and normalisation
     pooling_type: str = "last"
     normalize_embeddings: bool = True

@@ -72,9 +72,13 @@ def _raw(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class HostKVPool:
-    """The swap space (--swap-space): swapped-out blocks in host memory, laid out as a KVCache's
+    """The swap space (--swap-space) and, after its blocks, the prefix cache's host tier
+    (--kv-offloading-size): KV blocks in host memory, laid out as a KVCache's
     storage [num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim], page-locked when
     the device cache is on CUDA so the copies are DMA transfers. Block ids come from the scheduler.
+    On a CPU worker the "device" cache is host memory too: a copy is a memcpy within the worker
+    process (an indexed gather and scatter between two CPU tensors), still worth it against a
+    recompute of the block's tokens through every layer.
 
     A swap moves a batch of blocks with one gather and one scatter per layer: the staging tensor
     is one layer's blocks, not all layers' (the device may be nearly full when it preempts).

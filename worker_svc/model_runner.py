@@ -114,12 +114,16 @@ class ModelRunner:
         if self.tp.size > 1:  # block ids mean the same slots on every rank
             num_blocks = self.tp.min_over_ranks(num_blocks)
         num_host_blocks = num_host_blocks_for(self.config.swap_space, shape)
+        # The prefix cache's host tier shares the host pool, after the swap space's blocks.
+        num_offload_blocks = num_host_blocks_for(self.config.kv_offloading_size / self.tp.size, shape)
         if self.tp.size > 1:
             num_host_blocks = self.tp.min_over_ranks(num_host_blocks)
+            num_offload_blocks = self.tp.min_over_ranks(num_offload_blocks)
         self.kv_cache = self.host_pool = None  # free the old caches before allocating new ones
         self.kv_cache = KVCache(shape, num_blocks, self.device)
-        if num_host_blocks:
-            self.host_pool = HostKVPool(shape, num_host_blocks, pin_memory=self.device.type == "cuda")
+        if num_host_blocks + num_offload_blocks:
+            self.host_pool = HostKVPool(shape, num_host_blocks + num_offload_blocks,
+                                        pin_memory=self.device.type == "cuda")
         self.reset()
         return WorkerInfo(num_blocks=num_blocks, block_size=self.config.block_size,
                           max_model_len=self.max_model_len,
@@ -127,7 +131,7 @@ class ModelRunner:
                           vocab_size=self.model_config.vocab_size, model_name=self.config.model,
                           max_loras=self.lora.max_loras if self.lora else 0,
                           max_lora_rank=self.lora.max_lora_rank if self.lora else 0,
-                          num_cpu_blocks=num_host_blocks,
+                          num_cpu_blocks=num_host_blocks, num_offload_blocks=num_offload_blocks,
                           sliding_window=self.model_config.kv_window)
 
     def reset(self) -> None:

@@ -44,7 +44,8 @@ def _check_swaps(plan: StepPlan, num_blocks: int, num_cpu_blocks: int) -> None:
     for name, copies, src_blocks, dst_blocks in (("swap-out", plan.swap_out, num_blocks, num_cpu_blocks),
                                                  ("swap-in", plan.swap_in, num_cpu_blocks, num_blocks)):
         if copies and not num_cpu_blocks:
-            raise PlanError(f"a {name} but this worker has no swap space (start it with --swap-space)")
+            raise PlanError(f"a {name} but this worker has no host pool (start it with --swap-space "
+                            "or --kv-offloading-size)")
         _check_blocks((c.src for c in copies), src_blocks, f"{name} source")
         _check_blocks((c.dst for c in copies), dst_blocks, f"{name} destination")
         if len({c.dst for c in copies}) != len(copies):

@@ -26,6 +26,7 @@ from gateway.openai.responses_api.serving import create_response
 from gateway.openai.serving_chat import ToolPlan, chat_prompt_ids, create_chat_completion
 from gateway.openai.serving_completion import create_completion
 from gateway.openai.serving_embedding import EmbeddingRequest, create_embedding
+from gateway.openai.session_routes import add_session_routes
 from gateway.openai.tool_parsers import ToolParserManager
 from gateway.state import GatewayState
 from gateway.tenancy.rate_limit import retry_after_header
@@ -74,6 +75,7 @@ def create_app(state: GatewayState) -> FastAPI:
     app.router.route_class = IJSONRoute  # bodies read as I-JSON: a lone surrogate is a 400
     _add_routes(app, state)
     add_lora_routes(app, state)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+    add_session_routes(app, state)  # DELETE /v1/sessions/{id}
     add_anthropic_routes(app, state)  # /v1/messages: Anthropic's Messages API
     add_chat_page(app)  # GET /: the chat page (gateway/web/static/), outside the OpenAPI schema
     _add_error_handlers(app, state.config.retry_after_s)

@@ -70,6 +70,10 @@ class _GenerationFields(StructuredFields):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    # Pagoda's session lease (docs/kv_tiers.md): the history's KV stays cached for the session's next
+    # turn until session_ttl seconds pass (default DEFAULT_SESSION_TTL_S) or DELETE /v1/sessions/{id}.
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    session_ttl: float | None = Field(default=None, gt=0, le=86400)
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # int32 on the wire
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 
-from gateway.generation import GenerationInput
+from gateway.generation import DEFAULT_SESSION_TTL_S, GenerationInput
 from gateway.openai.protocol import _GenerationFields
 from gateway.tokenizer import Tokenizer
 from pagoda.contract.errors import InvalidRequestError
@@ -57,7 +57,8 @@ def build_generation_input(request: _GenerationFields, request_id: str, prompt_i
         request_id=request_id, prompt_token_ids=tuple(prompt_ids), sampling=sampling,
         stop=request.stop_strings(), include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens, priority=request.priority,
-        cache_salt=request.cache_salt or "")
+        cache_salt=request.cache_salt or "", session_id=request.session_id or "",
+        session_ttl_s=request.session_ttl or DEFAULT_SESSION_TTL_S)
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int) -> None:

@@ -63,6 +63,11 @@ class EngineClient:
         reply = await self._unary(self._stub.Abort, engine_pb2.AbortRequest(request_id=request_id))
         return reply.found
 
+    async def end_session(self, session_id: str, cache_salt: str) -> bool:
+        reply = await self._unary(self._stub.EndSession, engine_pb2.EndSessionRequest(
+            session_id=session_id, cache_salt=cache_salt))
+        return reply.found
+
     async def get_info(self) -> engine_pb2.EngineInfo:
         return await self._unary(self._stub.GetInfo, engine_pb2.GetInfoRequest())
 

@@ -228,6 +228,12 @@ class ReplicaSet:
                                      return_exceptions=True)
         return any(f is True for f in found)
 
+    async def end_session(self, session_id: str, cache_salt: str) -> bool:
+        """On every replica: the session's turns may have been routed to any of them."""
+        found = await asyncio.gather(*(r.client.end_session(session_id, cache_salt) for r in self.replicas),
+                                     return_exceptions=True)
+        return any(f is True for f in found)
+
     async def get_info(self) -> engine_pb2.EngineInfo:
         return await self._first(lambda r: r.client.get_info())
 

@@ -175,6 +175,9 @@ class WorkerInfo:
     max_loras: int = 0  # distinct LoRA adapters a step may use; 0: LoRA disabled
     max_lora_rank: int = 0
     num_cpu_blocks: int = 0  # host blocks for swapped-out KV (--swap-space); 0: preemption recomputes
+    # Host blocks of the prefix cache's host tier (--kv-offloading-size): host ids after the swap
+    # space's, [num_cpu_blocks, num_cpu_blocks + num_offload_blocks); 0: evicted prefixes are dropped.
+    num_offload_blocks: int = 0
     # Every layer attends within a sliding window, none wider than this (Mistral v0.1): KV blocks
     # wholly before it are never read again, and the scheduler frees them. 0: some layer (or every
     # one) attends to all positions.

@@ -133,7 +133,8 @@ def info_to_pb(info: WorkerInfo, epoch: int) -> worker_pb2.InitResponse:
         num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
         eos_token_ids=info.eos_token_ids, epoch=epoch, vocab_size=info.vocab_size,
         model_name=info.model_name, max_loras=info.max_loras, max_lora_rank=info.max_lora_rank,
-        num_cpu_blocks=info.num_cpu_blocks, sliding_window=info.sliding_window)
+        num_cpu_blocks=info.num_cpu_blocks, sliding_window=info.sliding_window,
+        num_offload_blocks=info.num_offload_blocks)
 
 
 def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
@@ -142,4 +143,4 @@ def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
         num_blocks=pb.num_blocks, block_size=pb.block_size, max_model_len=pb.max_model_len,
         eos_token_ids=tuple(pb.eos_token_ids), vocab_size=pb.vocab_size, model_name=pb.model_name,
         max_loras=pb.max_loras, max_lora_rank=pb.max_lora_rank, num_cpu_blocks=pb.num_cpu_blocks,
-        sliding_window=pb.sliding_window)
+        sliding_window=pb.sliding_window, num_offload_blocks=pb.num_offload_blocks)

@@ -98,7 +98,8 @@ class LLM:
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
                  kv_cache_dtype: str = "auto", swap_space: float = 0.0,
                  preemption_mode: str | None = None, pooling_type: str = "last",
-                 normalize_embeddings: bool = True, batch_invariant: bool = False) -> None:
+                 normalize_embeddings: bool = True, batch_invariant: bool = False,
+                 kv_offloading_size: float = 0.0) -> None:
         # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
         # "prompt_lookup_min": 2}, or {"method": "suffix", ...} (scheduler_svc/core/spec/). Checked
         # before loading.
@@ -116,7 +117,7 @@ class LLM:
             enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             swap_space=swap_space, pooling_type=pooling_type, normalize_embeddings=normalize_embeddings,
-            batch_invariant=batch_invariant)
+            batch_invariant=batch_invariant, kv_offloading_size=kv_offloading_size)
         self.runner = create_runner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
         # Runs close()'s work when the LLM is garbage-collected (vLLM's users `del` their engine);
         # it holds the runner's bound close, never `self`, so it does not keep the LLM alive.
@@ -130,7 +131,8 @@ class LLM:
                 long_prefill_token_threshold=long_prefill_token_threshold,
                 enable_prefix_caching=enable_prefix_caching, eos_token_ids=info.eos_token_ids,
                 speculative=speculative, max_loras=info.max_loras, num_cpu_blocks=info.num_cpu_blocks,
-                preemption_mode=preemption_mode, sliding_window=info.sliding_window)
+                preemption_mode=preemption_mode, sliding_window=info.sliding_window,
+                num_offload_blocks=info.num_offload_blocks if enable_prefix_caching else 0)
         except BaseException:
             self.close()
             raise

@@ -2,8 +2,11 @@
 
 - In queue order, while `max_num_seqs` slots, the step's token budget, the worker's LoRA slots and
   the pool allow; the first that does not fit stops admission (the order is kept: no overtaking).
-- A sequence starts after its verified prefix-cache hit, or after its swapped KV (swap.py), and
-  computes at most one prefill chunk (`long_prefill_token_threshold`) in its first step.
+- A sequence starts after its verified prefix-cache hit (device blocks, then the host tier's,
+  tiers/host_tier.py: only at ordinary admission, not a beam group's nor a suspect's), or after its
+  swapped KV (swap.py), and computes at most one prefill chunk (`long_prefill_token_threshold`)
+  in its first step.
+- When the pool is short, idle sessions' leases are demoted first (tiers/sessions.py), oldest first.
 - A beam group (beam_group.py) enters whole, or waits whole.
 - The LoRA rule: at most `max_loras` distinct adapters among the running sequences. Why: the worker
   has `max_loras` device slots and every resident sequence may be scheduled in the same step, so the
@@ -34,7 +37,8 @@ from scheduler_svc.core.swap import SwapManager, resume_point
 class Admission:
     def __init__(self, config: SchedulerConfig, threshold: int, kv: KVCacheManager, queues: RunQueues,
                  swap: SwapManager, brownout: BrownoutGovernor, counters: SchedulerCounters,
-                 preempt: Callable[[Sequence, StepPlan], None]) -> None:
+                 preempt: Callable[[Sequence, StepPlan], None],
+                 demote: Callable[[], bool] = lambda: False) -> None:
         self._config = config
         self._threshold = threshold
         self._kv = kv
@@ -43,6 +47,7 @@ class Admission:
         self._brownout = brownout  # caps a request's max_tokens at its first admission
         self._counters = counters
         self._preempt = preempt  # the scheduler's preemption (a beam takes its group along)
+        self._demote = demote  # an idle session's lease lets its blocks go (tiers/sessions.py)
 
     def admit_waiting(self, draft: StepDraft) -> None:
         """Admit from the head of the waiting queue while everything fits (the policy above)."""
@@ -59,26 +64,30 @@ class Admission:
                     return  # the group enters whole, or waits (in order)
                 continue
             hits, last_serial = kv.find_cached_prefix(seq)
-            num_hit = len(hits) * cfg.block_size
+            host = kv.find_offloaded(seq, len(hits))  # the host tier's hits past the device's
+            num_hit = (len(hits) + len(host)) * cfg.block_size
             start = resume_point(seq, num_hit)  # past the hit, or past its swapped KV
             num_new = min(len(seq.token_ids) - start, self._threshold, draft.budget)
             if not kv.pool.can_allocate(kv.blocks_to_admit(hits, start + num_new)):
+                if self._demote():  # idle sessions' blocks make room (to the LRU, then the host tier)
+                    continue
                 return
             waiting.pop()
-            self.admit(draft, seq, hits, last_serial, num_hit, num_new)
+            self.admit(draft, seq, hits, last_serial, num_hit, num_new, host)
 
     def admit(self, draft: StepDraft, seq: Sequence, hits: list[BlockId], last_serial: int, num_hit: int,
-              num_new: int) -> None:
+              num_new: int, host: list[int] | None = None) -> None:
         """Make `seq` (just taken off the waiting queue) resident: blocks, plan entry, running.
-        `num_new` tokens are computed from its resume point (its hit, or its swapped tokens)."""
+        `num_new` tokens are computed from its resume point (its hit, or its swapped tokens); its
+        hit is its device `hits` then the host tier's `host` slots (loaded in the plan)."""
         start = resume_point(seq, num_hit)
-        self._kv.admit(seq, hits, last_serial, start + num_new)
+        self._kv.admit(seq, hits, last_serial, start + num_new, host, draft.plan)
         seq.num_computed_tokens = start
         req = seq.request
         if self._counters.note_admission(seq, num_hit) and self._brownout.cap:
             self._brownout.cap_max_tokens(req)  # in brownout: a new request gets the short limit
         if seq.host_blocks:  # swapped out: its KV comes back from the host
-            self._swap.swap_in(seq, len(hits), draft.plan)
+            self._swap.swap_in(seq, num_hit // self._config.block_size, draft.plan)
         draft.plan.new_requests.append(NewRequestData(
             seq.seq_id, list(seq.token_ids), req.worker_num_prompt_tokens, list(seq.block_table),
             start, num_new, req.worker_sampling, seq.seq_index, req.lora))
@@ -96,18 +105,12 @@ class Admission:
         if queues.running_slots + len(beams) > self._config.max_num_seqs or draft.budget < len(beams) \
                 or any(beam.num_placeholders for beam in beams):
             return False
-        need, left = 0, draft.budget
-        for k, beam in enumerate(beams):
-            hits, _ = kv.find_cached_prefix(beam)
-            start = resume_point(beam, len(hits) * bs)  # its hit or swapped KV
-            num_new = min(len(beam.token_ids) - start, self._threshold, left - (len(beams) - k - 1))
-            left -= num_new
-            need += kv.blocks_to_admit(hits, start + num_new)
-        if not kv.pool.can_allocate(need):
-            return False
+        while not kv.pool.can_allocate(self._group_blocks(beams, draft.budget)):
+            if not self._demote():  # idle sessions' blocks go first (recounted: hits may revive)
+                return False
         # Each beam's hits are looked up again just before it is admitted: the blocks the beams
-        # before it allocated may have evicted one (never making the total exceed `need`: an
-        # evicted hit was counted as a revived block, and is now a new one).
+        # before it allocated may have evicted one (never making the total exceed what
+        # _group_blocks counted: an evicted hit was counted as a revived block, and is now a new one).
         for k, beam in enumerate(beams):
             hits, last_serial = kv.find_cached_prefix(beam)
             num_hit = len(hits) * bs
@@ -116,6 +119,18 @@ class Admission:
             waiting.remove(beam)
             self.admit(draft, beam, hits, last_serial, num_hit, num_new)
         return True
+
+    def _group_blocks(self, beams: list[Sequence], budget: int) -> int:
+        """Blocks admitting every beam of a group consumes this step."""
+        kv, bs = self._kv, self._kv.block_size
+        need, left = 0, budget
+        for k, beam in enumerate(beams):
+            hits, _ = kv.find_cached_prefix(beam)
+            start = resume_point(beam, len(hits) * bs)  # its hit or swapped KV
+            num_new = min(len(beam.token_ids) - start, self._threshold, left - (len(beams) - k - 1))
+            left -= num_new
+            need += kv.blocks_to_admit(hits, start + num_new)
+        return need
 
     def admit_suspect(self, draft: StepDraft, target: Sequence) -> None:
         """Admit `target` out of queue order, preempting resident sequences from the tail until it
@@ -131,6 +146,8 @@ class Admission:
                     lora_fits(target, q.running, cfg.max_loras):  # the worker's slots
                 break
             if not q.running:
+                if self._demote():  # idle sessions' blocks go first
+                    continue
                 return  # cannot happen for an admitted request (add_request checked its size)
             self._preempt(q.running[-1], draft.plan)
         q.waiting.remove(target)

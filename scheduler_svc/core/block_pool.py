@@ -4,13 +4,14 @@ A block is in exactly one of three places (the invariant `check` asserts):
 - the free list: ref 0, holds nothing worth keeping;
 - the evictable LRU: ref 0, but holds a registered prefix block that a later request may hit;
 - in use: ref > 0 (shared when > 1: prefix hits, forked sequences, deferred frees).
-Allocation takes the free list first (FIFO, so block ids are predictable), then evicts the LRU head.
+Allocation takes the free list first (FIFO, so block ids are predictable), then evicts the LRU head
+(handing its prefix entry to `on_evict` first, when set: the host tier copies it, tiers/host_tier.py).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagoda.contract.ids import BlockId
 from scheduler_svc.core.prefix_index import PrefixIndex
@@ -18,7 +19,7 @@ from scheduler_svc.core.prefix_index import PrefixIndex
 
 class BlockPool:
     __slots__ = ("num_blocks", "_ref", "_free", "_evictable", "_num_used", "_index",
-                 "num_allocated_total", "num_freed_total")
+                 "num_allocated_total", "num_freed_total", "on_evict")
 
     def __init__(self, num_blocks: int, index: PrefixIndex | None = None) -> None:
         if num_blocks < 1:
@@ -33,6 +34,8 @@ class BlockPool:
         # to in use, and back. allocated - freed == num_used at all times.
         self.num_allocated_total = 0
         self.num_freed_total = 0
+        # Called with (block, its prefix entry) when a cached block is evicted for reuse.
+        self.on_evict: Callable[[BlockId, tuple], None] | None = None
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -77,7 +80,9 @@ class BlockPool:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                self._index.remove(block)  # type: ignore[union-attr]  # evictable implies an index
+                entry = self._index.remove(block)  # type: ignore[union-attr]  # evictable implies an index
+                if self.on_evict is not None:
+                    self.on_evict(block, entry)
             self._ref[block] = 1
             out.append(block)
         self._num_used += n

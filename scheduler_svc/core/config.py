@@ -99,6 +99,9 @@ class SchedulerConfig:
     # tokens exceed one prefill chunk, long_prefill_token_threshold, when the host pool has room).
     num_cpu_blocks: int = 0
     preemption_mode: Literal["recompute", "swap"] | None = None
+    # The prefix cache's host tier (core/tiers/host_tier.py): host blocks of the worker's
+    # --kv-offloading-size (from its Init; host ids after the swap space's). 0: evicted prefixes drop.
+    num_offload_blocks: int = 0
     # The model's sliding window when every layer has one (the worker's Init); 0: none. Blocks
     # wholly before a sequence's window are freed (kv_cache_manager.py: free_out_of_window).
     sliding_window: int = 0

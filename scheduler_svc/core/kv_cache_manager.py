@@ -15,6 +15,7 @@ from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.prefix_index import PrefixIndex, block_extra_keys
 from scheduler_svc.core.request import NULL_BLOCK, SeqStatus, Sequence
+from scheduler_svc.core.tiers.host_tier import HostTier
 
 
 def position_to_block(pos: int, block_size: int) -> tuple[int, int]:
@@ -29,11 +30,16 @@ def slot_mapping(block_table: list[BlockId], start: int, end: int, block_size: i
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 sliding_window: int = 0) -> None:
+                 sliding_window: int = 0, offload_base: int = 0, num_offload_blocks: int = 0) -> None:
         self.block_size = block_size
         self.window = sliding_window  # every layer's window is at most this; 0: no freeing
         self.index = PrefixIndex() if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.index)
+        # The host tier (tiers/host_tier.py): evicted cached blocks go to host slots [offload_base, ...).
+        self.tier = HostTier(offload_base, num_offload_blocks) \
+            if enable_prefix_caching and num_offload_blocks else None
+        if self.tier is not None:
+            self.pool.on_evict = self.tier.offload
         self._deferred: dict[int, list[list[BlockId]]] = {}  # step id -> block lists to free then
         self.num_deferred = 0  # blocks in those lists (an upper bound of what they will free)
 
@@ -59,6 +65,19 @@ class KVCacheManager:
         self._ensure_hashes(seq, max_blocks)
         return self.index.match(seq.block_hashes, seq.token_ids, self.block_size,
                                 seq.request.cache_salt, max_blocks, seq.request.lora_key)
+
+    def find_offloaded(self, seq: Sequence, num_hit_blocks: int) -> list[int]:
+        """Host-tier slots of the full blocks right after seq's `num_hit_blocks` device hits (found
+        by find_cached_prefix just before), verified, leaving >= 1 token to compute."""
+        tier = self.tier
+        if tier is None or seq.request.needs_prompt_logprobs or seq.request.sampling.pooling:
+            return []
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        if num_hit_blocks >= max_blocks:
+            return []
+        salt, lora_key = seq.request.cache_salt, seq.request.lora_key
+        keys = [block_extra_keys(i, salt, lora_key) for i in range(num_hit_blocks, max_blocks)]
+        return tier.match(seq.block_hashes, seq.token_ids, self.block_size, keys, num_hit_blocks, max_blocks)
 
     def register_computed(self, seq: Sequence, num_computed: int) -> None:
         """Register the full blocks of positions < num_computed (their writing step has reported)."""
@@ -94,13 +113,22 @@ class KVCacheManager:
         revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
         return cdiv(end, self.block_size) - len(hits) + revived
 
-    def admit(self, seq: Sequence, hits: list[BlockId], last_serial: int, end: int) -> None:
+    def admit(self, seq: Sequence, hits: list[BlockId], last_serial: int, end: int,
+              host_slots: list[int] | None = None, plan: StepPlan | None = None) -> None:
+        """Device hits first, then fresh blocks; the first len(host_slots) of those are filled from
+        the host tier in `plan` (its hits past the device ones, find_offloaded)."""
+        if host_slots:
+            self.tier.reserve(host_slots)  # type: ignore[union-attr]  # before the evictions allocate makes
         self.pool.touch(hits)  # before allocating, so the hits cannot be evicted by it
         new = self.pool.allocate(cdiv(end, self.block_size) - len(hits))
         assert new is not None, "admit() without a successful blocks_to_admit() check"
         seq.block_table = hits + new
-        seq.num_registered_blocks = len(hits)
+        seq.num_registered_blocks = len(hits)  # the loaded blocks register when their step reports
         seq.last_serial = last_serial
+        if host_slots:
+            n = len(hits)
+            self.tier.load(seq.block_hashes[n:n + len(host_slots)], host_slots,  # type: ignore[union-attr]
+                           new[:len(host_slots)], plan)
 
     def blocks_needed(self, seq: Sequence, num_new: int) -> int:
         """New blocks for positions [computed, computed+num_new): appends plus copy-on-write."""
@@ -195,12 +223,16 @@ class KVCacheManager:
         self._deferred.clear()
         self.num_deferred = 0
         self.pool.reset()
+        if self.tier is not None:
+            self.tier.reset()
 
     def check_refs(self, held: Counter[int]) -> None:
         """Raise AssertionError unless each block's ref count is what `held` counts (tables, pins)
         plus the deferred frees (O(pool): tests)."""
         pool = self.pool
         pool.check()
+        if self.tier is not None:
+            self.tier.check()
         held.update(self.deferred_blocks())
         for block in range(pool.num_blocks):
             if held[block] != pool.ref_count(block):

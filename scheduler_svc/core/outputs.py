@@ -102,3 +102,11 @@ class SchedulerStats:
     cpu_kv_usage: float = 0.0  # used / total host blocks, 0..1
     # Tokens computed in prefill chunks, recomputation after preemption included (what swapping saves)
     prefill_tokens_computed: int = 0
+    # The prefix cache's host tier (tiers/host_tier.py)
+    num_offload_blocks: int = 0  # its capacity; 0: none
+    offload_kv_usage: float = 0.0  # offloaded / capacity, 0..1
+    blocks_offloaded: int = 0  # total device -> host copies of evicted cached blocks
+    blocks_loaded: int = 0  # total host -> device copies (prefix hits served from the host)
+    blocks_offload_dropped: int = 0  # total entries the full tier dropped
+    num_sessions: int = 0  # live session leases (tiers/sessions.py)
+    num_session_blocks: int = 0  # device blocks they pin

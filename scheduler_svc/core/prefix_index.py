@@ -89,11 +89,13 @@ class PrefixIndex:
         self._by_hash[block_hash] = block
         return serial
 
-    def remove(self, block: BlockId) -> None:
-        """Forget a block (it is being evicted and reused)."""
-        block_hash = self._entries.pop(block)[_HASH]
+    def remove(self, block: BlockId) -> _Entry:
+        """Forget a block (it is being evicted and reused); its entry (the host tier keeps it)."""
+        entry = self._entries.pop(block)
+        block_hash = entry[_HASH]
         if self._by_hash.get(block_hash) == block:
             del self._by_hash[block_hash]
+        return entry
 
     def purge(self) -> None:
         """Forget everything (worker restart: the cache contents are gone). Serials stay unique."""

@@ -44,6 +44,10 @@ class EngineRequest:
     # output this request already produced elsewhere. The scheduler's own limits (max_tokens,
     # min_tokens) count new tokens only; the worker is told they are output (Request.worker_*).
     num_prior_output_tokens: int = 0
+    # A session lease (tiers/sessions.py): when this request finishes its history's blocks stay pinned
+    # for session_ttl seconds, for the session's next turn. None: no lease.
+    session_id: str | None = None
+    session_ttl: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -67,6 +71,8 @@ class Request:
     stop_token_set: frozenset[int] = frozenset()
     beam: BeamGroup | None = None  # beam search (beam_group.py); None: n independent sequences
     num_prior_output_tokens: int = 0  # EngineRequest's
+    session_id: str | None = None  # EngineRequest's (tiers/sessions.py)
+    session_ttl: float = 0.0
     # Fields, not properties: read for every sequence on every step.
     num_prompt_tokens: int = field(init=False)
     max_num_tokens: int = field(init=False)  # prompt + max_tokens: no token is sampled beyond it

@@ -24,7 +24,8 @@ Shape: `Scheduler` declares the whole public API here and runs the per-step path
 running, preempt, fork, apply results, finish). What keeps state is an object it holds and calls,
 each owning its own: the KV manager (kv_cache_manager.py), the run queues (queues.py), admission
 (admission.py), the swap manager (swap.py), the brownout governor (brownout.py), the poison isolator
-(poison.py), the prompt pinner (pinning.py), the speculator (spec/), the beam groups
+(poison.py), the prompt pinner (pinning.py), the session leases (tiers/sessions.py), the host
+tier (tiers/host_tier.py, in the KV manager), the speculator (spec/), the beam groups
 (beam_group.py) and the counters (outputs.py). They get the KV manager, the run queues and
 callbacks, never the Scheduler. Invariants: check_invariants (block accounting, queues, host pool).
 """
@@ -32,6 +33,7 @@ callbacks, never the Scheduler. Invariants: check_invariants (block accounting, 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -53,6 +55,8 @@ from scheduler_svc.core.request import EngineRequest, Request, SeqStatus, Sequen
 from scheduler_svc.core.spec import make_speculator
 from scheduler_svc.core.step_draft import InflightStep, StepDraft
 from scheduler_svc.core.swap import SwapManager
+from scheduler_svc.core.tiers.host_tier import tier_stats
+from scheduler_svc.core.tiers.sessions import SessionLeases
 
 __all__ = ["Scheduler", "SchedulerStats"]
 
@@ -63,10 +67,11 @@ class Scheduler:
     out); note_step_failure / reset_after_worker_loss / fail_all when the worker fails; stats(),
     check_invariants() and the read-only properties below for the engine loop and tests."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         bs = config.block_size
-        self._kv = KVCacheManager(config.num_blocks, bs, config.enable_prefix_caching, config.sliding_window)
+        self._kv = KVCacheManager(config.num_blocks, bs, config.enable_prefix_caching, config.sliding_window,
+                                  config.num_cpu_blocks, config.num_offload_blocks)
         self._threshold = config.long_prefill_token_threshold or max(1, config.max_num_batched_tokens // 2)
         self._queues = RunQueues(config.policy)
         self._inflight: deque[InflightStep] = deque()
@@ -79,13 +84,15 @@ class Scheduler:
         spec = config.speculative
         self._spec = make_speculator(spec, self._kv, self._threshold) if spec is not None else None
         self._pins = PromptPinner(self._kv, self._queues.requests, self.add_request)
+        self._leases = SessionLeases(self._kv, clock)  # `clock`: the session TTLs' (tests pass their own)
         self._brownout = BrownoutGovernor(config.brownout, config.max_num_batched_tokens, config.max_num_seqs)
         self._beams = BeamGroups(self._kv, self._queues, self._threshold, make_room=self._preempt_until_fits,
                                  preempt_one=self._preempt_one, finish=self._finish,
                                  last_inflight=self._last_inflight)
         self._swap = SwapManager(config.num_cpu_blocks, bs, config.preemption_mode, self._threshold)
         self._admission = Admission(config, self._threshold, self._kv, self._queues, self._swap,
-                                    self._brownout, self._counters, preempt=self._preempt)
+                                    self._brownout, self._counters, preempt=self._preempt,
+                                    demote=self._leases.demote_one)
         # Speculation needs every sequence's last token to propose: one step in flight at a time.
         self.max_inflight_steps = 1 if spec is not None else config.max_inflight_steps
         self.last_failure: str | None = None  # fail_all's reason
@@ -99,11 +106,14 @@ class Scheduler:
         if rid in q.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         max_tokens = check_request(self.config, request, len(q.waiting), q.waiting.num_tokens)
+        if request.session_id is not None and not request.session_ttl > 0:
+            raise InvalidRequestError("a session_id needs a positive retain TTL (seconds)")
         num_seqs = sampling.beam_width or sampling.n
         stop_set = sampling.stop_tokens(self.config.eos_token_ids)
         req = Request(rid, tuple(prompt), sampling, max_tokens, request.priority, request.arrival_time,
                       next(self._arrivals), request.cache_salt, request.lora, num_unfinished=num_seqs,
-                      stop_token_set=stop_set, num_prior_output_tokens=request.num_prior_output_tokens)
+                      stop_token_set=stop_set, num_prior_output_tokens=request.num_prior_output_tokens,
+                      session_id=request.session_id, session_ttl=request.session_ttl)
         seq = Sequence(rid, 0, req, list(prompt), pending_fork=num_seqs > 1)
         req.seqs.append(seq)
         if sampling.beam_width:
@@ -115,6 +125,10 @@ class Scheduler:
     def pin_prompt(self, token_ids: list[int] | tuple[int, ...]) -> RequestId:
         """Prefill `token_ids` and keep its full blocks cached for the engine's life (pinning.py)."""
         return self._pins.pin(token_ids)
+
+    def end_session(self, cache_salt: str | None, session_id: str) -> bool:
+        """End a session's lease now (its blocks become ordinary cached blocks); False if it has none."""
+        return self._leases.end(cache_salt, session_id)
 
     def abort(self, request_id: RequestId) -> list[SequenceDelta]:
         """ABORT deltas for the request's unfinished sequences; [] if unknown or already ended."""
@@ -131,6 +145,7 @@ class Scheduler:
         if brownout.enabled:  # sustained memory pressure: smaller steps, capped max_tokens
             pool = self._kv.pool
             brownout.observe(pool.num_used / pool.num_blocks, self._counters.num_preemptions)
+        self._leases.expire()  # sessions whose TTL has passed let their blocks go
         if self._isolator.suspects:  # a step failed: run the suspects one by one first (poison.py)
             return self._schedule_probe()
         plan = self._new_plan()
@@ -252,6 +267,15 @@ class Scheduler:
         return len(self._pins.blocks)
 
     @property
+    def num_sessions(self) -> int:
+        """Live session leases (tiers/sessions.py), with or without blocks."""
+        return len(self._leases)
+
+    @property
+    def num_session_blocks(self) -> int:
+        return self._leases.num_blocks
+
+    @property
     def num_swapped(self) -> int:
         return self._swap.num_swapped
 
@@ -289,12 +313,15 @@ class Scheduler:
             max_loras=self.config.max_loras, num_swapped=swap.num_swapped,
             num_swap_preemptions=swap.num_swap_preemptions, blocks_swapped_out=swap.blocks_swapped_out,
             blocks_swapped_in=swap.blocks_swapped_in, num_cpu_blocks=self.config.num_cpu_blocks,
-            cpu_kv_usage=swap.cpu_kv_usage, prefill_tokens_computed=c.prefill_tokens_computed)
+            cpu_kv_usage=swap.cpu_kv_usage, prefill_tokens_computed=c.prefill_tokens_computed,
+            num_sessions=len(self._leases), num_session_blocks=self._leases.num_blocks,
+            **tier_stats(self._kv.tier))
 
     def check_invariants(self) -> None:
         """Raise AssertionError with details when the block accounting is off (O(total): tests)."""
         held = self._queues.check(self.config.block_size)  # the running tables' references
         held.update(self._pins.blocks)
+        held.update(self._leases.held_blocks())
         self._kv.check_refs(held)
         self._queues.check_counts(self.config.max_num_seqs)
         self._swap.check(self._queues.live)
@@ -314,6 +341,8 @@ class Scheduler:
         self._inflight.append(InflightStep(plan.step_id, draft.computed, draft.spec, num_tokens))
         self._counters.last_step = (draft.num_prefill, draft.num_decode, len(plan.preempted_ids))
         self._counters.prefill_tokens_computed += draft.num_prefill
+        if self._kv.tier is not None:  # the host tier's offloads of the blocks this plan evicted
+            self._kv.tier.seal(plan)
         self._next_step_id += 1
         return plan
 
@@ -417,6 +446,9 @@ class Scheduler:
         kv, running = self._kv, self._queues.running
         need = blocks_needed()
         while not kv.pool.can_allocate(need) and kv.pool.num_available + kv.num_deferred < need:
+            if self._leases.demote_one():  # idle sessions' pinned blocks go before running sequences
+                need = blocks_needed()
+                continue
             victim = running[-1]
             self._preempt(victim, plan)
             if is_self(victim):
@@ -563,6 +595,7 @@ class Scheduler:
         self._isolator.suspects.discard(seq.seq_id)
         if seq.status is SeqStatus.RUNNING:
             self._pins.finishing(seq)  # before its blocks drop: a pin keeps one reference
+            self._leases.finishing(seq)  # and a session's lease one
             q.remove_running(seq)
             self._drop_blocks(seq)
         elif seq.status is SeqStatus.WAITING:
@@ -588,4 +621,5 @@ class Scheduler:
         self._kv.reset()
         self._swap.reset()
         self._next_step_id = 1
+        self._leases.reset()  # the leases stay, without blocks
         self._pins.requeue()  # they run again when a worker is back

@@ -38,6 +38,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     active: set[str] = field(default_factory=set)  # request ids streaming now
     cancelled: list[str] = field(default_factory=list)  # request ids whose caller left early
     responses_sent: int = 0
+    ended_sessions: list[tuple[str, str]] = field(default_factory=list)  # EndSession calls
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -102,6 +103,14 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
 
     async def Abort(self, request, context):
         return engine_pb2.AbortResponse(found=request.request_id in self.active)
+
+    async def EndSession(self, request, context):
+        """Found when a request of that session (and salt) came through and it was not ended yet."""
+        key = (request.session_id, request.cache_salt)
+        live = {(r.session_id, r.cache_salt) for r in self.requests if r.session_id}
+        found = key in live and key not in self.ended_sessions
+        self.ended_sessions.append(key)
+        return engine_pb2.EndSessionResponse(found=found)
 
     async def GetInfo(self, request, context):
         return engine_pb2.EngineInfo(model_name=self.model_name, max_model_len=self.max_model_len,

@@ -144,6 +144,22 @@ async def test_the_tenant_salts_the_prefix_cache(tenant_gateway, make_gateway, u
     assert [r.cache_salt for r in upstream.engine.requests] == ["free-b", "free-b:mine", "group-1", "mine", ""]
 
 
+async def test_a_session_reaches_the_engine_and_ends_in_its_tenant_only(tenant_gateway, upstream):
+    await complete(client_for(tenant_gateway, "sk-b"), extra_body={"session_id": "s1", "session_ttl": 30})
+    await complete(client_for(tenant_gateway, "sk-b"), extra_body={"session_id": "s2"})
+    await complete(client_for(tenant_gateway, "sk-b"))
+    assert [(r.session_id, r.session_ttl_s) for r in upstream.engine.requests] == \
+        [("s1", 30.0), ("s2", generation.DEFAULT_SESSION_TTL_S), ("", 0.0)]
+    http = tenant_gateway.http
+    other = await http.delete("http://gateway/v1/sessions/s1", headers={"authorization": "Bearer sk-s"})
+    assert other.status_code == 404 and other.json()["error"]["code"] == 404  # another tenant's salt
+    mine = await http.delete("http://gateway/v1/sessions/s1", headers={"authorization": "Bearer sk-b"})
+    assert mine.json() == {"id": "s1", "object": "session", "deleted": True}
+    assert upstream.engine.ended_sessions == [("s1", "group-1"), ("s1", "free-b")]
+    with pytest.raises(openai.BadRequestError, match="session_ttl"):
+        await complete(client_for(tenant_gateway, "sk-b"), extra_body={"session_id": "s3", "session_ttl": -1})
+
+
 async def test_unknown_key_is_401_and_usage_is_counted_per_tenant(tenant_gateway):
     with pytest.raises(openai.AuthenticationError):
         await complete(client_for(tenant_gateway, "sk-unknown"))

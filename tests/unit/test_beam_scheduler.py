@@ -121,7 +121,8 @@ def test_random_traces_keep_the_invariant_and_return_the_reference_beams(trace):
     config, requests, aborts = trace
     sampler = FakeSampler(vocab_size=40, eos_token_id=EOS, eos_probability=0.05)
     scheduler = Scheduler(config)
-    worker = FakeWorker(config.num_blocks, config.block_size, sampler, num_cpu_blocks=config.num_cpu_blocks)
+    worker = FakeWorker(config.num_blocks, config.block_size, sampler,
+                        num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks)
     outputs: dict[tuple[str, int], list[int]] = {}
     finished: set[tuple[str, int]] = set()
     aborted: set[str] = set()

@@ -2,8 +2,9 @@
 
 After every step the block accounting holds; every sequence ends exactly once; each finished
 sequence's tokens equal what the deterministic fake sampler must produce for it whatever the
-scheduling (prefix hits, chunking, preemption by recompute or swap, forks, pipelining); the fake
-worker's KV check (every attended slot holds the right token, swapped-in ones included) passes on
+scheduling (prefix hits, host-tier offloads and loads, chunking, preemption by recompute or swap,
+forks, pipelining); the fake worker's KV check (every attended slot holds the right token, swapped-in
+and host-tier-loaded ones included) passes on
 every step; the host pool is empty at the end.
 """
 
@@ -30,6 +31,8 @@ def traces(draw):
     per_seq = cdiv(MAX_MODEL_LEN, block_size)
     num_cpu_blocks = draw(st.sampled_from([0, 2, per_seq, per_seq * 4]))  # 2: often full
     modes = [None, "recompute", "swap"] if num_cpu_blocks else [None, "recompute"]
+    # The prefix cache's host tier: none, 1 or 2 slots (full at once: drops, busy slots), or roomy
+    num_offload_blocks = draw(st.sampled_from([0, 0, 1, 2, per_seq * 3]))
     config = SchedulerConfig(
         num_blocks=draw(st.integers(per_seq, per_seq * 4)), block_size=block_size,
         max_model_len=MAX_MODEL_LEN, max_num_seqs=draw(st.integers(3, 8)),
@@ -38,6 +41,7 @@ def traces(draw):
         enable_prefix_caching=draw(st.booleans()), eos_token_ids=(EOS,),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         max_inflight_steps=draw(st.sampled_from([1, 2, 3])), num_cpu_blocks=num_cpu_blocks,
+        num_offload_blocks=num_offload_blocks,
         preemption_mode=draw(st.sampled_from(modes)))
     bases = draw(st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=20), min_size=1, max_size=3))
     requests = []
@@ -50,8 +54,10 @@ def traces(draw):
             min_tokens=draw(st.integers(0, 2)) if max_tokens >= 2 else 0,
             ignore_eos=draw(st.booleans()), stop_token_ids=tuple(draw(st.sets(st.integers(1, 40), max_size=2))),
             prompt_logprobs=draw(st.sampled_from([None, None, 0, 2])))
+        session = draw(st.sampled_from([None, None, "s0", "s1"]))  # a lease (tiers/sessions.py), TTL in steps
         request = EngineRequest(RequestId(f"r{i}"), tuple(prompt), sampling, priority=draw(st.integers(0, 2)),
-                                cache_salt=draw(st.sampled_from([None, None, "tenant"])))
+                                cache_salt=draw(st.sampled_from([None, None, "tenant"])), session_id=session,
+                                session_ttl=draw(st.sampled_from([3.0, 50.0])) if session else 0.0)
         requests.append((draw(st.integers(0, 12)), request))  # (arrival step, request)
     aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, len(requests) - 1)), max_size=3))
     worker_loss_step = draw(st.one_of(st.none(), st.integers(1, 30)))
@@ -67,8 +73,10 @@ def expected(sampler: FakeSampler, request: EngineRequest, seq_index: int) -> li
 
 def run(config, requests, aborts, eos_probability, worker_loss_step):
     sampler = FakeSampler(vocab_size=40, eos_token_id=EOS, eos_probability=eos_probability)
-    scheduler = Scheduler(config)
-    worker = FakeWorker(config.num_blocks, config.block_size, sampler, num_cpu_blocks=config.num_cpu_blocks)
+    clock = [0.0]  # session leases expire after their TTL in steps
+    scheduler = Scheduler(config, clock=lambda: clock[0])
+    worker = FakeWorker(config.num_blocks, config.block_size, sampler,
+                        num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks)
     streams: dict[tuple[str, int], list] = {}
     ended: dict[tuple[str, int], FinishReason] = {}
     prompt_logprobs: dict[str, list] = {}
@@ -88,6 +96,7 @@ def run(config, requests, aborts, eos_probability, worker_loss_step):
 
     pending: deque = deque()
     for step in range(2000):
+        clock[0] = float(step)
         for arrival, request in requests:
             if arrival == step:
                 scheduler.add_request(request)
@@ -98,9 +107,12 @@ def run(config, requests, aborts, eos_probability, worker_loss_step):
             scheduler.reset_after_worker_loss()
             pending.clear()
             worker = FakeWorker(config.num_blocks, config.block_size, sampler,
-                                num_cpu_blocks=config.num_cpu_blocks)
+                                num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks)
         scheduler.check_invariants()
         if step > 12 and not scheduler.has_unfinished_requests() and not pending:
+            for _, request in requests:  # what the sessions still pin goes back to the pool
+                if request.session_id is not None:
+                    scheduler.end_session(request.cache_salt, request.session_id)
             break
         plan = scheduler.schedule()
         if plan is not None:

@@ -24,7 +24,8 @@ def fake_stats() -> engine_pb2.EngineStats:
         spec_num_accepted_tokens=11, spec_accepted_per_pos=[5, 4, 2], num_pinned_blocks=3, request_success={"stop": 4, "length": 2}, worker_connected=True,
         brownout_active=True, brownout_entries=2, brownout_capped_requests=7, num_swapped=2,
         num_swap_preemptions=4, blocks_swapped_out=40, blocks_swapped_in=36, num_cpu_blocks=64,
-        cpu_kv_cache_usage=0.0625, prefill_tokens_computed=1500)
+        cpu_kv_cache_usage=0.0625, prefill_tokens_computed=1500, num_offload_blocks=256,
+        offload_kv_cache_usage=0.5, blocks_offloaded=300, blocks_loaded=120, blocks_offload_dropped=172)
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -57,6 +58,11 @@ def test_engine_stats_become_vllm_series_with_model_name() -> None:
         ("vllm:num_requests_swapped", model): 2.0,
         ("vllm:cpu_cache_usage_perc", model): 0.0625,
         ("pagoda:num_cpu_blocks", model): 64.0,
+        ("pagoda:num_offload_blocks", model): 256.0,
+        ("pagoda:offload_cache_usage_perc", model): 0.5,
+        ("pagoda:offloaded_blocks_total", model): 300.0,
+        ("pagoda:offload_loaded_blocks_total", model): 120.0,
+        ("pagoda:offload_dropped_blocks_total", model): 172.0,
         ("pagoda:swap_preemptions_total", model): 4.0,
         ("pagoda:swapped_out_blocks_total", model): 40.0,
         ("pagoda:swapped_in_blocks_total", model): 36.0,

@@ -28,7 +28,7 @@ class Run:
         self.sampler = FakeSampler(vocab_size=40, eos_token_id=EOS, eos_probability=eos_probability)
         self.scheduler = Scheduler(config)
         self.worker = FakeWorker(config.num_blocks, config.block_size, self.sampler,
-                                 num_cpu_blocks=config.num_cpu_blocks)
+                                 num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks)
         self.streams: dict[tuple[str, int], list[int]] = {}
         self.ended: dict[tuple[str, int], FinishReason] = {}
         self.errors: dict[str, str] = {}
@@ -61,6 +61,9 @@ class Run:
             scheduler.check_invariants()
             if step > max(at for at, _ in arrivals) and not scheduler.has_unfinished_requests() \
                     and not pending:
+                for _, request in arrivals:  # what session leases still pin goes back to the pool
+                    if request.session_id is not None:
+                        scheduler.end_session(request.cache_salt, request.session_id)
                 return
             plan = scheduler.schedule()
             if plan is not None:
@@ -73,8 +76,9 @@ class Run:
                     self.failures += 1
                     self.record(scheduler.note_step_failure(plan.step_id, "boom"))
                     scheduler.reset_after_worker_loss()
-                    self.worker = FakeWorker(self.config.num_blocks, self.config.block_size, self.sampler,
-                                             num_cpu_blocks=self.config.num_cpu_blocks)
+                    self.worker = FakeWorker(
+                        self.config.num_blocks, self.config.block_size, self.sampler,
+                        num_cpu_blocks=self.config.num_cpu_blocks + self.config.num_offload_blocks)
                     continue
                 pending.append(result)
             if pending and (plan is None or len(pending) >= self.config.max_inflight_steps):

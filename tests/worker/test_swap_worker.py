@@ -135,7 +135,7 @@ def test_a_worker_without_swap_space_rejects_swaps(tiny_model_dir: str) -> None:
                           num_gpu_blocks_override=NUM_BLOCKS)
     plain = ModelRunner(config, max_num_batched_tokens=64)
     assert plain.initialize().num_cpu_blocks == 0 and plain.host_pool is None
-    with pytest.raises(PlanError, match="no swap space"):
+    with pytest.raises(PlanError, match="no host pool"):
         plain.execute(StepPlan(step_id=1, swap_out=[BlockCopy(0, 0)]))
 
 

@@ -80,10 +80,11 @@ class _ResidentView(Mapping):
 class FakeStepRunner:
     def __init__(self, num_blocks: int = 4096, block_size: int = 16, max_model_len: int = 4096,
                  vocab_size: int = 1000, eos_token_id: int | None = None, check_kv: bool = True,
-                 num_cpu_blocks: int = 0, sliding_window: int = 0) -> None:
+                 num_cpu_blocks: int = 0, sliding_window: int = 0, num_offload_blocks: int = 0) -> None:
         self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
         self.sliding_window = sliding_window  # the model's window on every layer (0: none)
         self.num_cpu_blocks = num_cpu_blocks  # the host pool for swap preemption
+        self.num_offload_blocks = num_offload_blocks  # then the prefix cache's host tier, same pool
         self.sampler = FakeSampler(vocab_size=vocab_size, eos_token_id=eos_token_id)
         self.check_kv = check_kv
         self.worker: FakeWorker | None = None
@@ -94,11 +95,12 @@ class FakeStepRunner:
         return WorkerInfo(num_blocks=self.num_blocks, block_size=self.block_size,
                           max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                           vocab_size=self.sampler.vocab_size, model_name="fake",
-                          num_cpu_blocks=self.num_cpu_blocks, sliding_window=self.sliding_window)
+                          num_cpu_blocks=self.num_cpu_blocks, sliding_window=self.sliding_window,
+                          num_offload_blocks=self.num_offload_blocks)
 
     def reset(self) -> None:
         self.worker = FakeWorker(self.num_blocks, self.block_size, self.sampler, self.check_kv,
-                                 self.num_cpu_blocks, self.sliding_window)
+                                 self.num_cpu_blocks + self.num_offload_blocks, self.sliding_window)
         self._baseline = True  # the next plan may start at any step id (as ModelRunner.reset)
 
     @property
@@ -109,7 +111,7 @@ class FakeStepRunner:
         if self.worker is None:
             raise NotInitializedError("initialize() must run before any step")
         validate_plan(plan, _ResidentView(self.worker.resident), self.num_blocks, self.block_size,
-                      self.num_cpu_blocks)
+                      self.num_cpu_blocks + self.num_offload_blocks)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Raises PlanError (before any change) for a plan that does not apply."""

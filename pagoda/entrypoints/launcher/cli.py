@@ -62,6 +62,11 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
                         "and without speculation), slower GEMMs")
     g.add_argument("--swap-space", type=float, default=0.0, metavar="GiB",
                    help="the worker's host memory for KV swapped out at preemption (default 0: none)")
+    g.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GiB",
+                   help="the worker's host memory for the prefix cache's host tier: evicted cached blocks "
+                        "are copied there and back on a later hit (default 0: none)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
+                   help="the worker's KV pool in blocks, instead of its memory budget")
     g.add_argument("--pooling-type", default="last", choices=("last", "mean"),
                    help="/v1/embeddings: the last prompt position's hidden state, or the mean (default: last)")
     g.add_argument("--no-normalize-embeddings", dest="normalize_embeddings", action="store_false",

@@ -86,6 +86,9 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
     swap = ["--swap-space", str(args.swap_space)] if args.swap_space else []
     invariant = ["--batch-invariant"] if args.batch_invariant else []
+    swap += ["--kv-offloading-size", str(args.kv_offloading_size)] if args.kv_offloading_size else []
+    if args.num_gpu_blocks_override is not None:
+        swap += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
     preemption = ["--preemption-mode", args.preemption_mode] if args.preemption_mode else []
     # Like the flags above, only what differs from the worker's defaults (last, normalised).
     pooling = [*(["--pooling-type", args.pooling_type] if args.pooling_type != "last" else []),
