@@ -197,12 +197,12 @@ def server_version(binary: Path = SERVER_BIN) -> str:
 
 
 def startup_facts(log_text: str) -> list[str]:
-    """llama-server's own account of its threads, context per slot, KV cache and CPU features."""
-    wanted = re.compile(r"system_info:|n_threads|n_ctx_seq|n_ctx\s*=|n_seq_max|kv_unified|"
-                        r"llama_kv_cache:.*(size|cells)|CPU KV buffer|CPU_REPACK|model buffer size|"
-                        r"file type|n_slots|new slot|flash_attn|main: model loaded|server is listening")
-    return list(dict.fromkeys(re.sub(r"\s+", " ", line).strip() for line in log_text.splitlines()
-                              if wanted.search(line) and "slot " not in line[:5]))[:40]
+    """llama-server's own account (at its default verbosity) of its threads, slots and context per
+    slot, without the timestamps."""
+    wanted = re.compile(r"threadpool init|n_slots =|n_ctx_slot|kv_unified|system_info|model loaded|listening on|"
+                        r"KV buffer|model buffer|CPU_REPACK|file type")
+    return list(dict.fromkeys(" ".join(re.sub(r"^[\d.]+ [IWE] ", "", line).split())
+                              for line in log_text.splitlines() if wanted.search(line)))
 
 
 def ensure_llama_server(model_dir: str | Path, kinds: list[str] | tuple[str, ...] = KINDS) -> dict:

@@ -128,3 +128,12 @@ def test_the_build_names_each_vector_extension_the_cpu_has_and_never_amx():
     avx2_only = llama.cmake_flags(["avx", "avx2", "fma", "f16c", "avx512f"], machine="x86_64")
     assert "-DGGML_AVX512=OFF" in avx2_only  # avx512f alone is not ggml's AVX512 (it wants F, CD, VL, DQ, BW)
     assert llama.cmake_flags([], machine="aarch64")[-1] == "-DGGML_NATIVE=ON"
+
+
+def test_startup_facts_keep_threads_and_slots_without_timestamps():
+    log = ("0.00.897.103 I cmn          init: llama threadpool init, n_threads = 2\n"
+           "0.14.948.537 I srv    load_model: initializing, n_slots = 16, n_ctx_slot = 768, kv_unified = 'false'\n"
+           "0.15.407.148 I slot get_availabl: id 15 | task -1 | selected slot by LRU, t_last = -1\n")
+    assert llama.startup_facts(log) == ["cmn init: llama threadpool init, n_threads = 2",
+                                        "srv load_model: initializing, n_slots = 16, n_ctx_slot = 768, "
+                                        "kv_unified = 'false'"]
