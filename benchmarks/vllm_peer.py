@@ -13,8 +13,8 @@
   here: `peer.start_server`, `peer.wait_ready`, ...).
 - `run_bench_client` drives a server with vLLM's own `vllm.benchmarks.serve`. The module has no
   `__main__` and the CPU wheel's `vllm` command cannot find its own package metadata, so it is
-  called through a three-line shim; `--temperature 0` is explicit (the client no longer defaults to
-  greedy).
+  called through a short shim (which also reads llama-server's usage: USAGE_FIX); `--temperature 0`
+  is explicit (the client no longer defaults to greedy).
 """
 
 from __future__ import annotations
@@ -38,7 +38,26 @@ UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 DEFAULT_KV_GIB = 1  # = Pagoda's CPU default (worker_svc.kv_cache.DEFAULT_CPU_CACHE_BYTES)
 PEER_ENV_KEYS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
                  "OMP_NUM_THREADS", "LD_PRELOAD", "VLLM_ENABLE_V1_MULTIPROCESSING")
-BENCH_CLIENT_SHIM = ("from vllm.benchmarks.serve import add_cli_args, main\n"
+# llama-server ends a streamed /v1/completions with ONE chunk holding an empty choice and the usage;
+# the client reads usage only from a chunk without choices, so it re-counted llama.cpp's output by
+# re-tokenizing the text (6% short in a smoke run: merged tokens) and took the empty choice for a
+# token. This `loads` drops such a chunk's text-less choices, so the client reads the server's own
+# count. Pagoda and vLLM send usage in a chunk of its own: nothing changes for them.
+USAGE_FIX = """
+import json
+def loads_usage_too(text, **kw):
+    data = json.loads(text, **kw)
+    if isinstance(data, dict) and data.get("object") == "text_completion" and data.get("usage") \\
+            and not any(choice.get("text") for choice in data.get("choices") or []):
+        data.pop("choices", None)
+    return data
+"""
+BENCH_CLIENT_SHIM = (USAGE_FIX
+                     + "import types\n"
+                     "import vllm.benchmarks.lib.endpoint_request_func as request_funcs\n"
+                     "request_funcs.json = types.SimpleNamespace(**{**{n: getattr(json, n) for n in json.__all__}, "
+                     "'loads': loads_usage_too})\n"
+                     "from vllm.benchmarks.serve import add_cli_args, main\n"
                      "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
                      "p = FlexibleArgumentParser(prog='vllm.benchmarks.serve'); add_cli_args(p)\n"
                      "main(p.parse_args())")

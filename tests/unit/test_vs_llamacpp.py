@@ -137,3 +137,18 @@ def test_startup_facts_keep_threads_and_slots_without_timestamps():
     assert llama.startup_facts(log) == ["cmn init: llama threadpool init, n_threads = 2",
                                         "srv load_model: initializing, n_slots = 16, n_ctx_slot = 768, "
                                         "kv_unified = 'false'"]
+
+
+def test_the_bench_client_reads_the_usage_llama_server_sends_beside_its_last_choice():
+    from benchmarks.vllm_peer import USAGE_FIX
+
+    scope: dict = {}
+    exec(USAGE_FIX, scope)  # the part of the client shim that runs before vLLM's client is imported
+    loads = scope["loads_usage_too"]
+    last = ('{"choices":[{"text":"","index":0,"logprobs":null,"finish_reason":"length"}],"object":"text_completion",'
+            '"usage":{"completion_tokens":21,"prompt_tokens":173}}')
+    assert loads(last) == {"object": "text_completion", "usage": {"completion_tokens": 21, "prompt_tokens": 173}}
+    token = '{"choices":[{"text":" Paris","index":0}],"object":"text_completion"}'
+    assert loads(token)["choices"][0]["text"] == " Paris"
+    chat = '{"choices":[{"delta":{"content":"x"}}],"object":"chat.completion.chunk","usage":{"completion_tokens":1}}'
+    assert "choices" in loads(chat)  # chat chunks are not touched
