@@ -13,7 +13,7 @@ ARGS   ?=# more launcher flags: make run ARGS="--api-keys keys.jsonl --speculati
 PROTO_SRC := $(wildcard protos/pagoda/v1/*.proto)
 PROTO_OUT := pagoda/v1/.generated
 
-.PHONY: setup protos model tiny-model prometheus-tools chromium run test test-fast lint clean
+.PHONY: setup protos model tiny-model prometheus-tools chromium llama-server run test test-fast lint clean
 
 KERNEL_SRC := kernels/cpu_extension.py $(wildcard kernels/paged_attention/cpu_attention*) $(wildcard kernels/linear/*.cpp)
 KERNEL_OUT := build/torch_extensions/.built
@@ -84,6 +84,13 @@ chromium:
 	unpacked=yes; for deb in *.deb; do dpkg -x $$deb . || unpacked=no; done; [ $$unpacked = yes ] && rm -f *.deb && \
 	echo "chromium, chromedriver: $(CHROMIUM_DIR)/usr/lib/chromium, $(CHROMIUM_DIR)/usr/bin" || \
 	{ rm -f *.deb; echo "chromium: Debian's chromium packages could not be fetched; the chat page's browser test will skip"; }
+
+# The peer of benchmarks.vs_llamacpp: llama.cpp's llama-server and llama-quantize built from the
+# sources the llama-cpp-python sdist vendors (into build/llama.cpp, ~15 min on 2 cores), and the
+# default model's F32 / BF16 / Q8_0 / Q4_K_M GGUFs (models/gguf). Each step only when its output is
+# missing (benchmarks/llamacpp_peer.py).
+llama-server: model
+	$(BIN)/python -m benchmarks.llamacpp_peer --model $(DEFAULT_MODEL)
 
 # `make run` prepares the model it serves (none for a MODEL=path of yours); the default falls
 # back to the tiny model when `make model` could not fetch it.

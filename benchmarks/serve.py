@@ -190,6 +190,26 @@ def machine_description() -> str:
     return f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs, {platform.system()}".strip()
 
 
+# The flags that decide which kernels a CPU engine may use (torch/oneDNN, ggml): vector width,
+# VNNI/AMX for int8, bf16/fp16 conversions.
+SIMD_FLAG_PREFIXES = ("sse4", "ssse3", "avx", "amx", "fma", "f16c", "vnni", "bmi2")
+
+
+def cpu_features(cpuinfo: str | None = None) -> dict:
+    """The CPU's model name and its SIMD flags, from /proc/cpuinfo (empty where there is none)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {"model": platform.processor() or None, "flags": []}
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first CPU's; the others are the same
+    flags = sorted(f for f in fields.get("flags", "").split() if f.startswith(SIMD_FLAG_PREFIXES))
+    return {"model": fields.get("model name") or platform.processor() or None, "flags": flags}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     result = asyncio.run(benchmark(args))

