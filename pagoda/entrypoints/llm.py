@@ -78,7 +78,7 @@ class LLM:
                  pinned_prompts: Sequence[str | list[int]] | None = None, enable_lora: bool = False,
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
                  kv_cache_dtype: str = "auto", swap_space: float = 0.0,
-                 preemption_mode: str | None = None) -> None:
+                 preemption_mode: str | None = None, quantization: str | None = None) -> None:
         # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
         # "prompt_lookup_min": 2}, or {"method": "suffix", ...} (scheduler_svc/core/spec/). Checked
         # before loading.
@@ -95,7 +95,7 @@ class LLM:
             attention_backend=attention_backend, seed=seed, tensor_parallel_size=tensor_parallel_size,
             enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-            swap_space=swap_space)
+            swap_space=swap_space, quantization=quantization or "auto")
         self.runner = create_runner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
         # Runs close()'s work when the LLM is garbage-collected (vLLM's users `del` their engine);
         # it holds the runner's bound close, never `self`, so it does not keep the LLM alive.
