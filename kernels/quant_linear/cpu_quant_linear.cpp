@@ -12,9 +12,10 @@
 // The product and the sum are two roundings, exactly as gguf's numpy reference dequantises
 // (d * q - dm), so every weight the kernel multiplies is bit-identical to gguf.quants.dequantize.
 //
-// Small M (decode, M <= kMaxDirectRows): rows of W are split over torch's threads; each row is
-// dequantised once into an L1 buffer and dotted with every activation row (4 at a time), so the
-// weights are read once per step. Larger M (prefill): blocks of rows are dequantised into a scratch
+// Small M (decode, M <= kMaxDirectRows): rows of W are split over torch's threads and read once per
+// step. On AVX-512 CPUs each group is widened in registers and multiplied straight into the
+// activation rows' accumulators (the fused path below); elsewhere each row is dequantised into an L1
+// buffer and dotted with every activation row (4 at a time). Larger M (prefill): blocks of rows are dequantised into a scratch
 // fp32 matrix and multiplied by at::mm (MKL / oneDNN), which is compute bound there anyway.
 // Activations fp32 or bf16 (bf16 is widened once; the output comes back in the activation dtype).
 
@@ -165,7 +166,7 @@ inline void dot4(const float* w, const float* x0, const float* x1, const float* 
   r[0] = s0, r[1] = s1, r[2] = s2, r[3] = s3;
 }
 
-void direct(const QuantView& w, const float* x, int64_t M, float* out, const float* bias) {
+void direct_buffered(const QuantView& w, const float* x, int64_t M, float* out, const float* bias) {
   const int64_t K = w.K, N = w.N;
   // >= 16 rows per task: enough work to amortise the dispatch, many tasks for the lm_head.
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -182,6 +183,122 @@ void direct(const QuantView& w, const float* x, int64_t M, float* out, const flo
       for (; m < M; ++m) out[m * N + n] = dot(buf.data(), x + m * K, K) + b;
     }
   });
+}
+
+// -- fused decode path: s * sum(q * x) + m * sum(x) per group, weights never stored widened ---------
+//
+// Per output row and tile of up to MT activation rows: each group's integers are widened in
+// registers and multiplied into MT vector accumulators, which are scaled by the group's scale once
+// (and its min times the activation row's group sum, computed once per call): ~2 instructions per
+// weight and activation row instead of dequantise-store-load-multiply. The weights are the same; the
+// sum is reassociated (per group first), within the tests' fp32 bound.
+// Compiled for AVX-512 with a target attribute and chosen at run time (__builtin_cpu_supports), so
+// the library keeps the portable flags of kernels/cpu_extension.py; AVX2 builds get an 8-wide copy.
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define PAGODA_QL_AVX512 1
+
+template <int MT>
+__attribute__((target("avx512f"))) void tile_avx512(const QuantView& w, int64_t n, const float* const* xr,
+                                                    const float* const* xsr, float* res) {
+  const int64_t G = w.group, ng = w.groups();
+  const uint8_t* row = w.q + n * w.row_bytes();
+  const float* sc = w.scales + n * ng;
+  const float* mn = w.mins ? w.mins + n * ng : nullptr;
+  __m512 tot[MT];
+  float mins[MT];
+  for (int j = 0; j < MT; ++j) tot[j] = _mm512_setzero_ps(), mins[j] = 0.0f;
+  const __m512i lo = _mm512_set1_epi32(0x0F), vz = _mm512_set1_epi32(static_cast<int>(w.zero));
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 acc[MT];
+    for (int j = 0; j < MT; ++j) acc[j] = _mm512_setzero_ps();
+    const int64_t base = g * G;
+    if (w.bits == 8) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(row) + base;
+      for (int64_t k = 0; k < G; k += 16) {
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+        for (int j = 0; j < MT; ++j) acc[j] = _mm512_fmadd_ps(v, _mm512_loadu_ps(xr[j] + base + k), acc[j]);
+      }
+    } else {
+      const int64_t half = G / 2;
+      const uint8_t* q = row + base / 2;
+      for (int64_t i = 0; i < half; i += 16) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, lo), vz));
+        const __m512 c = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), vz));
+        for (int j = 0; j < MT; ++j) {
+          acc[j] = _mm512_fmadd_ps(a, _mm512_loadu_ps(xr[j] + base + i), acc[j]);
+          acc[j] = _mm512_fmadd_ps(c, _mm512_loadu_ps(xr[j] + base + half + i), acc[j]);
+        }
+      }
+    }
+    const __m512 vs = _mm512_set1_ps(sc[g]);
+    for (int j = 0; j < MT; ++j) tot[j] = _mm512_fmadd_ps(vs, acc[j], tot[j]);
+    if (mn)
+      for (int j = 0; j < MT; ++j) mins[j] += mn[g] * xsr[j][g];
+  }
+  for (int j = 0; j < MT; ++j) res[j] = _mm512_reduce_add_ps(tot[j]) + mins[j];
+}
+
+bool fits_avx512(const QuantView& w) {
+  return w.bits == 8 ? w.group % 16 == 0 : w.group % 32 == 0;
+}
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+
+// Rows [begin, end) of the output, every activation row, tiles of up to 8.
+void rows_avx512(const QuantView& w, const float* x, const float* xs, int64_t M, int64_t begin, int64_t end,
+                 float* out, const float* bias) {
+  const int64_t K = w.K, N = w.N, ng = w.groups();
+  for (int64_t n = begin; n < end; ++n) {
+    const float b = bias ? bias[n] : 0.0f;
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t mt = std::min<int64_t>(8, M - m0);
+      const float* xr[8];
+      const float* xsr[8];
+      for (int64_t j = 0; j < mt; ++j) xr[j] = x + (m0 + j) * K, xsr[j] = xs ? xs + (m0 + j) * ng : nullptr;
+      float res[8];
+      switch (mt) {
+        case 1: tile_avx512<1>(w, n, xr, xsr, res); break;
+        case 2: tile_avx512<2>(w, n, xr, xsr, res); break;
+        case 3: tile_avx512<3>(w, n, xr, xsr, res); break;
+        case 4: tile_avx512<4>(w, n, xr, xsr, res); break;
+        case 5: tile_avx512<5>(w, n, xr, xsr, res); break;
+        case 6: tile_avx512<6>(w, n, xr, xsr, res); break;
+        case 7: tile_avx512<7>(w, n, xr, xsr, res); break;
+        default: tile_avx512<8>(w, n, xr, xsr, res); break;
+      }
+      for (int64_t j = 0; j < mt; ++j) out[(m0 + j) * N + n] = res[j] + b;
+    }
+  }
+}
+#endif
+
+void direct(const QuantView& w, const float* x, int64_t M, float* out, const float* bias) {
+  const int64_t K = w.K, N = w.N;
+#ifdef PAGODA_QL_AVX512
+  if (has_avx512() && fits_avx512(w)) {
+    std::vector<float> xs;  // per activation row and group: sum of x (the mins' term)
+    if (w.mins) {
+      const int64_t ng = w.groups();
+      xs.assign(M * ng, 0.0f);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < ng; ++g) {
+          float sum = 0.0f;
+          for (int64_t k = 0; k < w.group; ++k) sum += x[m * K + g * w.group + k];
+          xs[m * ng + g] = sum;
+        }
+    }
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      rows_avx512(w, x, w.mins ? xs.data() : nullptr, M, begin, end, out, bias);
+    });
+    return;
+  }
+#endif
+  direct_buffered(w, x, M, out, bias);
 }
 
 void blocked(const QuantView& w, const at::Tensor& x, at::Tensor& out, const float* bias) {
