@@ -240,6 +240,58 @@ __attribute__((target("avx512f"))) void tile_avx512(const QuantView& w, int64_t 
   for (int j = 0; j < MT; ++j) res[j] = _mm512_reduce_add_ps(tot[j]) + mins[j];
 }
 
+// One activation row (batch-1 decode), four weight rows at a time: each activation vector is loaded
+// once for the four, the integers go straight into the products (the zero point joins the mins'
+// term, (m - s z) * sum(x), instead of a subtraction per weight), and the per-group work is shared.
+template <int BITS>
+__attribute__((target("avx512f"))) void rows4_m1_avx512(const QuantView& w, const float* x, const float* xs,
+                                                        int64_t n, float* res) {
+  const int64_t G = w.group, ng = w.groups(), rb = w.row_bytes();
+  const uint8_t* row[4];
+  const float* sc[4];
+  const float* mn[4];
+  for (int r = 0; r < 4; ++r) {
+    row[r] = w.q + (n + r) * rb;
+    sc[r] = w.scales + (n + r) * ng;
+    mn[r] = w.mins ? w.mins + (n + r) * ng : nullptr;
+  }
+  __m512 tot[4];
+  float extra[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int r = 0; r < 4; ++r) tot[r] = _mm512_setzero_ps();
+  const __m512i lo = _mm512_set1_epi32(0x0F);
+  const float z = static_cast<float>(w.zero);
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 acc[4];
+    for (int r = 0; r < 4; ++r) acc[r] = _mm512_setzero_ps();
+    const int64_t base = g * G;
+    if (BITS == 8) {
+      for (int64_t k = 0; k < G; k += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + base + k);
+        for (int r = 0; r < 4; ++r) {
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + base + k));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), xv, acc[r]);
+        }
+      }
+    } else {
+      const int64_t half = G / 2;
+      for (int64_t i = 0; i < half; i += 16) {
+        const __m512 xa = _mm512_loadu_ps(x + base + i), xc = _mm512_loadu_ps(x + base + half + i);
+        for (int r = 0; r < 4; ++r) {
+          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + base / 2 + i)));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, lo)), xa, acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), xc, acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < 4; ++r) tot[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r][g]), acc[r], tot[r]);
+    if (xs) {
+      const float xg = xs[g];
+      for (int r = 0; r < 4; ++r) extra[r] += ((mn[r] ? mn[r][g] : 0.0f) - sc[r][g] * z) * xg;
+    }
+  }
+  for (int r = 0; r < 4; ++r) res[r] = _mm512_reduce_add_ps(tot[r]) + extra[r];
+}
+
 bool fits_avx512(const QuantView& w) {
   return w.bits == 8 ? w.group % 16 == 0 : w.group % 32 == 0;
 }
@@ -253,6 +305,14 @@ bool has_avx512() {
 void rows_avx512(const QuantView& w, const float* x, const float* xs, int64_t M, int64_t begin, int64_t end,
                  float* out, const float* bias) {
   const int64_t K = w.K, N = w.N, ng = w.groups();
+  if (M == 1) {
+    for (; begin + 4 <= end; begin += 4) {
+      float res[4];
+      if (w.bits == 8) rows4_m1_avx512<8>(w, x, xs, begin, res);
+      else rows4_m1_avx512<4>(w, x, xs, begin, res);
+      for (int r = 0; r < 4; ++r) out[begin + r] = res[r] + (bias ? bias[begin + r] : 0.0f);
+    }
+  }
   for (int64_t n = begin; n < end; ++n) {
     const float b = bias ? bias[n] : 0.0f;
     for (int64_t m0 = 0; m0 < M; m0 += 8) {
@@ -281,8 +341,9 @@ void direct(const QuantView& w, const float* x, int64_t M, float* out, const flo
   const int64_t K = w.K, N = w.N;
 #ifdef PAGODA_QL_AVX512
   if (has_avx512() && fits_avx512(w)) {
-    std::vector<float> xs;  // per activation row and group: sum of x (the mins' term)
-    if (w.mins) {
+    std::vector<float> xs;  // per activation row and group: sum of x (the mins' and zero point's term)
+    const bool sums = w.mins || (M == 1 && w.zero != 0);
+    if (sums) {
       const int64_t ng = w.groups();
       xs.assign(M * ng, 0.0f);
       for (int64_t m = 0; m < M; ++m)
@@ -293,7 +354,7 @@ void direct(const QuantView& w, const float* x, int64_t M, float* out, const flo
         }
     }
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      rows_avx512(w, x, w.mins ? xs.data() : nullptr, M, begin, end, out, bias);
+      rows_avx512(w, x, sums ? xs.data() : nullptr, M, begin, end, out, bias);
     });
     return;
   }
