@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -296,8 +297,9 @@ bool fits_avx512(const QuantView& w) {
   return w.bits == 8 ? w.group % 16 == 0 : w.group % 32 == 0;
 }
 
+// PAGODA_CPU_NO_AVX512=1 takes the portable path on an AVX-512 machine (its tests run it so).
 bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
+  static const bool yes = __builtin_cpu_supports("avx512f") && std::getenv("PAGODA_CPU_NO_AVX512") == nullptr;
   return yes;
 }
 

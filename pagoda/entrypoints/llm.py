@@ -88,6 +88,8 @@ class LLM:
         check_preemption_mode(preemption_mode, has_host_pool=swap_space > 0)
         if speculative is not None and tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet")
+        # quantization (vLLM's name, docs/quantization.md): None/"auto" serves a GGUF's quantized
+        # linears as stored, "int8"/"int4" quantize an HF directory at load, "none" dequantises.
         worker_config = WorkerConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, max_model_len=max_model_len,
             num_gpu_blocks_override=num_gpu_blocks_override,

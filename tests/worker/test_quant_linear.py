@@ -102,3 +102,23 @@ def test_bad_shapes_are_refused():
         _ops().quant_linear(torch.randn(1, 255), weight.qweight, weight.scales, None, None, 32, 8, 0)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         _ops().quant_linear(torch.randn(1, 256).half(), weight.qweight, weight.scales, None, None, 32, 8, 0)
+
+
+def test_the_portable_path_gives_the_same_products():
+    """The AVX2 / scalar path a CPU without AVX-512 takes, forced here in a fresh process (the
+    choice is made once per process): same formats, same bound."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from tests.worker.test_quant_linear import FORMATS, test_product_matches_dequantise_then_matmul as t\n"
+        "for name in FORMATS:\n"
+        "    for dtype in (torch.float32, torch.bfloat16):\n"
+        "        for m in (1, 3, 17):\n"
+        "            t(name, dtype, m)\n"
+        "print('ok')\n")
+    env = {**os.environ, "PAGODA_CPU_NO_AVX512": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
