@@ -16,7 +16,7 @@ What torch 2.13 ships for CPU, and why the compiled op (benchmarks/quant_linear.
 `_weight_int8pack_mm` takes per-channel scales only (Q8_0's per-32 scales cannot go through it),
 `_weight_int4pack_mm_for_cpu` takes per-group scale + zero as w = (q - 8) * scale + zero (Q4_0 and
 Q4_1 fit, with bf16 scales: not bit-exact, and Q5_K / Q6_K do not), `_dyn_quant_matmul_4bit` quantizes
-the activations too (KleidiAI, Arm only in practice). Our op reads each format as stored.
+the activations too (a KleidiAI kernel for Arm; not measured here). Our op reads each format as stored.
 
 Fused projections (qkv, gate_up) concatenate their parts along N: groups stay within a row, so this
 is exact; parts of different formats (Q4_K_M stores some attn_v in Q6_K) are first widened to the
