@@ -1,4 +1,5 @@
-"""Builds and loads the compiled CPU attention ops (`torch.ops.pagoda_cpu`).
+"""Builds and loads the compiled CPU ops (`torch.ops.pagoda_cpu`): paged attention, KV-cache write and
+the linear layers (kernels/linear/: the weight-only quantized one and the batch-invariant bf16 one).
 
     python -m kernels.cpu_extension     # build once (`make setup` runs it), print the time
 
@@ -29,7 +30,8 @@ import torch
 NAME = "pagoda_cpu"
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention.cpp",
-           Path(__file__).resolve().parent / "linear" / "cpu_bi_linear.cpp"]
+           Path(__file__).resolve().parent / "linear" / "cpu_bi_linear.cpp",
+           Path(__file__).resolve().parent / "linear" / "cpu_quant_linear.cpp"]  # weight-only int8/int4
 HEADERS = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention_kernel.h"]
 BUILD_ROOT = Path(os.environ.get("PAGODA_CPU_EXTENSION_DIR") or ROOT / "build" / "torch_extensions")
 BUILD_DIR = BUILD_ROOT / NAME
@@ -117,6 +119,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("pagoda_cpu::write_kv_cache")
     def _(key, value, k_cache, v_cache, slot_mapping):
         return None
+
+    @torch.library.register_fake("pagoda_cpu::quant_linear")
+    def _(x, qweight, scales, mins, bias, group, bits, zero):
+        return x.new_empty((x.shape[0], qweight.shape[0]))  # [M, N] in the activation dtype
+
+    @torch.library.register_fake("pagoda_cpu::quant_dequantize")
+    def _(qweight, scales, mins, K, group, bits, zero):
+        return scales.new_empty((qweight.shape[0], K))
 
 
 def main() -> int:

@@ -7,7 +7,7 @@ import asyncio
 
 from pagoda.runtime.logging import get_logger
 from pagoda.runtime.service_flags import add_service_flags, configure_service_logging
-from worker_svc.config import DTYPES, KV_CACHE_DTYPES, WorkerConfig
+from worker_svc.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, WorkerConfig
 
 log = get_logger("worker_svc")
 
@@ -46,6 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU bf16: every token's result independent of the batch shape (greedy outputs "
                         "equal with and without speculation; slower GEMMs: "
                         "worker_svc/models/batch_invariant_linear.py)")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                   help="CPU, weight-only (docs/quantization.md): auto serves a GGUF's Q8_0/Q4_0/Q4_1/"
+                        "Q4_K/Q5_K/Q6_K linears as stored (an HF directory in float); int8 (g32 "
+                        "symmetric) / int4 (g32 affine) quantize an HF directory at load; none "
+                        "dequantises a GGUF")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pooling-type", default="last", choices=("last", "mean"),
                    help="embeddings (/v1/embeddings): the last prompt position's final hidden state, "
@@ -79,6 +84,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         attention_backend=args.attention_backend, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, pack_weights=args.pack_weights,
         batch_invariant=args.batch_invariant,
+        quantization=args.quantization,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, swap_space=args.swap_space, pooling_type=args.pooling_type,
         kv_offloading_size=args.kv_offloading_size,

@@ -10,6 +10,11 @@ DTYPES: tuple[str, ...] = get_args(DType)  # the --dtype choices of the worker a
 # vLLM's --kv-cache-dtype names (kernels/kv_cache_dtype.py maps them to torch dtypes)
 KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDType)
+# vLLM's --quantization (weight-only, CPU; docs/quantization.md): auto serves a GGUF's quantized
+# linears as stored and an HF directory in float; int8 / int4 quantize an HF directory at load;
+# none dequantises a GGUF (the pre-quantization behaviour, for exact HF parity)
+Quantization = Literal["auto", "none", "int8", "int4"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +36,7 @@ class WorkerConfig:
     # so greedy outputs are the same with speculation on or off, alone or in a batch. vLLM's
     # VLLM_BATCH_INVARIANT.
     batch_invariant: bool = False
+    quantization: Quantization = "auto"  # weight-only int8 / int4 linears (models/quant_linear.py)
     # Multi-LoRA (worker_svc/lora/): vLLM's --enable-lora --max-loras --max-lora-rank --max-cpu-loras
     enable_lora: bool = False
     max_loras: int = 1  # adapters in device slots at once (distinct adapters per step)

@@ -23,6 +23,7 @@ from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.step import Fork, PromptLogprobs, StepPlan, StepResult, WorkerInfo
 from pagoda.runtime.logging import get_logger
+from pagoda.runtime.model_files import is_gguf_file
 from worker_svc import fault_injection
 from worker_svc.config import WorkerConfig
 from worker_svc.distributed import SINGLE, TensorParallel
@@ -67,7 +68,8 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.device = resolve_device(config.device, tp.rank, tp.size)
         self.dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(config.model))
-        self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp)
+        self.quantization = self._resolve_quantization()
+        self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp, self.quantization)
         if config.batch_invariant:
             self._make_batch_invariant()
         elif config.pack_weights and tp.size == 1 and self.device.type == "cpu":
@@ -337,6 +339,8 @@ class ModelRunner:
         each row alike); bf16 ones do, so bf16 linears move to the batch-invariant op."""
         if self.device.type != "cpu" or self.tp.size != 1:
             raise ValueError("--batch-invariant is implemented for a single CPU worker")
+        if self.quantization is not None:  # the quantized op picks its path by row count
+            raise ValueError("--batch-invariant needs float weights: add --quantization none for a GGUF")
         if self.dtype == torch.bfloat16:
             count = make_linears_batch_invariant(self.model)
             log.info("batch_invariant_linears", count=count, amx=batch_invariant_uses_amx())
@@ -344,6 +348,33 @@ class ModelRunner:
             self._pack_weights()
         else:
             raise ValueError(f"--batch-invariant supports float32 and bfloat16, not {self.dtype}")
+
+    def _resolve_quantization(self) -> str | None:
+        """The load's `quantization` (worker_svc/model_loader/loader.py), or a clear refusal at start:
+        the quantized layers run on CPU, one rank, without LoRA (docs/quantization.md)."""
+        wanted, config = self.config.quantization, self.config
+        gguf = is_gguf_file(config.model)
+        if wanted in ("int8", "int4"):
+            where = ("a CUDA worker" if self.device.type != "cpu" else
+                     "tensor parallelism" if config.tensor_parallel_size > 1 else
+                     "LoRA (--enable-lora)" if config.enable_lora else
+                     "a GGUF file (its quantized weights are served as stored: --quantization auto)" if gguf
+                     else None)
+            if where is not None:
+                raise ValueError(f"--quantization {wanted} is not supported with {where}; quantized "
+                                 "linears run on a single CPU worker without LoRA")
+            if self.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"--quantization {wanted} needs --dtype float32 or bfloat16 activations")
+            return wanted
+        if wanted == "none" or not gguf:
+            return None
+        if self.device.type != "cpu" or config.tensor_parallel_size > 1 or config.enable_lora \
+                or self.dtype not in (torch.float32, torch.bfloat16):
+            log.warning("gguf_dequantized", reason="quantized linears run on a single CPU worker without "
+                        "LoRA, fp32/bf16 activations", device=self.device.type,
+                        tensor_parallel_size=config.tensor_parallel_size, lora=config.enable_lora)
+            return None
+        return "gguf"
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -99,7 +99,8 @@ class LLM:
                  kv_cache_dtype: str = "auto", swap_space: float = 0.0,
                  preemption_mode: str | None = None, pooling_type: str = "last",
                  normalize_embeddings: bool = True, batch_invariant: bool = False,
-                 kv_offloading_size: float = 0.0) -> None:
+                 kv_offloading_size: float = 0.0,
+                 quantization: str | None = None) -> None:
         # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
         # "prompt_lookup_min": 2}, or {"method": "suffix", ...} (scheduler_svc/core/spec/). Checked
         # before loading.
@@ -109,6 +110,8 @@ class LLM:
         check_preemption_mode(preemption_mode, has_host_pool=swap_space > 0)
         if speculative is not None and tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet")
+        # quantization (vLLM's name, docs/quantization.md): None/"auto" serves a GGUF's quantized
+        # linears as stored, "int8"/"int4" quantize an HF directory at load, "none" dequantises.
         worker_config = WorkerConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, max_model_len=max_model_len,
             num_gpu_blocks_override=num_gpu_blocks_override,
@@ -117,7 +120,8 @@ class LLM:
             enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             swap_space=swap_space, pooling_type=pooling_type, normalize_embeddings=normalize_embeddings,
-            batch_invariant=batch_invariant, kv_offloading_size=kv_offloading_size)
+            batch_invariant=batch_invariant, kv_offloading_size=kv_offloading_size,
+            quantization=quantization or "auto")
         self.runner = create_runner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
         # Runs close()'s work when the LLM is garbage-collected (vLLM's users `del` their engine);
         # it holds the runner's bound close, never `self`, so it does not keep the LLM alive.

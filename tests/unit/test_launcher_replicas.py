@@ -97,3 +97,14 @@ def test_pooling_flags_reach_the_worker_only_when_they_differ_from_its_defaults(
     assert "--pooling-type" not in worker and "--no-normalize-embeddings" not in worker
     worker = build_children(parse_args(["--fake", "--pooling-type", "mean", "--no-normalize-embeddings"]))[0].argv
     assert worker[-3:] == ["--pooling-type", "mean", "--no-normalize-embeddings"]
+
+
+def test_quantization_reaches_the_worker_only_when_asked_for():
+    worker = build_children(parse_args(["--fake"]))[0].argv
+    assert "--quantization" not in worker  # auto: the worker's default
+    worker = build_children(parse_args(["--fake", "--quantization", "int8"]))[0].argv
+    assert worker[worker.index("--quantization") + 1] == "int8"
+    from worker_svc.__main__ import build_config
+    from worker_svc.__main__ import parse_args as worker_args
+
+    assert build_config(worker_args(worker[1:])).quantization == "int8"

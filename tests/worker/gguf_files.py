@@ -110,10 +110,29 @@ def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path) -> None:
     writer.add_chat_template(tok_config["chat_template"])
 
 
+def gguf_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Valid blocks of `type_name` for a [rows, cols] tensor: gguf's quantizer where it has one
+    (Q8_0, Q4_0, Q4_1), else random integers under small fp16 super-scales (the K-quants)."""
+    rng = np.random.default_rng(seed)
+    qtype = Q[type_name]
+    if type_name in ("Q8_0", "Q4_0", "Q4_1"):
+        return gguf.quants.quantize(rng.normal(0, 0.05, (rows, cols)).astype(np.float32), qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * cols // block, size), np.uint8)
+    scale = rng.uniform(1e-4, 1e-3, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    if type_name == "Q6_K":  # d is the last field
+        raw[:, -2:] = scale
+    else:  # d, dmin lead
+        raw[:, 0:2] = scale
+        raw[:, 2:4] = rng.uniform(1e-4, 1e-3, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
 def write_gguf(path: Path, model_dir: Path, arch: str, types: dict[str, Q] | None = None,
                tokenizer: bool = False) -> Path:
     """The HF directory `model_dir` (config + safetensors) as a GGUF for `arch`; tensors in F32
-    unless `types` names another type for them (stacked experts: by their GGUF name)."""
+    unless `types` names another type for them (stacked experts: by their GGUF name). gguf cannot
+    quantize to K-quants: a tensor typed Q4_K / Q5_K / Q6_K gets random valid blocks instead."""
     cfg = ModelConfig.from_dir(model_dir)
     writer = gguf.GGUFWriter(str(path), arch)
     _write_metadata(writer, cfg, arch)
@@ -131,7 +150,8 @@ def write_gguf(path: Path, model_dir: Path, arch: str, types: dict[str, Q] | Non
         if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             array = llama_cpp_permute(array, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         qtype = (types or {}).get(name, Q.F32)
-        data = array if qtype == Q.F32 else gguf.quants.quantize(array, qtype)
+        data = (array if qtype == Q.F32 else gguf_blocks(qtype.name, *array.shape, seed=len(name))
+                if qtype.name.endswith("_K") else gguf.quants.quantize(array, qtype))
         writer.add_tensor(name if name.startswith("blk.") else gguf_name(name, arch), data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

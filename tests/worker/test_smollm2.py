@@ -39,7 +39,8 @@ def test_converted_directory_is_the_gguf(smollm2_dir, smollm2_gguf, gguf_tokeniz
 @pytest.mark.parametrize("source", ["gguf", "dir"])
 def test_fp32_greedy_is_token_identical_to_hf(source, smollm2_gguf, smollm2_dir, chats, hf_greedy):
     path = smollm2_gguf if source == "gguf" else smollm2_dir
-    with LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=KV_BYTES) as llm:
+    # the GGUF dequantised (--quantization none): exact parity; as stored, tests/worker/test_quantized_loading.py
+    with LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=KV_BYTES, quantization="none") as llm:
         outputs = _generate(llm, chats)  # all eight in one batch
     for prompt, output, expected in zip(PROMPTS, outputs, hf_greedy, strict=True):
         assert output.token_ids == expected, prompt

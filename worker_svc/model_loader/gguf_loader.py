@@ -8,7 +8,11 @@ functions to write an HF-format directory out of a GGUF.
 Quantised blocks are dequantised here in torch, a few lines per supported type, with the same fp32
 operations in the same order as the `gguf` package's numpy reference, so the result is bit-identical
 to `gguf.quants.dequantize` (tests/worker/test_gguf_loader.py checks every type on random bytes).
-Anything else (K-quants, IQ types...) is refused up front with the list of what is supported.
+Anything else (IQ types, Q2_K, Q3_K...) is refused up front with the list of what is supported.
+
+Served as stored (`read_tensors(..., keep_quantized=True)`): the linear weights of the types in
+gguf_quants.DECODERS come through as `QuantizedWeight`s (their integers and scales, never widened)
+and the loader builds `QuantLinear`s from them; norms, biases and float tensors are dequantised.
 
 llama.cpp's converter permutes the rows of Llama's q/k projections (`LlamaModel.permute`) so that
 its RoPE rotates interleaved pairs; HF's and ours rotate halves, so `_unpermute` reverses that.
@@ -35,7 +39,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from worker_svc.model_loader import gguf_quants
 from worker_svc.model_loader.errors import UnsupportedModelError
+from worker_svc.model_loader.quant_format import QuantizedWeight
 
 # GGUF `general.architecture` -> the HF architecture our model serves. Mistral GGUFs say "llama",
 # and so do Mixtral's (with experts: MIXTRAL below).
@@ -232,7 +238,13 @@ def _float(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
 DEQUANTISERS: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {
     "F32": (4, _float(torch.float32)), "F16": (2, _float(torch.float16)), "BF16": (2, _float(torch.bfloat16)),
     "Q4_0": (18, _q4_0), "Q4_1": (20, _q4_1), "Q8_0": (34, _q8_0),
+    # K-quants through their exact decoding (worker_svc/model_loader/gguf_quants.py)
+    **{name: (gguf_quants.DECODERS[name][0], gguf_quants.dequantizer(name)) for name in ("Q4_K", "Q5_K", "Q6_K")},
 }
+# GGUF linear weights (HF module names) that may stay quantized: the dense projections and the
+# output head (token_embd too: it is the lm_head of a tied model). Experts are dequantised.
+QUANTIZABLE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                       "qkv_proj", "gate_up_proj", "lm_head", "embed_tokens")
 
 
 def _check_supported(type_names: set[str]) -> None:
@@ -277,9 +289,30 @@ def _unpermute(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
         .transpose(1, 2).reshape(tensor.shape)
 
 
-def read_tensors(path: str | Path, desc: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def quantized_names(path: str | Path) -> set[str]:
+    """HF names of the weights `read_tensors(path, keep_quantized=True)` yields as QuantizedWeight."""
+    reader = _reader(path)
+    architecture = gguf_architecture(reader)
+    return {name for t in reader.tensors if (name := _kept_name(t, architecture)) is not None}
+
+
+def _kept_name(t: Any, architecture: str) -> str | None:
+    name = hf_name(t.name, architecture)
+    if name is None or "{}" in name or t.tensor_type.name not in gguf_quants.DECODERS or len(t.shape) != 2:
+        return None
+    return name if name.endswith(".weight") and name.split(".")[-2] in QUANTIZABLE_MODULES else None
+
+
+def _unpermute_rows(weight: QuantizedWeight, num_heads: int) -> QuantizedWeight:
+    rows = weight.shape[0]
+    return weight.rows(_unpermute(torch.arange(rows), num_heads))
+
+
+def read_tensors(path: str | Path, desc: str | None = None,
+                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(HF name, fp32 tensor) for every tensor, dequantised one at a time under a progress bar.
-    An unmapped name comes through unchanged (the loader reports it as an unknown weight)."""
+    An unmapped name comes through unchanged (the loader reports it as an unknown weight).
+    keep_quantized: the weights `quantized_names` lists come as QuantizedWeight instead."""
     from tqdm import tqdm
 
     reader = _reader(path)
@@ -291,8 +324,14 @@ def read_tensors(path: str | Path, desc: str | None = None) -> Iterator[tuple[st
     for t in tqdm(reader.tensors, desc=desc or f"dequantising {Path(path).name}", unit="tensor",
                   disable=None):
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
-        tensor = dequantize(t.data, t.tensor_type.name, shape)
         name = hf_name(t.name, architecture) or t.name
+        if keep_quantized and _kept_name(t, architecture) is not None:
+            raw = torch.from_numpy(np.array(t.data, copy=True).view(np.uint8).reshape(-1))
+            weight = gguf_quants.decode(raw, t.tensor_type.name, *shape)
+            module = name.split(".")[-2]
+            yield name, _unpermute_rows(weight, heads[module]) if permute and module in heads else weight
+            continue
+        tensor = dequantize(t.data, t.tensor_type.name, shape)
         if "{}" in name:  # stacked experts [experts, rows, cols]: HF's checkpoints hold one per expert
             # cloned: a view would keep the whole stack alive, and safetensors refuses shared storage
             yield from ((name.format(e), tensor[e].clone()) for e in range(tensor.shape[0]))

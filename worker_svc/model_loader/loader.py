@@ -16,6 +16,12 @@ Tensor parallelism: each rank takes only its slice of a sharded tensor: rows of 
 (column-parallel, every expert's too), columns of o_proj and down_proj (row-parallel); everything else, biases of
 row-parallel layers included, is read whole (replicated). Safetensors are sliced on read
 (`safe_open.get_slice`); GGUF tensors are dequantised whole, then narrowed.
+
+Quantized weights (docs/quantization.md): `quantization="gguf"` keeps a GGUF's Q8_0 / Q4_0 / Q4_1 /
+Q4_K / Q5_K / Q6_K linear weights as stored. The linears whose every part is so stored are swapped
+for empty `QuantLinear`s while the model is still on the meta device (no float storage is ever
+allocated for them) and filled row range by row range; a tied lm_head also serves the embedding
+(`QuantEmbedding`). `quantization="int8" | "int4"` quantizes an HF directory's linears after loading.
 """
 
 from __future__ import annotations
@@ -33,9 +39,11 @@ from pagoda.runtime.model_files import is_gguf_file
 from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.model_loader import gguf_loader
 from worker_svc.model_loader.model_config import ModelConfig
+from worker_svc.model_loader.quant_format import QUANTIZATION_METHODS, QuantizedWeight
 from worker_svc.models import model_class
 from worker_svc.models.common import RotaryEmbedding
 from worker_svc.models.llama import LlamaForCausalLM
+from worker_svc.models.quant_linear import QuantEmbedding, QuantLinear, quantize_linears
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -56,21 +64,59 @@ def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
-               tp: TensorParallel = SINGLE) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """`model_dir`: an HF-format directory or a `.gguf` file."""
+               tp: TensorParallel = SINGLE, quantization: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """`model_dir`: an HF-format directory or a `.gguf` file. `quantization`: None (float weights),
+    "gguf" (a GGUF's quantized linears kept as stored) or "int8" / "int4" (computed at load)."""
+    if quantization not in (None, "gguf", *QUANTIZATION_METHODS):
+        raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATION_METHODS)}")
     cfg = ModelConfig.from_dir(model_dir)
     device = torch.device(device)
+    keep = quantization == "gguf" and is_gguf_file(model_dir)
     with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
         model = model_class(cfg)(cfg, tp)
+        if keep:
+            swap_quantized_linears(model, gguf_loader.quantized_names(model_dir))
     # Cast on meta first (free), so the device holds only `dtype` storage, never an fp32 copy.
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()  # to_empty re-creates parameters, which unties them
     for module in model.modules():  # Gemma 3 has a second RoPE for its local layers
         if isinstance(module, RotaryEmbedding):
             module.reset_cache(device, dtype)
-    load_weights(model, Path(model_dir))
+        if isinstance(module, QuantEmbedding):  # its rows come out in the compute dtype
+            module.dtype = dtype
+    load_weights(model, Path(model_dir), keep_quantized=keep)
+    if quantization in QUANTIZATION_METHODS:
+        quantize_linears(model, quantization)
     model.eval().requires_grad_(False)
     return model, cfg
+
+
+def _sources(name: str, tied: bool) -> list[list[str]]:
+    """The checkpoint names a linear of ours is loaded from: one list per way a checkpoint may
+    store it (HF's separate q/k/v, or pre-fused as Phi-3's)."""
+    prefix, _, module = name.rpartition(".")
+    if module == "lm_head":
+        return [["model.embed_tokens.weight" if tied else "lm_head.weight"]]
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}.get(module)
+    whole = [f"{name}.weight"]
+    return [whole, [f"{prefix}.{p}.weight" for p in parts]] if parts else [whole]
+
+
+def swap_quantized_linears(model: torch.nn.Module, kept: set[str]) -> int:
+    """On meta: every `nn.Linear` whose checkpoint parts are all in `kept` (stored quantized)
+    becomes an empty `QuantLinear` (a tied lm_head brings a `QuantEmbedding`). Returns how many."""
+    tied = model.config.tie_word_embeddings
+    swapped = 0
+    for name, linear in list(model.named_modules()):
+        if not isinstance(linear, torch.nn.Linear) or not any(set(s) <= kept for s in _sources(name, tied)):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantLinear(linear.in_features, linear.out_features, linear.bias is not None))
+        swapped += 1
+    if tied and isinstance(model.lm_head, QuantLinear):
+        model.model.embed_tokens = QuantEmbedding(model.lm_head, model.model.embed_tokens.weight.dtype)
+    return swapped
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -117,20 +163,43 @@ def _expected_shards(params: dict[str, torch.nn.Parameter]) -> dict[str, set[str
 TensorReader = Callable[[], torch.Tensor]
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+def _quant_slots(model: LlamaForCausalLM) -> dict[str, QuantLinear]:
+    """Weight name -> the QuantLinear it fills (a tied quantized lm_head: the embedding's name)."""
+    slots = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    if model.config.tie_word_embeddings and isinstance(model.lm_head, QuantLinear):
+        slots = {("model.embed_tokens.weight" if k == "lm_head.weight" else k): m for k, m in slots.items()}
+    return slots
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: Path, keep_quantized: bool = False) -> None:
     cfg: ModelConfig = model.config
     params = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens
+    slots = _quant_slots(model)
+    # _target resolves names against shapes alone: an empty QuantLinear stands in as a meta tensor
+    targets = {**params, **{k: torch.empty(m.out_features, m.in_features, device="meta") for k, m in slots.items()}}
     tp: TensorParallel = model.tp
     fused = _fused_targets(cfg, tp.size)
-    expected = _expected_shards(params)
-    loaded: dict[str, set[str]] = {name: set() for name in params}
-    tensors = _gguf_tensors(model_dir, tp) if is_gguf_file(model_dir) else _safetensors(model_dir, tp)
+    expected = _expected_shards(targets)
+    loaded: dict[str, set[str]] = {name: set() for name in targets}
+    tensors = (_gguf_tensors(model_dir, tp, keep_quantized) if is_gguf_file(model_dir)
+               else _safetensors(model_dir, tp))
     tensors = _unfused(_renamed(tensors), cfg, tp)
     for name, read in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
             continue
-        target, shard, expert, start, rows = _target(name, fused, params)
+        target, shard, expert, start, rows = _target(name, fused, targets)
         tensor = read()
+        if target in slots:
+            module = slots[target]
+            want = (rows or module.out_features, module.in_features)
+            if not isinstance(tensor, QuantizedWeight) or tuple(tensor.shape) != want:
+                raise WeightLoadError(f"{name}: expected a quantized {want} weight, got "
+                                      f"{type(tensor).__name__} {tuple(tensor.shape)}")
+            module.load_rows(start, tensor)
+            loaded[target].add(shard)
+            continue
+        if isinstance(tensor, QuantizedWeight):  # a part of a linear that stays float
+            tensor = tensor.dequantize()
         dest = params[target].data
         dest = dest if expert is None else dest[expert]
         dest = dest if rows == 0 else dest.narrow(0, start, rows)
@@ -157,8 +226,9 @@ def _safetensors(model_dir: Path, tp: TensorParallel) -> Iterator[tuple[str, Ten
                         _read_shard(reader, name, tp) if tp.size > 1 else reader.get_tensor(name))
 
 
-def _gguf_tensors(path: Path, tp: TensorParallel) -> Iterator[tuple[str, TensorReader]]:
-    for name, tensor in gguf_loader.read_tensors(path):  # dequantised to fp32 one by one (progress bar)
+def _gguf_tensors(path: Path, tp: TensorParallel, keep_quantized: bool = False) -> Iterator[tuple[str, TensorReader]]:
+    # dequantised to fp32 one by one (progress bar), or kept as QuantizedWeight
+    for name, tensor in gguf_loader.read_tensors(path, keep_quantized=keep_quantized):
         yield name, lambda name=name, tensor=tensor: _narrow_shard(tensor, name, tp)
 
 

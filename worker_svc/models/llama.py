@@ -161,7 +161,9 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the checkpoint ties them (call again after
         anything that re-creates parameters, e.g. `to_empty`)."""
-        if self.config.tie_word_embeddings:
+        # (a quantized lm_head, worker_svc/models/quant_linear.py, shares its rows with the embedding
+        # the other way round: QuantEmbedding reads them)
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,

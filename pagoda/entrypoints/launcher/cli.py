@@ -15,7 +15,7 @@ import threading
 
 from pagoda.entrypoints.launcher.supervisor import STOP_MARGIN_S, say, supervise, wait_ready
 from pagoda.entrypoints.launcher.topology import build_children, print_addresses, taken_ports
-from worker_svc.config import DTYPES, KV_CACHE_DTYPES
+from worker_svc.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
@@ -55,6 +55,9 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
                    help="the worker's compute dtype (auto: the checkpoint's, fp32 for a quantised GGUF)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the worker's KV cache: auto (the compute dtype) or FP8 (one byte per value)")
+    g.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                   help="CPU weight-only int8/int4 linears: auto (a GGUF's quantized weights as stored), "
+                        "int8 / int4 (an HF directory, quantized at load), none (docs/quantization.md)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="GPUs (worker ranks) per replica (default: 1)")
     g.add_argument("--batch-invariant", action="store_true",

@@ -89,6 +89,7 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
     swap += ["--kv-offloading-size", str(args.kv_offloading_size)] if args.kv_offloading_size else []
     if args.num_gpu_blocks_override is not None:
         swap += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
+    quant = ["--quantization", args.quantization] if args.quantization != "auto" else []
     preemption = ["--preemption-mode", args.preemption_mode] if args.preemption_mode else []
     # Like the flags above, only what differs from the worker's defaults (last, normalised).
     pooling = [*(["--pooling-type", args.pooling_type] if args.pooling_type != "last" else []),
@@ -100,7 +101,7 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
         Child(f"worker{suffix}", ["worker_svc", *model, "--port", str(worker_port),
                                   "--tensor-parallel-size", str(args.tensor_parallel_size),
                                   "--device", args.device, "--dtype", args.dtype,
-                                  "--kv-cache-dtype", args.kv_cache_dtype, *swap, *invariant, *pooling, *lora], worker,
+                                  "--kv-cache-dtype", args.kv_cache_dtype, *quant, *swap, *invariant, *pooling, *lora], worker,
               needs_serving=False),
         Child(f"scheduler{suffix}", ["scheduler_svc", "--workers", worker, "--port", str(scheduler_port),
                                      *drain, *spec, *preemption], scheduler, needs_serving=True),

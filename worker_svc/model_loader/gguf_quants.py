@@ -1,0 +1,106 @@
+"""GGUF quantised blocks -> `QuantizedWeight` (worker_svc/models/quant_linear.py), exactly.
+
+Each decoder takes a tensor's raw blocks (uint8 [blocks, bytes per block]) and returns its
+integers, fp32 scales and mins with blocks as rows ([blocks, elements per block]); `decode` then
+lays them out as the tensor's [N, K]. The scales are computed from the file's fp16 ones with the
+same fp32 operations as gguf's numpy reference (`d * sc`, `dmin * m`), and a min is stored negated
+(x - y == x + (-y) in IEEE arithmetic), so `QuantizedWeight.dequantize()` equals
+`gguf.quants.dequantize` bit for bit; gguf_loader's dequantisers for the K-quants are that.
+
+    Q8_0  34 B / 32:  fp16 d, int8 q[32]                      w = d * q
+    Q4_0  18 B / 32:  fp16 d, nibbles                         w = d * (q - 8)
+    Q4_1  20 B / 32:  fp16 d, fp16 m, nibbles                 w = d * q + m
+    Q4_K 144 B / 256: fp16 d, dmin, 12 B of 6-bit sc/m, 128 B nibbles (8 groups of 32)
+                                                              w = (d * sc) * q - (dmin * m)
+    Q5_K 176 B / 256: as Q4_K plus 32 B of fifth bits         (q 0..31: int8 storage)
+    Q6_K 210 B / 256: 128 B low nibbles, 64 B high 2 bits, int8 sc[16], fp16 d
+                                                              w = (d * sc) * (q - 32), groups of 16
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from worker_svc.model_loader.quant_format import QuantizedWeight, pack_int4
+
+# A block decoded: (q, scales, mins or None, bits, group, zero), blocks as rows.
+Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int, int]
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).float()  # [n, 2] uint8 -> [n, 1] fp32
+
+
+def _q8_0(b: torch.Tensor) -> Decoded:
+    return b[:, 2:].contiguous().view(torch.int8), _f16(b[:, :2]), None, 8, 32, 0
+
+
+def _q4_0(b: torch.Tensor) -> Decoded:
+    return b[:, 2:].contiguous(), _f16(b[:, :2]), None, 4, 32, 8
+
+
+def _q4_1(b: torch.Tensor) -> Decoded:
+    return b[:, 4:].contiguous(), _f16(b[:, :2]), _f16(b[:, 2:4]), 4, 32, 0
+
+
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the fp32 (d * sc) [n, 8] and negated (dmin * m) [n, 8] (gguf's get_scale_min)."""
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    s = b[:, 4:16].reshape(-1, 3, 4)
+    sd, sm, smd = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([sd & 0x3F, (smd & 0x0F) | ((sd >> 2) & 0x30)], dim=1).float()
+    mn = torch.cat([sm & 0x3F, (smd >> 4) | ((sm >> 2) & 0x30)], dim=1).float()
+    return d * sc, -(dmin * mn)
+
+
+def _q4_k(b: torch.Tensor) -> Decoded:
+    scales, mins = _k_scales(b)
+    qs = b[:, 16:].reshape(-1, 4, 1, 32)  # 4 chunks of 64: low nibbles then high ones
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 256)
+    return pack_int4(q, 32), scales, mins, 4, 32, 0
+
+
+def _q5_k(b: torch.Tensor) -> Decoded:
+    scales, mins = _k_scales(b)
+    qh = b[:, 16:48].reshape(-1, 1, 32)
+    qs = b[:, 48:].reshape(-1, 4, 1, 32)
+    low = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 8, 32)
+    high = (qh >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1  # group j: bit j
+    q = (low | (high << 4)).reshape(-1, 256).view(torch.int8)  # 0..31
+    return q, scales, mins, 8, 32, 0
+
+
+def _q6_k(b: torch.Tensor) -> Decoded:
+    ql = b[:, :128].reshape(-1, 2, 1, 64)  # two halves of 128 elements
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32)
+    sc = b[:, 192:208].contiguous().view(torch.int8).float()
+    d = _f16(b[:, 208:210])
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 2, 4, 32)
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 3
+    q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(-1, 256)
+    return q, d * sc, None, 8, 16, 0
+
+
+# type name -> (bytes per block, elements per block, decoder)
+DECODERS: dict[str, tuple[int, int, Callable[[torch.Tensor], Decoded]]] = {
+    "Q8_0": (34, 32, _q8_0), "Q4_0": (18, 32, _q4_0), "Q4_1": (20, 32, _q4_1),
+    "Q4_K": (144, 256, _q4_k), "Q5_K": (176, 256, _q5_k), "Q6_K": (210, 256, _q6_k),
+}
+
+
+def decode(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> QuantizedWeight:
+    """uint8 bytes of a GGUF tensor [rows, cols] (numpy order) -> its QuantizedWeight."""
+    size, elements, fn = DECODERS[type_name]
+    if cols % elements:
+        raise ValueError(f"{type_name}: row length {cols} is not a multiple of its block ({elements})")
+    q, scales, mins, bits, group, zero = fn(raw.reshape(-1, size))
+    fix = lambda t: None if t is None else t.reshape(rows, -1).contiguous()  # noqa: E731
+    return QuantizedWeight(fix(q), fix(scales), fix(mins), bits, group, zero, cols)
+
+
+def dequantizer(type_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """gguf_loader's per-block dequantiser: blocks [n, bytes] -> fp32 [n, elements]."""
+    _, elements, _ = DECODERS[type_name]
+    return lambda blocks: decode(blocks, type_name, blocks.shape[0], elements).dequantize()

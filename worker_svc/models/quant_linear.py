@@ -1,0 +1,134 @@
+"""Weight-only quantized linears on CPU: int8 or packed int4 weights that are never widened in memory.
+
+Why: a batch-1 decode step streams every weight from DRAM once, so its time is the weight bytes
+read per step. SmolLM2 in fp32 reads 4 bytes per weight; Q8_0 reads 1.06, Q4_K 0.56. The layer
+keeps exactly what a GGUF stores (docs/quantization.md) and multiplies through the compiled op
+`pagoda_cpu::quant_linear` (kernels/linear/cpu_quant_linear.cpp).
+
+One format (worker_svc/model_loader/quant_format.py) covers every GGUF type we serve, bit for
+bit: the integers, and fp32 scales computed from the file's fp16 ones with the same operations as
+gguf's numpy reference: w = scales * (q - zero) (+ mins), per group of 16 / 32 / K along a row.
+
+The product and the sum are rounded separately (no FMA), as numpy does, so the dequantised weights
+are bit-identical to `gguf.quants.dequantize`; tests/worker/test_quant_linear.py checks it.
+
+What torch 2.13 ships for CPU, and why the compiled op (benchmarks/quant_linear.py prints the table):
+`_weight_int8pack_mm` takes per-channel scales only (Q8_0's per-32 scales cannot go through it),
+`_weight_int4pack_mm_for_cpu` takes per-group scale + zero as w = (q - 8) * scale + zero (Q4_0 and
+Q4_1 fit, with bf16 scales: not bit-exact, and Q5_K / Q6_K do not), `_dyn_quant_matmul_4bit` quantizes
+the activations too (a KleidiAI kernel for Arm; not measured here). Our op reads each format as stored.
+
+Fused projections (qkv, gate_up) concatenate their parts along N: groups stay within a row, so this
+is exact; parts of different formats (Q4_K_M stores some attn_v in Q6_K) are first widened to the
+common one (int8 storage, the smallest group, mins where any part has them), also exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from worker_svc.model_loader.quant_format import QuantizedWeight, concat, quantize
+
+# -- modules ----------------------------------------------------------------------------------------
+
+@functools.cache
+def _ops() -> object | None:
+    """The compiled ops, or None where no toolchain can build them (then: dequantise per call)."""
+    from kernels.cpu_extension import load, toolchain_available
+
+    return load() if toolchain_available() else None
+
+
+def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (fp32 / bf16) @ w.T -> [..., N] in x's dtype."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    ops = _ops() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+    if ops is None:
+        out = nn.functional.linear(x2.float(), w.dequantize(), None if bias is None else bias.float()).to(x.dtype)
+    else:
+        out = ops.quant_linear(x2, w.qweight, w.scales, w.mins, bias, w.group, w.bits, w.zero)
+    return out.reshape(*lead, out.shape[-1])
+
+
+class QuantLinear(nn.Module):
+    """`nn.Linear`'s forward over a `QuantizedWeight` (buffers: qweight, scales, mins). Built empty
+    by the loader and filled by row ranges (`load_rows`, the parts of a fused projection), or
+    from a float `nn.Linear` (`from_linear`, --quantization)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.weight_q: QuantizedWeight | None = None
+        self._parts: dict[int, QuantizedWeight] = {}
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, method: str) -> QuantLinear:
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None)
+        module.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        module.set_weight(quantize(linear.weight, method))
+        return module
+
+    def set_weight(self, weight: QuantizedWeight) -> None:
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight {weight.shape} != ({self.out_features}, {self.in_features})")
+        self.weight_q = weight
+        # buffers, so that state_dict / memory accounting see them (the dataclass holds the same tensors)
+        self.register_buffer("qweight", weight.qweight, persistent=False)
+        self.register_buffer("scales", weight.scales, persistent=False)
+        self.register_buffer("mins", weight.mins, persistent=False)
+
+    def load_rows(self, start: int, weight: QuantizedWeight) -> None:
+        """Rows [start, start + weight.shape[0]) of a fused weight; complete once every row came."""
+        self._parts[start] = weight
+        if sum(p.shape[0] for p in self._parts.values()) == self.out_features:
+            ordered = [self._parts[s] for s in sorted(self._parts)]
+            self._parts = {}
+            self.set_weight(concat(ordered))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight_q.dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_matmul(x, self.weight_q, self.bias)
+
+    def extra_repr(self) -> str:
+        w = self.weight_q
+        fmt = "empty" if w is None else f"int{w.bits}, group={w.group}, mins={w.mins is not None}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {fmt}"
+
+
+class QuantEmbedding(nn.Module):
+    """The token embedding read from the same quantized rows as a tied lm_head: each step widens
+    only its tokens' rows (a few KB), where an fp32 table of SmolLM2 would hold 113 MB."""
+
+    def __init__(self, lm_head: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head = [lm_head]  # a list: not a submodule, so the weights are not counted twice
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = lm_head.out_features, lm_head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [T] -> [T, hidden] in the model dtype
+        return self.head[0].weight_q.rows(ids.reshape(-1)).dequantize().to(self.dtype).reshape(*ids.shape, -1)
+
+
+def quantize_linears(model: nn.Module, method: str) -> int:
+    """Replace every dense `nn.Linear` of `model` (not the MoE router) by a `QuantLinear`; a tied
+    lm_head also replaces the embedding by a `QuantEmbedding` over its rows. Returns how many."""
+    targets = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and not name.endswith("mlp.gate")]
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    embed_dtype = model.model.embed_tokens.weight.dtype if tied else None
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantLinear.from_linear(module, method))
+    if tied:
+        model.model.embed_tokens = QuantEmbedding(model.lm_head, embed_dtype)
+    return len(targets)
