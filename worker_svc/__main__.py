@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "equal with and without speculation; slower GEMMs: "
                         "worker_svc/models/batch_invariant_linear.py)")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
-                   help="CPU, weight-only (docs/quantization.md): auto serves a GGUF's Q8_0/Q4_0/Q4_1/"
+                   help="CPU, weight-only (docs/quantization.md): auto serves a GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/"
                         "Q4_K/Q5_K/Q6_K linears as stored (an HF directory in float); int8 (g32 "
                         "symmetric) / int4 (g32 affine) quantize an HF directory at load; none "
                         "dequantises a GGUF")

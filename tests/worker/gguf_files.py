@@ -132,7 +132,7 @@ def write_gguf(path: Path, model_dir: Path, arch: str, types: dict[str, Q] | Non
                tokenizer: bool = False) -> Path:
     """The HF directory `model_dir` (config + safetensors) as a GGUF for `arch`; tensors in F32
     unless `types` names another type for them (stacked experts: by their GGUF name). gguf cannot
-    quantize to K-quants: a tensor typed Q4_K / Q5_K / Q6_K gets random valid blocks instead."""
+    quantize to K-quants or IQ types: a tensor typed so gets random valid blocks instead."""
     cfg = ModelConfig.from_dir(model_dir)
     writer = gguf.GGUFWriter(str(path), arch)
     _write_metadata(writer, cfg, arch)
@@ -151,7 +151,7 @@ def write_gguf(path: Path, model_dir: Path, arch: str, types: dict[str, Q] | Non
             array = llama_cpp_permute(array, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         qtype = (types or {}).get(name, Q.F32)
         data = (array if qtype == Q.F32 else gguf_blocks(qtype.name, *array.shape, seed=len(name))
-                if qtype.name.endswith("_K") else gguf.quants.quantize(array, qtype))
+                if qtype.name.endswith("_K") or qtype.name.startswith("IQ") else gguf.quants.quantize(array, qtype))
         writer.add_tensor(name if name.startswith("blk.") else gguf_name(name, arch), data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -21,7 +21,7 @@ from worker_svc.model_loader.gguf_loader import UnsupportedTensorTypeError
 from worker_svc.model_loader.loader import load_model, resolve_dtype
 from worker_svc.model_loader.model_config import ModelConfig
 
-SUPPORTED = "supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K"
+SUPPORTED = "supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"
 
 
 # -- dequantisation: bit-identical to gguf.quants.dequantize -------------------------------------
@@ -52,8 +52,8 @@ def test_dequantize_of_real_weights_is_close(qtype):
 def test_unsupported_tensor_type_names_the_supported_ones(tmp_path):
     with pytest.raises(UnsupportedTensorTypeError, match=f"unsupported GGUF tensor type: Q3_K; {SUPPORTED}"):
         gguf_loader.dequantize(np.zeros(110, np.uint8), "Q3_K", (256,))
-    _, path = hf_to_gguf("qwen2", tmp_path, types={"model.layers.1.mlp.up_proj.weight": Q.Q5_0})
-    with pytest.raises(UnsupportedTensorTypeError, match=f"unsupported GGUF tensor type: Q5_0; {SUPPORTED}"):
+    _, path = hf_to_gguf("qwen2", tmp_path, types={"model.layers.1.mlp.up_proj.weight": Q.IQ4_NL})
+    with pytest.raises(UnsupportedTensorTypeError, match=f"unsupported GGUF tensor type: IQ4_NL; {SUPPORTED}"):
         load_model(path, torch.float32, "cpu")
 
 

@@ -36,8 +36,9 @@ def test_every_gguf_format_is_represented_bit_for_bit(type_name):
 
 def test_stored_bytes_per_weight_are_the_files_plus_fp32_scales():
     per_weight = {t: decoded(t, 4, 256)[0].nbytes / (4 * 256) for t in GGUF_TYPES}
-    # Q8_0: 1 + 4/32; Q4_0: 0.5 + 4/32; Q4_1 / Q4_K: 0.5 + 8/32; Q5_K: 1 + 8/32; Q6_K: 1 + 4/16
-    assert per_weight == {"Q8_0": 1.125, "Q4_0": 0.625, "Q4_1": 0.75, "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25}
+    # Q8_0 / Q5_0: 1 + 4/32; Q4_0: 0.5 + 4/32; Q4_1 / Q4_K: 0.5 + 8/32; Q5_1 / Q5_K: 1 + 8/32; Q6_K: 1 + 4/16
+    assert per_weight == {"Q8_0": 1.125, "Q4_0": 0.625, "Q4_1": 0.75, "Q5_0": 1.125, "Q5_1": 1.25,
+                          "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25}
 
 
 def _formats() -> dict[str, QuantizedWeight]:

@@ -238,8 +238,9 @@ def _float(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
 DEQUANTISERS: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {
     "F32": (4, _float(torch.float32)), "F16": (2, _float(torch.float16)), "BF16": (2, _float(torch.bfloat16)),
     "Q4_0": (18, _q4_0), "Q4_1": (20, _q4_1), "Q8_0": (34, _q8_0),
-    # K-quants through their exact decoding (worker_svc/model_loader/gguf_quants.py)
-    **{name: (gguf_quants.DECODERS[name][0], gguf_quants.dequantizer(name)) for name in ("Q4_K", "Q5_K", "Q6_K")},
+    # Q5_0/Q5_1 and the K-quants through their exact decoding (worker_svc/model_loader/gguf_quants.py)
+    **{name: (gguf_quants.DECODERS[name][0], gguf_quants.dequantizer(name))
+       for name in ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")},
 }
 # GGUF linear weights (HF module names) that may stay quantized: the dense projections and the
 # output head (token_embd too: it is the lm_head of a tied model). Experts are dequantised.

@@ -10,6 +10,8 @@ same fp32 operations as gguf's numpy reference (`d * sc`, `dmin * m`), and a min
     Q8_0  34 B / 32:  fp16 d, int8 q[32]                      w = d * q
     Q4_0  18 B / 32:  fp16 d, nibbles                         w = d * (q - 8)
     Q4_1  20 B / 32:  fp16 d, fp16 m, nibbles                 w = d * q + m
+    Q5_0  22 B / 32:  fp16 d, 32 fifth bits, nibbles          w = d * (q - 16)   (int8 storage)
+    Q5_1  24 B / 32:  fp16 d, fp16 m, 32 fifth bits, nibbles  w = d * q + m      (int8 storage)
     Q4_K 144 B / 256: fp16 d, dmin, 12 B of 6-bit sc/m, 128 B nibbles (8 groups of 32)
                                                               w = (d * sc) * q - (dmin * m)
     Q5_K 176 B / 256: as Q4_K plus 32 B of fifth bits         (q 0..31: int8 storage)
@@ -43,6 +45,23 @@ def _q4_0(b: torch.Tensor) -> Decoded:
 
 def _q4_1(b: torch.Tensor) -> Decoded:
     return b[:, 4:].contiguous(), _f16(b[:, :2]), _f16(b[:, 2:4]), 4, 32, 0
+
+
+def _five_bits(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1: 4 bytes of high bits (element j: bit j, little-endian) over 16 bytes of nibbles
+    (elements 0-15 low, 16-31 high) -> q 0..31 [n, 32] int16."""
+    low = torch.cat([qs & 0x0F, qs >> 4], dim=1).to(torch.int16)
+    bits = (qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [n, 4, 8]
+    return low | (bits.reshape(-1, 32).to(torch.int16) << 4)
+
+
+def _q5_0(b: torch.Tensor) -> Decoded:
+    # (q - 16) fits int8 and keeps the file's product d * (q - 16) exact: no zero point needed
+    return (_five_bits(b[:, 2:6], b[:, 6:]) - 16).to(torch.int8), _f16(b[:, :2]), None, 8, 32, 0
+
+
+def _q5_1(b: torch.Tensor) -> Decoded:
+    return _five_bits(b[:, 4:8], b[:, 8:]).to(torch.int8), _f16(b[:, :2]), _f16(b[:, 2:4]), 8, 32, 0
 
 
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,6 +105,7 @@ def _q6_k(b: torch.Tensor) -> Decoded:
 # type name -> (bytes per block, elements per block, decoder)
 DECODERS: dict[str, tuple[int, int, Callable[[torch.Tensor], Decoded]]] = {
     "Q8_0": (34, 32, _q8_0), "Q4_0": (18, 32, _q4_0), "Q4_1": (20, 32, _q4_1),
+    "Q5_0": (22, 32, _q5_0), "Q5_1": (24, 32, _q5_1),
     "Q4_K": (144, 256, _q4_k), "Q5_K": (176, 256, _q5_k), "Q6_K": (210, 256, _q6_k),
 }
 
