@@ -193,9 +193,18 @@ def breakdown(args: argparse.Namespace) -> dict:
             parts = step_breakdown.step_parts(model, batch, args.breakdown_steps)
             result["in_process_ms"][f"{model} B={batch}"] = parts
             print(f"   {Path(model).name:32s} {batch:3d} " + " ".join(f"{parts[k]:12.3f}" for k in parts), flush=True)
+    try:
+        building = step_breakdown.input_building([1, 16, 64, 256])
+    except ImportError:  # a tree from before the decode buffers
+        building = {}
+    if building:
+        result["input_building_ms"] = building
+        print("3b. decode input building alone, ms per call: general builder -> fixed buffers")
+        for batch, ms in building.items():
+            print(f"   B={batch:4d}: {ms['general']:.4f} -> {ms['buffers']:.4f}")
     if args.served_requests:
         logs = Path(tempfile.mkdtemp(prefix="step_breakdown_"))
-        print(f"3b. served, one request at a time ({args.served_output_len} tokens, greedy): "
+        print(f"3c. served, one request at a time ({args.served_output_len} tokens, greedy): "
               "CPU ms per output token by process")
         for model, flags in [(args.breakdown_models[0], ("--fake",)), *((m, ()) for m in args.breakdown_models)]:
             label = f"{Path(model).name}{' --fake' if flags else ''}"

@@ -4,7 +4,10 @@
    the plan and result wire codec (protobuf encode + decode, as the gRPC round trip does it), and
    the worker's execute(): input building, the model's forward, logits, sampler, and the rest of
    execute (applying the plan, bookkeeping). Medians of wall time per step (perf_counter_ns).
-2. Served (`served_cpu_per_token`): the whole stack (`pagoda.entrypoints.launcher`: gateway ->
+2. Input building alone (`input_building`): the general builder against the decode buffers on the
+   same decode-only sequences (300-token contexts), best of 5 x 200 calls: pure Python + numpy,
+   so the figure a busy machine disturbs least.
+3. Served (`served_cpu_per_token`): the whole stack (`pagoda.entrypoints.launcher`: gateway ->
    scheduler -> worker) streaming one request at a time, greedy, EOS ignored; CPU milliseconds
    each process spends per output token (psutil, user + system) beside TPOT. CPU time is what a
    process takes from the cores the forward's threads run on, and moves less than wall time when
@@ -17,6 +20,7 @@ import asyncio
 import statistics
 import sys
 import time
+import timeit
 from pathlib import Path
 
 import httpx
@@ -72,6 +76,34 @@ def step_parts(model: str, batch: int, steps: int) -> dict[str, float]:
     medians = {part: statistics.median(values) for part, values in times.items()}
     medians["step"] = sum(medians.values())
     return medians
+
+
+def input_building(batches: list[int], block_size: int = 16) -> dict[int, dict[str, float]]:
+    """ms per call of build_model_inputs and of DecodeInputBuffers.build, per decode batch size."""
+    import torch
+
+    from kernels import get_backend
+    from worker_svc.input_batch import (
+        CachedRequestState,
+        DecodeInputBuffers,
+        ScheduledSeq,
+        build_model_inputs,
+    )
+
+    backend, cpu = get_backend("torch"), torch.device("cpu")
+    buffers = DecodeInputBuffers(max(batches), 64, cpu)
+    result = {}
+    for batch in batches:
+        seqs = [ScheduledSeq(CachedRequestState(RequestId(f"r{i}"), list(range(300 + i)), 32,
+                                                list(range(i * 20, i * 20 + (300 + i) // block_size + 1)),
+                                                299 + i, SamplingParams()), 1) for i in range(batch)]
+
+        def best(fn) -> float:
+            return min(timeit.repeat(fn, number=200, repeat=5)) / 200 * 1e3
+
+        result[batch] = {"general": best(lambda seqs=seqs: build_model_inputs(seqs, block_size, backend, cpu)),
+                         "buffers": best(lambda seqs=seqs: buffers.build(seqs, block_size, backend))}
+    return result
 
 
 def _time_calls(runner, inner: dict[str, int]) -> None:
