@@ -1,12 +1,17 @@
 """Per-step cost of the scheduler<->worker protocol: plan bytes, and overhead against model time.
 
     python -m benchmarks.plan_overhead [--model models/pagoda-tiny] [--batch-sizes 64 256] [--quick]
+    python -m benchmarks.plan_overhead --breakdown [--breakdown-models models/pagoda-tiny ...]
+        [--breakdown-batches 1 16] [--out benchmarks/results/step_breakdown.json]
 
 1. Plan bytes (in-process, FakeWorker): serialised StepPlan size of decode-only steps at B running
    requests, against the state a full-state plan would carry (every request's NewRequest).
 2. Step wall time with real processes on loopback, with and without pipelining: a fake worker that
    answers at once (= scheduler + transport overhead), then the tiny model on CPU; plus the model's
    own step time (forward + sample, in-process ModelRunner) at the same batch, for comparison.
+3. --breakdown (instead of 1 and 2): a decode step cut into its parts in-process, per model and
+   batch, then one request at a time through the launched stack with the CPU each service spends
+   per output token (benchmarks/step_breakdown.py says how each figure is taken).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks import step_breakdown
+from benchmarks.result_file import write_result
 from pagoda.contract import worker_codec as convert
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
@@ -137,7 +144,19 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
     p.add_argument("--window-steps", type=int, default=100)
     p.add_argument("--skip-model", action="store_true", help="fake worker only")
+    p.add_argument("--breakdown", action="store_true", help="section 3 only: the per-step breakdown")
+    p.add_argument("--breakdown-models", nargs="+", default=["models/pagoda-tiny", "models/smollm2-135m-instruct"])
+    p.add_argument("--breakdown-batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--breakdown-steps", type=int, default=60)
+    p.add_argument("--breakdown-threads", type=int, default=None,
+                   help="torch threads in-process (default: torch's); 1 steadies the forward on a busy machine")
+    p.add_argument("--served-requests", type=int, default=4, help="0: skip the served part")
+    p.add_argument("--served-output-len", type=int, default=128)
+    p.add_argument("--out", type=Path, default=None, help="write the breakdown as JSON here")
     args = p.parse_args()
+    if args.breakdown:
+        breakdown(args)
+        return
     print("1. plan bytes per decode-only step (serialised StepPlan) vs the full state")
     for batch in args.batch_sizes:
         r = plan_bytes(batch)
@@ -159,6 +178,44 @@ def main() -> None:
         if not args.skip_model:
             print(f"   B={batch:4d} model step alone (in-process forward+sample): "
                   f"{model_step_seconds(args.model, batch) * 1e3:7.2f}", flush=True)
+
+
+def breakdown(args: argparse.Namespace) -> dict:
+    result: dict = {"in_process_ms": {}, "served": {}, "torch_threads": args.breakdown_threads}
+    if args.breakdown_threads:
+        import torch
+
+        torch.set_num_threads(args.breakdown_threads)
+    print("3a. decode step parts in-process, median wall ms per step")
+    print(f"   {'model':32s} {'B':>3s} " + " ".join(f"{part[:12]:>12s}" for part in (*step_breakdown.PARTS, "step")))
+    for model in args.breakdown_models:
+        for batch in args.breakdown_batches:
+            parts = step_breakdown.step_parts(model, batch, args.breakdown_steps)
+            result["in_process_ms"][f"{model} B={batch}"] = parts
+            print(f"   {Path(model).name:32s} {batch:3d} " + " ".join(f"{parts[k]:12.3f}" for k in parts), flush=True)
+    try:
+        building = step_breakdown.input_building([1, 16, 64, 256])
+    except ImportError:  # a tree from before the decode buffers
+        building = {}
+    if building:
+        result["input_building_ms"] = building
+        print("3b. decode input building alone, ms per call: general builder -> fixed buffers")
+        for batch, ms in building.items():
+            print(f"   B={batch:4d}: {ms['general']:.4f} -> {ms['buffers']:.4f}")
+    if args.served_requests:
+        logs = Path(tempfile.mkdtemp(prefix="step_breakdown_"))
+        print(f"3c. served, one request at a time ({args.served_output_len} tokens, greedy): "
+              "CPU ms per output token by process")
+        for model, flags in [(args.breakdown_models[0], ("--fake",)), *((m, ()) for m in args.breakdown_models)]:
+            label = f"{Path(model).name}{' --fake' if flags else ''}"
+            served = step_breakdown.served_cpu_per_token(model, args.served_requests, args.served_output_len,
+                                                         logs / f"{label.replace(' ', '')}.log", flags)
+            result["served"][label] = served
+            cpu = "  ".join(f"{name} {ms:.3f}" for name, ms in served["cpu_ms_per_token"].items())
+            print(f"   {label:36s} TPOT p50 {served['tpot_median_ms']:7.2f} ms   cpu/token: {cpu}", flush=True)
+    if args.out:
+        write_result(args.out, result)
+    return result
 
 
 if __name__ == "__main__":

@@ -27,7 +27,13 @@ from pagoda.runtime.model_files import is_gguf_file
 from worker_svc import fault_injection
 from worker_svc.config import WorkerConfig
 from worker_svc.distributed import SINGLE, TensorParallel
-from worker_svc.input_batch import CachedRequestState, ScheduledSeq, apply_beam_updates, build_model_inputs
+from worker_svc.input_batch import (
+    CachedRequestState,
+    DecodeInputBuffers,
+    ScheduledSeq,
+    apply_beam_updates,
+    build_model_inputs,
+)
 from worker_svc.kv_cache import CacheShape, HostKVPool, KVCache, cpu_num_blocks, cuda_num_blocks
 from worker_svc.kv_cache import num_cpu_blocks as num_host_blocks_for
 from worker_svc.lora.manager import LoRAManager
@@ -46,6 +52,7 @@ from worker_svc.structured_output import GrammarCompiler, GrammarState
 log = get_logger(__name__)
 
 PROFILE_SAMPLING_ROWS = 256  # logits rows the memory profile samples (a full decode batch)
+MAX_BUFFERED_DECODE_SEQS = 256  # decode steps up to this batch build their inputs in fixed buffers
 
 
 def resolve_device(name: str, tp_rank: int = 0, tp_size: int = 1) -> torch.device:
@@ -94,6 +101,7 @@ class ModelRunner:
         self.verifier = DraftVerifier(self.sampler, config.seed)
         self.requests: dict[RequestId, CachedRequestState] = {}
         self.kv_cache: KVCache | None = None
+        self._decode_buffers: DecodeInputBuffers | None = None  # made with the cache (initialize)
         self.host_pool: HostKVPool | None = None  # --swap-space: swapped-out blocks
         self._last_step_id: int | None = None
         self.unsampled: list[CachedRequestState] = []  # TP follower: awaiting rank 0's tokens
@@ -123,6 +131,9 @@ class ModelRunner:
             num_offload_blocks = self.tp.min_over_ranks(num_offload_blocks)
         self.kv_cache = self.host_pool = None  # free the old caches before allocating new ones
         self.kv_cache = KVCache(shape, num_blocks, self.device)
+        self._decode_buffers = DecodeInputBuffers(
+            min(self.max_num_batched_tokens, MAX_BUFFERED_DECODE_SEQS),
+            math.ceil(self.max_model_len / self.config.block_size), self.device)
         if num_host_blocks + num_offload_blocks:
             self.host_pool = HostKVPool(shape, num_host_blocks + num_offload_blocks,
                                         pin_memory=self.device.type == "cuda")
@@ -267,7 +278,7 @@ class ModelRunner:
         assert self.kv_cache is not None
         if self.lora is not None:  # grouped by adapter: each adapter's rows become one block
             seqs = self.lora.prepare(seqs)
-        inputs = build_model_inputs(seqs, self.config.block_size, self.backend, self.device)
+        inputs = self._build_inputs(seqs)
         try:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.layers)
         finally:
@@ -304,14 +315,32 @@ class ModelRunner:
                 states.append(member)
         if not self.tp.is_driver:
             return None, rows, states, drafted, []
-        index = inputs.logits_indices[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
-        if draft_rows:
-            index = torch.cat([index, torch.tensor(draft_rows, dtype=torch.long, device=self.device)])
-        logits = self.model.compute_logits(hidden[index]).float()  # [N, V]
+        sampled_hidden = self._logit_hidden(hidden, inputs, logit_rows, draft_rows)  # [N, hidden]
+        logits = self.model.compute_logits(sampled_hidden).float()  # [N, V]
         prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
         return logits, rows, states, drafted, prompt_logprobs
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _build_inputs(self, seqs: list[ScheduledSeq]):
+        """A decode-only step into the fixed buffers (no per-step allocation); others in full."""
+        bs = self.config.block_size
+        if self._decode_buffers is not None:
+            inputs = self._decode_buffers.build(seqs, bs, self.backend)
+            if inputs is not None:
+                return inputs
+        return build_model_inputs(seqs, bs, self.backend, self.device)
+
+    def _logit_hidden(self, hidden: torch.Tensor, inputs, logit_rows: list[int],
+                      draft_rows: list[int]) -> torch.Tensor:
+        """The hidden rows [N, hidden] to compute logits for. A plain decode step samples every
+        row of hidden, in order: it is used as it is (the gather would only copy it)."""
+        if not draft_rows and len(logit_rows) == hidden.shape[0] and logit_rows == list(range(len(logit_rows))):
+            return hidden
+        index = inputs.logits_indices[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
+        if draft_rows:
+            index = torch.cat([index, torch.tensor(draft_rows, dtype=torch.long, device=self.device)])
+        return hidden[index]
 
     def _grammar(self, sampling: SamplingParams) -> GrammarState | None:
         """Starts compiling a new request's grammar now, so it overlaps the forward pass."""

@@ -36,6 +36,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim]; the statistics are taken in fp32 whatever the weights' dtype (as HF does).
+        # An fp32 x skips the two casts (no-ops, but each a dispatcher call, twice per layer).
+        if x.dtype == torch.float32:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         input_dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -87,6 +90,7 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: rebuilt from the config, never loaded. Kept in the model dtype (HF casts
         # its fp32 cos/sin to the activation dtype before use, so this is the same rounding).
         self.register_buffer("cos_sin_cache", self._build_cache(), persistent=False)
+        self._memo: tuple | None = None  # (positions, dtype, cos, sin) of the last forward
 
     def _build_cache(self, device: torch.device | None = None) -> torch.Tensor:
         inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling).to(device)  # [R/2]
@@ -98,13 +102,24 @@ class RotaryEmbedding(nn.Module):
     def reset_cache(self, device: torch.device, dtype: torch.dtype) -> None:
         """Recompute after the module was materialised from the meta device."""
         self.cos_sin_cache = self._build_cache(device).to(dtype)
+        self._memo = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> the same shapes
-        cos, sin = self.cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)  # [T, R] each
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R]
+        cos, sin = self._cos_sin(positions, q.dtype)  # [T, 1, R] each
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered once per forward, not once per layer: every layer passes the same positions
+        tensor (at batch 1 the gather and its casts were ~5 of each layer's small ops). The memo
+        holds that tensor, so its id cannot be reused by the next step's; a caller never changes
+        positions in place during a forward (inference tensors have no version counter to check)."""
+        memo = self._memo
+        if memo is None or memo[0] is not positions or memo[1] != dtype:
+            cos, sin = self.cos_sin_cache[positions].to(dtype).chunk(2, dim=-1)  # [T, R] each
+            memo = self._memo = (positions, dtype, cos[:, None, :], sin[:, None, :])  # [T, 1, R]
+        return memo[2], memo[3]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
