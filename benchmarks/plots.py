@@ -81,7 +81,8 @@ def plot_server_timeline(timeline: list[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_rss_samples(samples: list[dict], path: Path, names: dict[str, str] | None = None) -> Path:
+def plot_rss_samples(samples: list[dict], path: Path, names: dict[str, str] | None = None,
+                     xlabel: str = "requests", title: str = "Resident memory during the soak") -> Path:
     """Resident memory of each process over a soak (benchmarks.soak's `rss_samples`: requests done
     and MiB by listening port); `names` labels the ports (default: the launcher's)."""
     names = names or {"8000": "gateway", "50052": "scheduler", "50061": "worker"}
@@ -89,9 +90,9 @@ def plot_rss_samples(samples: list[dict], path: Path, names: dict[str, str] | No
     for port in sorted({key for s in samples for key in s} - {"requests"}):
         ax.plot([s["requests"] for s in samples], [_nan(s.get(port)) for s in samples], "-",
                 label=names.get(port, f"port {port}"))
-    ax.set_xlabel("requests")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("RSS (MiB)")
-    ax.set_title("Resident memory during the soak")
+    ax.set_title(title)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
