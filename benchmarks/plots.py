@@ -2,7 +2,8 @@
 
 - a request-rate sweep: TTFT / TPOT / ITL / E2E (median and p99) against the request rate;
 - a concurrency sweep: output and total token throughput against max concurrency;
-- a single run: KV-cache usage, queue depth and running requests over time (from /metrics).
+- a single run: KV-cache usage, queue depth and running requests over time (from /metrics);
+- a soak: each service's RSS against the requests done (benchmarks.soak --rss-plot).
 """
 
 from __future__ import annotations
@@ -77,6 +78,24 @@ def plot_server_timeline(timeline: list[dict], path: Path) -> Path:
     queue_ax.legend()
     for ax in (kv_ax, queue_ax):
         ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_rss_samples(samples: list[dict], path: Path, names: dict[str, str] | None = None,
+                     xlabel: str = "requests", title: str = "Resident memory during the soak") -> Path:
+    """Resident memory of each process over a soak (benchmarks.soak's `rss_samples`: requests done
+    and MiB by listening port); `names` labels the ports (default: the launcher's)."""
+    names = names or {"8000": "gateway", "50052": "scheduler", "50061": "worker"}
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for port in sorted({key for s in samples for key in s} - {"requests"}):
+        ax.plot([s["requests"] for s in samples], [_nan(s.get(port)) for s in samples], "-",
+                label=names.get(port, f"port {port}"))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("RSS (MiB)")
+    ax.set_title(title)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
     return _save(fig, path)
 
 

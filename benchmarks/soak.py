@@ -2,7 +2,8 @@
 
     python -m benchmarks.soak --base-url http://127.0.0.1:8000 --scheduler 127.0.0.1:50052 \
         --num-requests 10000 --cancel-fraction 0.2 --stream-fraction 0.5 --bad-fraction 0.03 \
-        --quota-api-key sk-tight --quota-fraction 0.05 --api-key sk-main --rss-ports 8000,50052,50061
+        --quota-api-key sk-tight --quota-fraction 0.05 --api-key sk-main --rss-ports 8000,50052,50061 \
+        --rss-every 500 --rss-plot docs/img/soak_rss.png
 
 Request kinds (benchmarks/soak_requests.py): normal completions (greedy, `ignore_eos`, exactly
 `--max-tokens` tokens; streamed or not; `--cancel-fraction` of them hung up at a random moment),
@@ -11,7 +12,7 @@ malformed bodies (must get a 4xx in the OpenAI error shape) and requests under a
 lost. With `--scheduler`, once the load is over the script waits for the engine to be idle and
 reads GetStats: used blocks (leaked), the pool invariant and the requests the worker still holds.
 With `--rss-ports`, the resident memory of the processes listening on those ports, before and
-after. Prints one JSON object; exits 1 if anything was lost, mishandled or leaked.
+after, and with `--rss-every N` every N requests (`rss_samples`, plotted by `--rss-plot`). Prints one JSON object; exits 1 if anything was lost, mishandled or leaked.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class SoakReport:
     latency_seconds: dict[str, float] = field(default_factory=dict)  # e2e / TTFT p50 and p99
     rss_mib_start: dict[str, float] = field(default_factory=dict)  # by listening port
     rss_mib_end: dict[str, float] = field(default_factory=dict)
+    # With --rss-every N: {"requests": done, port: MiB, ...} every N finished requests (a flat line
+    # is the acceptance of issue 32: worker, scheduler and gateway within 5% from 2,000 on)
+    rss_samples: list[dict[str, float]] = field(default_factory=list)
     engine_idle: bool | None = None
     invariant_ok: bool | None = None
     leaked_blocks: int | None = None  # used blocks once idle
@@ -80,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
     p.add_argument("--idle-timeout", type=float, default=30.0, help="seconds to wait for idle")
     p.add_argument("--rss-ports", default="", help="comma-separated ports whose listeners' RSS to report")
+    p.add_argument("--rss-every", type=int, default=0, help="sample --rss-ports every N finished requests")
+    p.add_argument("--rss-plot", default=None, help="PNG of the RSS samples (benchmarks/plots.py)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -152,6 +158,8 @@ async def soak(args: argparse.Namespace) -> SoakReport:
             async with slots:
                 outcomes.append(await one_request(client, args, random.Random(rng.random())))
                 progress.update()
+                if args.rss_every and len(outcomes) % args.rss_every == 0:
+                    report.rss_samples.append({"requests": len(outcomes), **listener_rss_mib(ports)})
                 if outcomes[-1].kind == "lost":
                     progress.set_postfix(lost=sum(o.kind == "lost" for o in outcomes))
 
@@ -179,6 +187,12 @@ async def soak(args: argparse.Namespace) -> SoakReport:
 def main(argv: list[str] | None = None) -> SoakReport:
     args = parse_args(argv)
     report = asyncio.run(soak(args))
+    if args.rss_plot and report.rss_samples:
+        from pathlib import Path
+
+        from benchmarks.plots import plot_rss_samples
+
+        plot_rss_samples(report.rss_samples, Path(args.rss_plot))
     print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
     return report
 

@@ -41,7 +41,8 @@ from worker_svc.model_loader.loader import load_model, resolve_dtype
 from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.models.batch_invariant_linear import make_linears_batch_invariant
 from worker_svc.models.batch_invariant_linear import uses_amx as batch_invariant_uses_amx
-from worker_svc.models.packed_linear import can_pack, pack_linear_weights
+from worker_svc.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
+from worker_svc.models.row_buckets import bucket_linear_rows
 from worker_svc.plan_validation import validate_plan
 from worker_svc.pooling import pool_embeddings
 from worker_svc.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows
@@ -358,6 +359,8 @@ class ModelRunner:
         plain `nn.Linear` (aten's matmul, slower but exact) elsewhere, said once in the log."""
         if can_pack(self.device, self.dtype):
             pack_linear_weights(self.model)
+            # One oneDNN primitive per GEMM shape, cached: bucketed rows keep the worker's RSS flat.
+            bucket_linear_rows(self.model, PackedLinear)
         else:
             log.warning("linear_packing_unsupported", dtype=str(self.dtype).removeprefix("torch."),
                         cpu_capability=torch.backends.cpu.get_cpu_capability(),

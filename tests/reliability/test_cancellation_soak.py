@@ -58,12 +58,13 @@ def test_soak_with_random_hang_ups_leaks_nothing(stack):
         [sys.executable, "-m", "benchmarks.soak", "--base-url", stack.http_url,
          "--scheduler", stack.scheduler.target, "--num-requests", str(NUM_REQUESTS),
          "--cancel-fraction", "0.2", "--stream-fraction", "0.7", "--bad-fraction", "0.05",
-         "--vocab-size", "500", "--seed", "7"],
+         "--vocab-size", "500", "--seed", "7", "--rss-every", "100"],
         cwd=REPO, capture_output=True, text=True, timeout=150)
     report = json.loads(result.stdout)
     print(json.dumps(report))  # the figures for the record (pytest -s)
     assert result.returncode == 0, result.stdout + result.stderr
     assert report["sent"] == NUM_REQUESTS
+    assert [s["requests"] for s in report["rss_samples"]] == list(range(100, NUM_REQUESTS + 1, 100))
     assert report["cancelled"] > 0.1 * NUM_REQUESTS
     assert report["bad_rejected"] > 0 and report["bad_mishandled"] == 0
     assert report["lost"] == 0

@@ -1,0 +1,78 @@
+"""The oneDNN-packed linears see a small, fixed set of row counts: inputs are padded up to a bucket.
+
+Why (docs/reliability.md, "Worker memory"): oneDNN builds one primitive — a JIT-compiled kernel
+with its own buffers, ~0.4 MiB — per GEMM shape, and the packed linears' M is the step's token
+count, which changes nearly every step under load (decode batch sizes, prefill chunks, arrivals).
+torch keeps those primitives in two LRU caches of 1,024 entries each (ideep's, sized by
+`LRU_CACHE_CAPACITY`, and oneDNN's own, `ONEDNN_PRIMITIVE_CACHE_CAPACITY`), so the worker's RSS grew
+with every new shape until both were full (hundreds of MiB for SmolLM2's five GEMM shapes), then
+kept creeping as evicted primitives were rebuilt into fragmented heaps; and each new shape cost a
+JIT compile inside the step (milliseconds per linear). Padding M up to a bucket bounds the shapes,
+so the caches hold every primitive the worker will ever need and never evict.
+
+Buckets: every count up to 16 (decode batches; free to keep exact), then 8 per doubling (the
+count rounded up to its 4 leading binary digits): at most 12.5% padded rows, ~4% on average. The
+GEMMs of a decode step are bound by streaming the weights, so its padded rows cost next to
+nothing; a prefill chunk pays the padding in compute. Up to 8,192 tokens that is 88 buckets.
+
+The padded rows are zeros and their outputs are sliced off (a view): every real row's output is
+the product oneDNN computes for it in a GEMM of the bucket's size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+EXACT_UP_TO = 16  # row counts kept as they are
+MANTISSA_BITS = 3  # buckets per doubling above EXACT_UP_TO: 2**MANTISSA_BITS
+
+
+def bucket_rows(rows: int) -> int:
+    """The smallest bucket >= rows (rows >= 0)."""
+    if rows <= EXACT_UP_TO:
+        return rows
+    step = 1 << (rows.bit_length() - 1 - MANTISSA_BITS)
+    return -(-rows // step) * step
+
+
+def buckets_up_to(rows: int) -> list[int]:
+    """Every bucket that a count in 1..rows maps to, ascending."""
+    return sorted({bucket_rows(m) for m in range(1, rows + 1)})
+
+
+class RowBucketedLinear(nn.Module):
+    """`linear(x)` for x [..., in], computed over x's rows padded with zeros up to their bucket."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        self.linear = linear
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]
+        flat = x.reshape(-1, x.shape[-1])  # [M, in]
+        rows = flat.shape[0]
+        padded = bucket_rows(rows)
+        if padded == rows:
+            return self.linear(x)
+        out = self.linear(nn.functional.pad(flat, (0, 0, 0, padded - rows)))  # [bucket, out]
+        return out[:rows].view(*x.shape[:-1], out.shape[-1])
+
+
+def bucket_linear_rows(model: nn.Module, kind: type[nn.Module]) -> int:
+    """Wrap every `kind` module of `model` (the packed linears) in a RowBucketedLinear; returns
+    how many were wrapped."""
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, kind)]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, RowBucketedLinear(module))
+    return len(targets)
