@@ -118,4 +118,8 @@ def test_smollm2_mean_pooling_ranks_a_paraphrase_above_an_unrelated_text(smollm2
         counts = [len(_tokens(url, t)) for t in (anchor, paraphrase, unrelated)]
         assert reply.usage.prompt_tokens == sum(counts)
         over_grpc = grpc_embed(gateway.target, gateway_pb2.EmbedRequest(texts=[anchor, paraphrase, unrelated]))
-        assert [list(e.values) for e in over_grpc.embeddings] == [d.embedding for d in reply.data]
+        # The same vectors within fp32 rounding, not bit for bit: each route's texts arrive at their
+        # own times, so their 8-token chunks share steps differently, and oneDNN's fp32 GEMM may
+        # round a row differently at another row count (the tiny model's test above is exact).
+        np.testing.assert_allclose([list(e.values) for e in over_grpc.embeddings],
+                                   [d.embedding for d in reply.data], rtol=1e-4, atol=1e-6)
