@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 from pagoda import LLM, SamplingParams
+from tests.worker.test_swap_worker import check_invariants_every_step
 
 
 def run_sessions(model_dir: str, **kwargs):
@@ -16,14 +17,7 @@ def run_sessions(model_dir: str, **kwargs):
     (its earlier prompts and replies) plus a new user message of 20-40 tokens."""
     llm = LLM(model=model_dir, dtype="float32", device="cpu", seed=0, block_size=16,
               num_gpu_blocks_override=14, **kwargs)
-    update = llm.scheduler.update
-
-    def checked_update(result):
-        deltas = update(result)
-        llm.scheduler.check_invariants()
-        return deltas
-
-    llm.scheduler.update = checked_update
+    check_invariants_every_step(llm)
     rng = random.Random(11)
     histories = [[rng.randrange(10, 2048) for _ in range(40)] for _ in range(4)]
     replies, cached = [], []

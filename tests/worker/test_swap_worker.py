@@ -67,6 +67,19 @@ class Steps:
         return self.runner.execute(StepPlan(step_id=self.next_id, **fields))
 
 
+def check_invariants_every_step(llm) -> None:
+    """Wrap the LLM's scheduler.update so that the block accounting (device and host pools) is
+    checked after every step's results are applied."""
+    update = llm.scheduler.update
+
+    def checked_update(result):
+        deltas = update(result)
+        llm.scheduler.check_invariants()
+        return deltas
+
+    llm.scheduler.update = checked_update
+
+
 def new(rid: str, tokens: list[int], blocks: list[int], computed: int = 0) -> NewRequestData:
     return NewRequestData(RequestId(rid), list(tokens), len(PROMPT), list(blocks), computed,
                           len(tokens) - computed, GREEDY)
@@ -144,14 +157,7 @@ def test_a_worker_without_swap_space_rejects_swaps(tiny_model_dir: str) -> None:
 def run_llm(model_dir: str, prompts, params, **kwargs):
     """Generate, checking the scheduler's invariant (device and host pools) after every step."""
     llm = LLM(model=model_dir, dtype="float32", device="cpu", seed=0, block_size=16, **kwargs)
-    update = llm.scheduler.update
-
-    def checked_update(result):
-        deltas = update(result)
-        llm.scheduler.check_invariants()
-        return deltas
-
-    llm.scheduler.update = checked_update
+    check_invariants_every_step(llm)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs], llm.stats()
 

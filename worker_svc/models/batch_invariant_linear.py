@@ -18,6 +18,7 @@ from torch import nn
 
 from kernels import cpu_extension
 from pagoda.runtime.math_utils import cdiv
+from worker_svc.models.packed_linear import replace_modules
 
 COLS, K_STEP = 16, 32  # one AMX B tile: 16 output columns x 32 K values (16 pairs)
 
@@ -64,9 +65,4 @@ def uses_amx() -> bool:
 def make_linears_batch_invariant(model: nn.Module) -> int:
     """Replace every bf16 `nn.Linear` in `model` by a `BatchInvariantLinear`; returns how many.
     A weight tied to an embedding is packed as a copy (the embedding keeps its row-major table)."""
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, BatchInvariantLinear(module))
-    return len(targets)
+    return replace_modules(model, nn.Linear, BatchInvariantLinear)

@@ -23,6 +23,8 @@ raises). `can_pack` asks oneDNN first, and the worker keeps plain `nn.Linear` wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -59,13 +61,19 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
+def replace_modules(model: nn.Module, kind: type[nn.Module], make: Callable[[nn.Module], nn.Module]) -> int:
+    """Replace every `kind` module of `model` by `make(module)` in its parent; returns how many.
+    (The worker's linear swaps after loading: packing, batch invariance, row buckets.)"""
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, kind)]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, make(module))
+    return len(targets)
+
+
 def pack_linear_weights(model: nn.Module) -> int:
     """Replace every `nn.Linear` in `model` by a `PackedLinear`; returns how many were packed.
     A weight shared with an embedding (tied lm_head) is packed as a copy: the embedding keeps
     the row-major table it gathers from."""
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(module))
-    return len(targets)
+    return replace_modules(model, nn.Linear, PackedLinear)

@@ -24,6 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagoda.runtime.math_utils import cdiv
+from worker_svc.models.packed_linear import replace_modules
+
 EXACT_UP_TO = 16  # row counts kept as they are
 MANTISSA_BITS = 3  # buckets per doubling above EXACT_UP_TO: 2**MANTISSA_BITS
 
@@ -33,7 +36,7 @@ def bucket_rows(rows: int) -> int:
     if rows <= EXACT_UP_TO:
         return rows
     step = 1 << (rows.bit_length() - 1 - MANTISSA_BITS)
-    return -(-rows // step) * step
+    return cdiv(rows, step) * step
 
 
 def buckets_up_to(rows: int) -> list[int]:
@@ -70,9 +73,4 @@ class RowBucketedLinear(nn.Module):
 def bucket_linear_rows(model: nn.Module, kind: type[nn.Module]) -> int:
     """Wrap every `kind` module of `model` (the packed linears) in a RowBucketedLinear; returns
     how many were wrapped."""
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, kind)]
-    for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, RowBucketedLinear(module))
-    return len(targets)
+    return replace_modules(model, kind, RowBucketedLinear)
