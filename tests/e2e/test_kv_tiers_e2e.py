@@ -7,6 +7,8 @@ history pinned through a flood until DELETE /v1/sessions/{id} ends it."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -20,23 +22,31 @@ from tests.e2e.gateway_conftest import start_gateway
 WORKER_FLAGS = {"device": "cpu", "dtype": "float32", "num_gpu_blocks_override": 14}
 
 
-def run_turns(model_dir, log_dir, **worker_flags) -> tuple[list[str], list[int]]:
-    """Session 0's two turns around three other sessions that fill the device pool, through a
-    fresh worker + scheduler + gateway: every completion's text and cached tokens."""
-    log_dir.mkdir()
+@contextmanager
+def serving(model_dir, log_dir, **worker_flags) -> Iterator[str]:
+    """A fresh worker + scheduler + gateway on loopback; yields the gateway's HTTP URL and stops
+    all three (gateway first) whatever happens inside."""
     worker = start_worker(model_dir, log_dir, **WORKER_FLAGS, **worker_flags)
     try:
         scheduler = start_scheduler(worker.target, log_dir, max_num_seqs=4)
         try:
             gateway, http_url = start_gateway(scheduler.target, log_dir)
             try:
-                return converse(OpenAI(base_url=f"{http_url}/v1", api_key="unused"), str(model_dir))
+                yield http_url
             finally:
                 gateway.stop()
         finally:
             scheduler.stop()
     finally:
         worker.stop()
+
+
+def run_turns(model_dir, log_dir, **worker_flags) -> tuple[list[str], list[int]]:
+    """Session 0's two turns around three other sessions that fill the device pool, through a
+    fresh stack: every completion's text and cached tokens."""
+    log_dir.mkdir()
+    with serving(model_dir, log_dir, **worker_flags) as http_url:
+        return converse(OpenAI(base_url=f"{http_url}/v1", api_key="unused"), str(model_dir))
 
 
 def converse(client: OpenAI, model: str) -> tuple[list[str], list[int]]:
@@ -69,38 +79,27 @@ def test_a_turn_after_eviction_hits_the_host_tier_with_identical_output(tiny_mod
 def test_a_session_lease_keeps_the_history_through_a_flood_until_deleted(tiny_model_dir, tmp_path):
     """No host tier: the lease alone keeps session s1's 7 blocks pinned while three other prompts
     cycle the rest of the pool; without a session_id the same flood evicts them. DELETE ends it."""
-    worker = start_worker(tiny_model_dir, tmp_path, **WORKER_FLAGS)
-    try:
-        scheduler = start_scheduler(worker.target, tmp_path, max_num_seqs=4)
-        try:
-            gateway, http_url = start_gateway(scheduler.target, tmp_path)
-            try:
-                client = OpenAI(base_url=f"{http_url}/v1", api_key="unused")
-                model = str(tiny_model_dir)
-                rng = random.Random(5)
+    with serving(tiny_model_dir, tmp_path) as http_url:
+        client = OpenAI(base_url=f"{http_url}/v1", api_key="unused")
+        model = str(tiny_model_dir)
+        rng = random.Random(5)
 
-                def cached_after_flood(session: dict) -> int:
-                    history = [rng.randrange(10, 2000) for _ in range(120)]
-                    client.completions.create(model=model, prompt=history, max_tokens=8, temperature=0,
-                                              extra_body=session)
-                    for _ in range(3):  # 60 tokens + 8: 5 blocks each, beside the lease's 7
-                        client.completions.create(model=model, prompt=[rng.randrange(10, 2000) for _ in range(60)],
-                                                  max_tokens=8, temperature=0)
-                    reply = client.completions.create(model=model, prompt=history + [7, 8, 9], max_tokens=1,
-                                                      temperature=0, extra_body=session)
-                    return reply.usage.prompt_tokens_details.cached_tokens
+        def cached_after_flood(session: dict) -> int:
+            history = [rng.randrange(10, 2000) for _ in range(120)]
+            client.completions.create(model=model, prompt=history, max_tokens=8, temperature=0,
+                                      extra_body=session)
+            for _ in range(3):  # 60 tokens + 8: 5 blocks each, beside the lease's 7
+                client.completions.create(model=model, prompt=[rng.randrange(10, 2000) for _ in range(60)],
+                                          max_tokens=8, temperature=0)
+            reply = client.completions.create(model=model, prompt=history + [7, 8, 9], max_tokens=1,
+                                              temperature=0, extra_body=session)
+            return reply.usage.prompt_tokens_details.cached_tokens
 
-                assert cached_after_flood({}) < 112  # evicted by the flood
-                assert cached_after_flood({"session_id": "s1", "session_ttl": 300}) == 112
-                assert httpx.delete(f"{http_url}/v1/sessions/s1").json() == \
-                    {"id": "s1", "object": "session", "deleted": True}
-                assert httpx.delete(f"{http_url}/v1/sessions/s1").status_code == 404
-                with pytest.raises(BadRequestError):  # a TTL must be positive
-                    client.completions.create(model=model, prompt=[5, 6], max_tokens=1,
-                                              extra_body={"session_id": "s2", "session_ttl": 0})
-            finally:
-                gateway.stop()
-        finally:
-            scheduler.stop()
-    finally:
-        worker.stop()
+        assert cached_after_flood({}) < 112  # evicted by the flood
+        assert cached_after_flood({"session_id": "s1", "session_ttl": 300}) == 112
+        assert httpx.delete(f"{http_url}/v1/sessions/s1").json() == \
+            {"id": "s1", "object": "session", "deleted": True}
+        assert httpx.delete(f"{http_url}/v1/sessions/s1").status_code == 404
+        with pytest.raises(BadRequestError):  # a TTL must be positive
+            client.completions.create(model=model, prompt=[5, 6], max_tokens=1,
+                                      extra_body={"session_id": "s2", "session_ttl": 0})

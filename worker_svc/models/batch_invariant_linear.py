@@ -35,9 +35,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 class BatchInvariantLinear(nn.Module):
-    """`nn.Linear` (bf16) computed by `pagoda_cpu::bi_linear`; `bias`, when present, is added in
-    fp32 before the one rounding to bf16 would be better, but no model here has linear biases on
-    this path, so it is added after, as a plain elementwise op (also batch-invariant)."""
+    """`nn.Linear` (bf16) computed by `pagoda_cpu::bi_linear`. A bias is added after the op's
+    rounding to bf16, as a plain elementwise op: still batch-invariant, one rounding more than an
+    fp32 add inside the kernel would make."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
