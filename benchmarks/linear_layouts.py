@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
                     torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights], repeats)
                 onednn = time_it(lambda inputs=inputs, packed=packed: [torch.ops.mkldnn._linear_pointwise(
                     inputs[w.shape[1]], w, None, "none", [], "") for w in packed], repeats)
-                bi = "" if invariant is None else f"{time_it(lambda inputs=inputs: [layer(inputs[layer.in_features]) for layer in invariant], repeats) * 1e3:.1f}"
+                bi = "" if invariant is None else f"{time_it(lambda inputs=inputs, invariant=invariant: [layer(inputs[layer.in_features]) for layer in invariant], repeats) * 1e3:.1f}"
                 print(f"{str(dtype).removeprefix('torch.'):>9} {rows:>5} {aten * 1e3:>9.1f} {onednn * 1e3:>10.1f} "
                       f"{flops / aten / 1e9:>10.0f} {flops / onednn / 1e9:>12.0f} {aten / onednn:>8.2f}× {bi:>13}")
 

@@ -114,12 +114,12 @@ def _decode_vs_prefill_logprobs(model_dir: str, batch_invariant: bool) -> list[t
                            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0),
                            use_tqdm=False)
     pairs = []
-    for prompt, result in zip(prompts, decoded):
+    for prompt, result in zip(prompts, decoded, strict=True):
         out = result.outputs[0]
         again = llm.generate([{"prompt_token_ids": prompt + out.token_ids}],
                              SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
         scored = again.prompt_logprobs[len(prompt):]
-        pairs += [(d.logprob, p.logprob) for d, p in zip(out.logprobs, scored)]
+        pairs += [(d.logprob, p.logprob) for d, p in zip(out.logprobs, scored, strict=True)]
     llm.close()
     return pairs
 
