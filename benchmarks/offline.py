@@ -39,7 +39,7 @@ def ensure_model(model_dir: str) -> None:
 def run_pagoda(model_dir: str, items: list[WorkItem], args: argparse.Namespace) -> float:
     from pagoda import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype=args.dtype, device="cpu",
+    llm = LLM(model=model_dir, dtype=args.dtype, device=args.device,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=i.max_tokens) for i in items]
     prompts = [{"prompt_token_ids": i.prompt_token_ids} for i in items]
@@ -61,10 +61,10 @@ def load_tokenizer(llm) -> None:
         pass
 
 
-def load_hf(model_dir: str, dtype: str):
+def load_hf(model_dir: str, dtype: str, device: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
 
 
 @torch.inference_mode()
@@ -79,7 +79,7 @@ def run_hf_static(model, items: list[WorkItem]) -> float:
             ids[row, width - len(item.prompt_token_ids):] = torch.tensor(item.prompt_token_ids)
             mask[row, width - len(item.prompt_token_ids):] = 1
         new_tokens = max(i.max_tokens for i in batch)
-        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+        model.generate(ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False, max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, pad_token_id=0, temperature=None, top_p=None,
                        top_k=None)
     return time.perf_counter() - started
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     useful = sum(i.max_tokens for i in items)
     print(f"workload {args.dataset}: {len(items)} prompts, "
           f"{sum(len(i.prompt_token_ids) for i in items)} prompt tokens, {useful} output tokens; "
-          f"model {args.model}; {torch.get_num_threads()} threads", flush=True)
+          f"model {args.model}; {args.device}, {torch.get_num_threads()} threads", flush=True)
 
     results: dict[str, float | str] = {}
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {name}: {value if isinstance(value, str) else f'{value:.2f} s'}", flush=True)
 
     record("pagoda LLM.generate", run_pagoda(args.model, items, args))
-    hf = load_hf(args.model, args.dtype)
+    hf = load_hf(args.model, args.dtype, args.device)
     record("HF generate (static, batch 16)", run_hf_static(hf, items))
     record("HF continuous batching", run_hf_continuous(hf, items))
     report(results, useful, args, spec)
@@ -161,10 +161,10 @@ def report(results: dict[str, float | str], useful: int, args: argparse.Namespac
     if args.out:
         write_result(args.out, {"workload": asdict(spec), "output_tokens": useful, "results": rows})
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, args)
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, args: argparse.Namespace) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,7 +174,7 @@ def plot(rows: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.barh([r["system"] for r in measured], [r["output_tokens_per_s"] for r in measured])
     ax.set_xlabel("output tokens / s")
-    ax.set_title("Offline throughput (CPU)")
+    ax.set_title(f"Offline throughput ({args.device})")
     fig.tight_layout()
     fig.savefig(path)
 
@@ -187,6 +187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--length-scale", type=float, default=0.25,
                         help="scales every length of the dataset (1.0 = full ShareGPT-like lengths)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where Pagoda's worker and HF's model run")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)

@@ -25,7 +25,8 @@ Cache layout (every backend): k_cache, v_cache: [num_blocks, block_size, num_kv_
 Backends: "torch" (the reference and oracle, any device), "cpu" (a compiled C++/OpenMP kernel that
 reads K/V blocks in place; kernels/cpu_extension.py builds it), "cupy" (CUDA RawKernels).
 The backend is chosen by configuration (`--attention-backend torch|cpu|cupy`), never by a failed
-import: CPU machines never import cupy at module load. "auto" picks "cpu" on CPU wherever the
+import: CPU machines never import cupy at module load. "auto" picks "cupy" on CUDA for fp16/bf16
+("torch" for fp32, which the CuPy kernels are not compiled for), "cpu" on CPU wherever the
 extension can be built (a C++ compiler and ninja: `make setup` builds it); a build that then fails
 raises instead of silently serving the slower reference.
 """
@@ -52,9 +53,11 @@ class AttentionBackend(Protocol):
                         logits_soft_cap: float | None = None) -> torch.Tensor: ...
 
 
-def default_backend_name(device: torch.device) -> BackendName:
+def default_backend_name(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> BackendName:
     if device.type == "cuda":
-        return "cupy"
+        # The CuPy kernels are compiled for fp16/bf16 activations; fp32 on a GPU (parity runs,
+        # debugging) reads its cache through the torch reference instead.
+        return "cupy" if dtype in (torch.float16, torch.bfloat16) else "torch"
     from kernels.cpu_extension import toolchain_available
 
     return "cpu" if device.type == "cpu" and toolchain_available() else "torch"

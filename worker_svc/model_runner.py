@@ -86,7 +86,10 @@ class ModelRunner:
                                  config.max_cpu_loras, self.dtype, self.device, tp)
                      if config.enable_lora else None)  # wraps the (packed) projections
         backend = config.attention_backend
-        self.backend = get_backend(default_backend_name(self.device) if backend == "auto" else backend)
+        self.backend = get_backend(default_backend_name(self.device, self.dtype) if backend == "auto" else backend)
+        if self.device.type == "cuda" and self.backend.name == "torch":
+            log.info("attention_backend_torch", dtype=str(self.dtype),
+                     why="the CuPy kernels are fp16/bf16: this run reads its cache through the torch reference")
         self.max_model_len = self._resolve_max_model_len()
         self.cache_dtype = resolve_cache_dtype(config.kv_cache_dtype, self.dtype)
         if self.backend.name == "cupy":  # refuse at start a model the kernels have no variant for

@@ -104,6 +104,8 @@ def assert_within_twice_torch_error(out, case, scale, ref):
 
 SHAPES = [(dtype, d, bs, g) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128, 256)
           for bs in (16, 32) for g in (1, 2, 4, 8)]
+# The odd GQA ratios (SmolLM2's 3, Qwen's 5-7) on the common shapes.
+SHAPES += [(torch.bfloat16, d, 16, g) for d in (64, 128) for g in (3, 5, 6, 7)]
 
 
 @pytest.mark.parametrize("dtype,head_dim,block_size,group", SHAPES)

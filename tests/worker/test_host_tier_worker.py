@@ -12,10 +12,10 @@ from pagoda import LLM, SamplingParams
 from tests.worker.test_swap_worker import check_invariants_every_step
 
 
-def run_sessions(model_dir: str, **kwargs):
+def run_sessions(model_dir: str, device: str = "cpu", **kwargs):
     """4 sessions x 3 turns, one request at a time: each turn's prompt is the session's history
     (its earlier prompts and replies) plus a new user message of 20-40 tokens."""
-    llm = LLM(model=model_dir, dtype="float32", device="cpu", seed=0, block_size=16,
+    llm = LLM(model=model_dir, dtype="float32", device=device, seed=0, block_size=16,
               num_gpu_blocks_override=14, **kwargs)
     check_invariants_every_step(llm)
     rng = random.Random(11)
