@@ -1,4 +1,4 @@
-"""Swap preemption on CUDA (not run on CPU machines; no GPU run yet): the host pool is page-locked
+"""Swap preemption on CUDA (skipped on CPU machines; passed on an H200, 2026-11-26): the host pool is page-locked
 and its copies move every layer between device and host exactly; through LLM on the tiny model,
 swap gives the tokens of recompute and of an unconstrained pool."""
 
