@@ -89,7 +89,11 @@ class RotaryEmbedding(nn.Module):
         self.theta, self.scaling = theta, scaling
         # Not persistent: rebuilt from the config, never loaded. Kept in the model dtype (HF casts
         # its fp32 cos/sin to the activation dtype before use, so this is the same rounding).
-        self.register_buffer("cos_sin_cache", self._build_cache(), persistent=False)
+        # Built on meta (the loader's construction), it is only a shape: the loader calls reset_cache
+        # once the model is materialised, and the math on meta tensors would import torch._dynamo.
+        on_meta = torch.empty(0).device.type == "meta"
+        cache = torch.empty(max_positions, 2 * self.rotary_dim) if on_meta else self._build_cache()
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
         self._memo: tuple | None = None  # (positions, dtype, cos, sin) of the last forward
 
     def _build_cache(self, device: torch.device | None = None) -> torch.Tensor:
