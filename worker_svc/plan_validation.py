@@ -60,7 +60,8 @@ def _check_disk(plan: StepPlan, num_blocks: int, num_cpu_blocks: int, has_disk_t
         return
     if not has_disk_tier:
         raise PlanError("a disk tier operation but this worker has no disk tier (start it with --kv-offload-dir)")
-    _check_blocks((w.src for w in plan.disk_writes), num_cpu_blocks, "disk write source")
+    _check_blocks((w.src for w in plan.disk_writes if not w.from_device), num_cpu_blocks, "disk write source")
+    _check_blocks((w.src for w in plan.disk_writes if w.from_device), num_blocks, "disk write source")
     _check_blocks((d.dst for d in plan.disk_loads), num_blocks, "disk load destination")
     written = [d.dst for d in plan.disk_loads] + [c.dst for c in plan.swap_in]
     if len(set(written)) != len(written):

@@ -69,10 +69,12 @@ class DiskBlock:
 
 @dataclass(slots=True)
 class DiskWrite:
-    """Write host block `src` (the host tier's slot, about to be reused) to the file of `block`."""
+    """Write host block `src` (the host tier's slot, about to be reused) to the file of `block`; or,
+    `from_device`, device block `src` (evicted while every host slot was busy in the plan)."""
 
     src: int
     block: DiskBlock
+    from_device: bool = False
 
 
 @dataclass(slots=True)

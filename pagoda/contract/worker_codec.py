@@ -52,7 +52,8 @@ def plan_to_pb(plan: StepPlan, epoch: int) -> worker_pb2.StepPlan:
                                             token_id=u.token_id) for u in plan.beam_updates],
         swap_out=_copies_to_pb(plan.swap_out), swap_in=_copies_to_pb(plan.swap_in),
         disk_deletes=plan.disk_deletes,
-        disk_writes=[worker_pb2.DiskWrite(src=w.src, block=disk_block_to_pb(w.block)) for w in plan.disk_writes],
+        disk_writes=[worker_pb2.DiskWrite(src=w.src, block=disk_block_to_pb(w.block),
+                                                 from_device=w.from_device) for w in plan.disk_writes],
         disk_loads=[worker_pb2.DiskLoad(block_hash=d.block_hash, dst=d.dst) for d in plan.disk_loads])
 
 
@@ -74,7 +75,7 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
                       for u in pb.beam_updates],
         swap_out=_copies_from_pb(pb.swap_out), swap_in=_copies_from_pb(pb.swap_in),
         disk_deletes=list(pb.disk_deletes),
-        disk_writes=[DiskWrite(w.src, disk_block_from_pb(w.block)) for w in pb.disk_writes],
+        disk_writes=[DiskWrite(w.src, disk_block_from_pb(w.block), w.from_device) for w in pb.disk_writes],
         disk_loads=[DiskLoad(d.block_hash, BlockId(d.dst)) for d in pb.disk_loads])
     return pb.epoch, plan
 

@@ -36,28 +36,33 @@ def push_a_to_disk(num_disk_blocks=4):
     assert plan.swap_out == [BlockCopy(1, 0), BlockCopy(0, 1)] and not plan.disk_writes  # a1 -> slot 0, a0 -> 1
     ((plan, _),) = run_to_end(sched, worker, req("c", [30, 31, 32, 33, 34, 35, 36]))
     assert plan.new_requests[0].block_ids == [0, 1, 2, 3]
-    # b's evicted 1 and 2 need both host slots: their entries (a1, then a0) are written first.
+    # b's evicted 1 and 2 need both host slots: their entries (a1, then a0) are written first;
+    # b's 3 finds both slots busy (written by this plan): it goes from the device straight to disk.
     assert plan.swap_out == [BlockCopy(1, 0), BlockCopy(2, 1)]
     return sched, worker, disk, plan
 
 
 def test_host_drops_go_to_disk_and_a_later_hit_loads_them():
     sched, worker, disk, plan = push_a_to_disk()
-    assert plan.disk_writes == [DiskWrite(0, DiskBlock(A1, (3, 4))), DiskWrite(1, DiskBlock(A0, (1, 2)))]
-    assert not plan.disk_deletes and list(disk) == [A1, A0] and disk[A0][0] == [1, 2]
+    b0 = hash_block(None, [6, 7])
+    assert plan.disk_writes == [DiskWrite(0, DiskBlock(A1, (3, 4))), DiskWrite(1, DiskBlock(A0, (1, 2))),
+                                DiskWrite(3, DiskBlock(b0, (6, 7)), from_device=True)]
+    assert not plan.disk_deletes and list(disk) == [A1, A0, b0] and disk[A0][0] == [1, 2] and disk[b0][0] == [6, 7]
     ((plan, deltas),) = run_to_end(sched, worker, req("a2", [1, 2, 3, 4, 5]))
     (new,) = plan.new_requests
     # No device or host hit: both blocks come from disk into a2's first two blocks (free 3, then
     # c's evicted 2, whose content the host tier saves first: a swap_out before the load; the
-    # host slots it takes drop b's blocks, which go to disk in turn).
+    # host slots it takes drop b's blocks, which go to disk in turn: the second write finds the
+    # tier full and deletes its least recently used file not loaded by this plan, b's [6, 7]).
     assert (new.block_ids, new.num_computed_tokens) == ([3, 2, 1], 4)
     assert plan.disk_loads == [DiskLoad(A0, 3), DiskLoad(A1, 2)] and not plan.swap_in
     assert plan.swap_out == [BlockCopy(2, 0), BlockCopy(1, 1)]
     assert [(w.src, w.block.token_ids) for w in plan.disk_writes] == [(0, (10, 11)), (1, (8, 9))]
+    assert plan.disk_deletes == [b0]
     assert deltas[0].num_cached_tokens == 4 and worker.kv[6:8] + worker.kv[4:6] == [1, 2, 3, 4]
     stats = sched.stats()
-    assert (stats.num_disk_blocks, stats.blocks_disk_written, stats.blocks_disk_loaded) == (4, 4, 2)
-    assert stats.disk_kv_usage == 1.0
+    assert (stats.num_disk_blocks, stats.blocks_disk_written, stats.blocks_disk_loaded) == (4, 5, 2)
+    assert stats.disk_kv_usage == 1.0 and stats.blocks_disk_dropped == 1
 
 
 def test_a_new_worker_lists_its_files_and_the_next_turn_hits_them():
@@ -71,20 +76,22 @@ def test_a_new_worker_lists_its_files_and_the_next_turn_hits_them():
     sched.reset_after_worker_loss()  # a loss empties the index until the next Init's listing
     assert sched.stats().disk_kv_usage == 0.0
     sched.restore_disk_tier(tuple(block for _, block in disk.values()))
-    assert sched._kv.disk.hashes() == [A0, A1]  # in the worker's LRU order: the loads touched them
+    b0 = hash_block(None, [6, 7])  # in the worker's LRU order: the loads touched a's files
+    assert sched._kv.disk.hashes() == [b0, A0, A1]
 
 
 def test_full_disk_deletes_its_lru_file_but_never_one_the_plan_writes():
     sched, worker, disk, plan = push_a_to_disk(num_disk_blocks=1)
-    # a1 was written; a0 found the one file busy (written by this plan): dropped, not written.
+    # a1 was written; a0 (and b's [6, 7], from the device) found the one file busy (written by
+    # this plan): dropped, not written.
     assert plan.disk_writes == [DiskWrite(0, DiskBlock(A1, (3, 4)))] and not plan.disk_deletes
-    assert sched.stats().blocks_disk_dropped == 1
+    assert sched.stats().blocks_disk_dropped == 2
     ((plan, deltas),) = run_to_end(sched, worker, req("a2", [1, 2, 3, 4, 5]))
     assert deltas[0].num_cached_tokens == 0 and not plan.disk_loads  # the chain starts at a0: a miss
     # a2's evictions take both host slots, dropping b's [10, 11] then [8, 9]: the first deletes
     # a1 (LRU, not busy) for its file, the second finds the one file busy (written by this plan).
     assert plan.disk_deletes == [A1] and [w.block.token_ids for w in plan.disk_writes] == [(10, 11)]
-    assert list(disk) == [plan.disk_writes[0].block.block_hash] and sched.stats().blocks_disk_dropped == 3
+    assert list(disk) == [plan.disk_writes[0].block.block_hash] and sched.stats().blocks_disk_dropped == 4
 
 
 def test_a_hit_is_verified_against_the_files_tokens():

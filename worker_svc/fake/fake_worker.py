@@ -219,8 +219,11 @@ class FakeWorker:
         for block_hash in plan.disk_deletes:
             assert self.disk.pop(block_hash, None) is not None, "disk delete of a file not on disk"
         for write in plan.disk_writes:
-            assert 0 <= write.src < self.num_cpu_blocks, f"host block id {write.src} out of range"
-            content = self.host_kv[write.src * bs:(write.src + 1) * bs]
+            if write.from_device:
+                self._check_blocks([write.src])
+            else:
+                assert 0 <= write.src < self.num_cpu_blocks, f"host block id {write.src} out of range"
+            content = (self.kv if write.from_device else self.host_kv)[write.src * bs:(write.src + 1) * bs]
             assert content[0] != -1, f"disk write of host block {write.src}, never written"
             self.disk[write.block.block_hash] = (content, write.block)
 

@@ -87,6 +87,8 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
     swap = ["--swap-space", str(args.swap_space)] if args.swap_space else []
     invariant = ["--batch-invariant"] if args.batch_invariant else []
     swap += ["--kv-offloading-size", str(args.kv_offloading_size)] if args.kv_offloading_size else []
+    if args.kv_offload_dir:
+        swap += ["--kv-offload-dir", args.kv_offload_dir, "--kv-offload-dir-size", str(args.kv_offload_dir_size)]
     if args.num_gpu_blocks_override is not None:
         swap += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
     quant = ["--quantization", args.quantization] if args.quantization != "auto" else []

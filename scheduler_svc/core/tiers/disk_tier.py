@@ -3,7 +3,9 @@ keyed by their block hash, and a later prefix hit on one is read back into a dev
 
 The worker owns the files (worker_svc/disk_tier/); this is the scheduler's index of them, pure:
 - Write, when the host tier drops an entry to reuse its slot (host_tier.py `on_drop`): the plan
-  carries `DiskWrite(host slot, block)`. A hash already on disk costs no write (most recent now).
+  carries `DiskWrite(host slot, block)`; when it has no slot for an evicted device block (every
+  slot read or written by the plan being built), `DiskWrite(device block, block, from_device)`.
+  A hash already on disk costs no write (most recent now).
 - Load, at admission: past a waiting sequence's device and host hits, its next full blocks whose
   hashes are here (verified: token ids and extra keys equal) are hits too; the plan carries
   `DiskLoad(hash, device block)`. The file stays (the tier is inclusive, like the host tier).
@@ -13,7 +15,8 @@ The worker owns the files (worker_svc/disk_tier/); this is the scheduler's index
 
 Order on the worker, per plan: disk_deletes, disk_writes, swap_out, swap_in, disk_loads. A write
 reads its host slot before a swap_out of the same plan refills it (the host tier reuses the slot it
-dropped at once); a load runs after the swap_out that saved its device block's evicted content, and
+dropped at once), or its evicted device block before a load or the forward rewrites it (the block
+is registered, so every step that wrote it has reported, and has ref 0, so none in flight reads it); a load runs after the swap_out that saved its device block's evicted content, and
 after any write of its hash in the same plan; a delete never hits a file the plan reads or writes.
 
 A worker restart keeps the files: every Init lists the verified files on disk (least recently used
@@ -60,8 +63,9 @@ class DiskTier:
         return list(self._entries)
 
     # -- host tier drop -> disk ------------------------------------------------------------------
-    def store(self, slot: int, block: DiskBlock) -> None:
-        """The host tier drops `block` from host `slot` to reuse the slot in this plan."""
+    def store(self, src: int, block: DiskBlock, from_device: bool = False) -> None:
+        """The host tier drops `block` from host slot `src` to reuse the slot in this plan, or has no
+        slot for device block `src` being evicted (`from_device`: every slot busy in this plan)."""
         if block.block_hash in self._entries:  # already on disk: no write
             self._entries.move_to_end(block.block_hash)
             return
@@ -70,7 +74,7 @@ class DiskTier:
             return
         self._entries[block.block_hash] = block
         self._busy.add(block.block_hash)
-        self._writes.append(DiskWrite(slot, block))
+        self._writes.append(DiskWrite(src, block, from_device))
         self.blocks_written += 1
 
     def _delete_lru(self) -> bool:

@@ -56,9 +56,10 @@ class HostTier:
         self.blocks_offloaded = 0  # device -> host copies
         self.blocks_loaded = 0  # host -> device copies (prefix hits served from the host)
         self.blocks_dropped = 0  # entries the tier itself evicted (full)
-        # Called with (slot, block) when a full tier drops an entry to reuse its slot in the plan
-        # being built: the disk tier (disk_tier.py) writes the slot to a file first.
-        self.on_drop: Callable[[int, DiskBlock], None] | None = None
+        # Called with (slot, block, False) when a full tier drops an entry to reuse its slot in the
+        # plan being built, and with (device block, block, True) for an evicted block it has no
+        # slot for: the disk tier (disk_tier.py) writes either to a file first.
+        self.on_drop: Callable[[int, DiskBlock, bool], None] | None = None
 
     @property
     def num_used(self) -> int:
@@ -81,7 +82,9 @@ class HostTier:
             self._entries.move_to_end(block_hash)
             return
         slot = self._take_slot()
-        if slot is None:  # every slot is read or written by this plan: drop it, as without a tier
+        if slot is None:  # every slot is read or written by this plan: drop it, as without a tier,
+            if self.on_drop is not None:  # or write the device block straight to disk
+                self.on_drop(block, DiskBlock(block_hash, entry[_TOKENS], entry[_KEYS]), True)
             return
         self._entries[block_hash] = (slot, entry[_TOKENS], entry[_KEYS])
         self._busy.add(slot)
@@ -96,7 +99,7 @@ class HostTier:
                 del self._entries[block_hash]
                 self.blocks_dropped += 1
                 if self.on_drop is not None:
-                    self.on_drop(slot, DiskBlock(block_hash, tokens, keys))
+                    self.on_drop(slot, DiskBlock(block_hash, tokens, keys), False)
                 return slot
         return None
 
