@@ -101,3 +101,22 @@ def test_the_cap_counts_each_file_with_its_header():
     assert num_disk_blocks(1 / 1024, 64 * 1024) == (1 << 20) // (64 * 1024 + 4096) == 15
     with pytest.raises(ValueError, match="kv-offload-dir-size"):
         DiskStore("/tmp", "f" * 64, capacity=0)
+
+
+def test_plans_with_disk_operations_are_validated():
+    from pagoda.contract.errors import PlanError
+    from pagoda.contract.step import BlockCopy, StepPlan
+    from worker_svc.plan_validation import validate_plan
+
+    (a,) = blocks(1)
+    ok = StepPlan(1, disk_deletes=[a.block_hash], disk_writes=[DiskWrite(2, a), DiskWrite(7, a, from_device=True)],
+                  disk_loads=[DiskLoad(a.block_hash, 5)])
+    validate_plan(ok, {}, num_blocks=8, block_size=4, num_cpu_blocks=3, has_disk_tier=True)
+    for plan, error in ((ok, "no disk tier"),
+                        (StepPlan(1, disk_writes=[DiskWrite(3, a)]), "disk write source"),
+                        (StepPlan(1, disk_writes=[DiskWrite(8, a, from_device=True)]), "disk write source"),
+                        (StepPlan(1, disk_loads=[DiskLoad(a.block_hash, 8)]), "disk load destination"),
+                        (StepPlan(1, disk_loads=[DiskLoad(a.block_hash, 5)], swap_in=[BlockCopy(0, 5)]),
+                         "write one device block twice")):
+        with pytest.raises(PlanError, match=error):
+            validate_plan(plan, {}, num_blocks=8, block_size=4, num_cpu_blocks=3, has_disk_tier=plan is not ok)

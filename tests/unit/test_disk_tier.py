@@ -104,3 +104,15 @@ def test_a_hit_is_verified_against_the_files_tokens():
 def test_extra_keys_survive_json():
     keys = ("tenant-a", ("lora", "sql:1"))
     assert extra_keys_from_json(extra_keys_to_json(keys)) == keys and extra_keys_from_json("") == ()
+
+
+def test_disk_fields_cross_the_wire():
+    from pagoda.contract.step import StepPlan, WorkerInfo
+    from pagoda.contract.worker_codec import info_from_pb, info_to_pb, plan_from_pb, plan_to_pb
+
+    block = DiskBlock(A0, (1, 2), ("tenant", ("lora", "x")))
+    plan = StepPlan(3, disk_deletes=[A1], disk_writes=[DiskWrite(1, block), DiskWrite(4, block, from_device=True)],
+                    disk_loads=[DiskLoad(A0, 2)])
+    assert plan_from_pb(plan_to_pb(plan, epoch=9)) == (9, plan)
+    info = WorkerInfo(8, 2, 64, (0,), 50, "m", num_offload_blocks=2, num_disk_blocks=5, disk_blocks=(block,))
+    assert info_from_pb(info_to_pb(info, epoch=9)) == (9, info)
