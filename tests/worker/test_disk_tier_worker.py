@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagoda import LLM, SamplingParams
 from tests.worker.test_host_tier_worker import run_sessions
 from tests.worker.test_swap_worker import check_invariants_every_step
@@ -61,3 +63,8 @@ def test_a_restart_keeps_the_disk_tier_next_turn_hits_it(tiny_model_dir: str, tm
     fresh = LLM(model=tiny_model_dir, dtype="float32", device="cpu", seed=0, num_gpu_blocks_override=8)
     expected, fresh_cached = turn(fresh, next_turn)
     assert fresh_cached == 0 and out == expected
+
+
+def test_the_disk_tier_needs_the_host_tier(tiny_model_dir: str, tmp_path) -> None:
+    with pytest.raises(ValueError, match="--kv-offloading-size"):
+        LLM(model=tiny_model_dir, dtype="float32", device="cpu", kv_offload_dir=str(tmp_path))
