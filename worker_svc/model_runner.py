@@ -162,6 +162,8 @@ class ModelRunner:
         config = self.config
         if not config.kv_offload_dir:
             return None
+        if self.disk is not None:  # Init again (a reconnecting scheduler): the same directory, listed anew
+            return self.disk
         if not num_offload_blocks:
             raise ValueError("--kv-offload-dir needs the host tier it sits under: set --kv-offloading-size")
         if self.tp.size > 1:
@@ -170,6 +172,12 @@ class ModelRunner:
                                         shape.block_size, shape.num_layers, shape.num_kv_heads, shape.head_dim)
         return DiskStore(config.kv_offload_dir, fingerprint,
                          num_disk_blocks(config.kv_offload_dir_size, shape.bytes_per_block))
+
+    def close(self) -> None:
+        """Release the disk tier's directory (the offline LLM's close; the process's end does it too)."""
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
 
     def reset(self) -> None:
         """Drop every resident request; the next plan may start at any step id."""

@@ -79,7 +79,9 @@ def test_store_writes_lists_lru_first_trims_and_refuses(tmp_path):
     assert torch.equal(read_block_file(store.path(d.block_hash), fingerprint())[0], host[:, :, 4])  # device block 3
     bad = store.path(c.block_hash)
     bad.write_bytes(bad.read_bytes()[:-1] + b"\0")  # corrupt c
-    assert DiskStore(tmp_path, fingerprint(), capacity=1).listing() == (d,)  # c refused, a trimmed
+    store.close()  # a restart: a new worker with a smaller cap
+    restarted = DiskStore(tmp_path, fingerprint(), capacity=1)
+    assert restarted.listing() == (d,)  # c refused, a trimmed
     assert not bad.exists() and not store.path(a.block_hash).exists()
     # Another model's store in the same directory sees none of these files.
     assert DiskStore(tmp_path, fingerprint("/models/b"), capacity=3).listing() == ()
@@ -95,6 +97,15 @@ def test_a_refused_load_deletes_the_file_and_fails_the_step(tmp_path):
     with pytest.raises(BlockFileRefused, match="checksum"):
         store.load(cache, [DiskLoad(a.block_hash, 1)])
     assert not path.exists() and not cache.any()
+
+
+def test_one_live_store_per_folder(tmp_path):
+    store = DiskStore(tmp_path, fingerprint(), capacity=2)
+    with pytest.raises(ValueError, match="another worker"):
+        DiskStore(tmp_path, fingerprint(), capacity=2)
+    DiskStore(tmp_path, fingerprint("/models/b"), capacity=2).close()  # another model's folder: fine
+    store.close()
+    DiskStore(tmp_path, fingerprint(), capacity=2).close()
 
 
 def test_the_cap_counts_each_file_with_its_header():

@@ -8,12 +8,16 @@ file that does not verify (deleted, with a log line), trims the oldest beyond th
 scheduler rebuilds its index from that listing. So the tier survives a worker restart.
 
 Files live in DIR/<first 16 hex of the model fingerprint>/<block hash hex>.safetensors: two models
-sharing a directory never collide on a block's name (each file's metadata is checked anyway).
+sharing a directory never collide on a block's name (each file's metadata is checked anyway). One
+live worker per such folder: each keeps its own index in its scheduler, so a second one deleting
+files behind the first's back would make its loads fail. The store holds an exclusive lock on
+`.lock` there until `close` (or the process ends); a second worker is refused at start.
 Reads and writes are synchronous, inside the step (a block of SmolLM2-135M in fp32 is 720 KiB).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 from collections.abc import Sequence
@@ -45,6 +49,13 @@ class DiskStore:
             raise ValueError(f"the disk tier's size cap holds no block ({capacity}): raise --kv-offload-dir-size")
         self.dir = Path(root) / fingerprint[:16]
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.dir / ".lock", "a")  # noqa: SIM115 - held until close()
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise ValueError(f"another worker uses the disk tier in {self.dir}: give each worker its own "
+                             "--kv-offload-dir") from None
         self.fingerprint = fingerprint
         self.capacity = capacity
         self._last_touch_ns = 0
@@ -104,6 +115,10 @@ class DiskStore:
                 raise
             cache[:, :, load.dst].copy_(payload.to(cache.device))
             self._touch(path)  # most recently used: the next Init's listing keeps the LRU order
+
+    def close(self) -> None:
+        """Let another worker (or a new LLM in this process) use the directory."""
+        self._lock_file.close()
 
     def _refuse(self, path: Path, error: BlockFileRefused) -> None:
         log.warning("disk_block_refused", path=str(path), reason=str(error))
