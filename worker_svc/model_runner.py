@@ -26,7 +26,7 @@ from pagoda.runtime.logging import get_logger
 from pagoda.runtime.model_files import is_gguf_file
 from worker_svc import fault_injection
 from worker_svc.config import WorkerConfig
-from worker_svc.disk_tier.block_file import model_fingerprint
+from worker_svc.disk_tier.block_file import BlockFileRefused, model_fingerprint
 from worker_svc.disk_tier.store import DiskStore, num_disk_blocks
 from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.input_batch import (
@@ -110,6 +110,7 @@ class ModelRunner:
         self._decode_buffers: DecodeInputBuffers | None = None  # made with the cache (initialize)
         self.host_pool: HostKVPool | None = None  # --swap-space: swapped-out blocks
         self.disk: DiskStore | None = None  # --kv-offload-dir: the prefix cache's disk tier
+        self._disk_payloads: list[torch.Tensor] = []  # the validated plan's disk loads, read
         self._last_step_id: int | None = None
         self.unsampled: list[CachedRequestState] = []  # TP follower: awaiting rank 0's tokens
         self._embeddings: list = []  # the pooling requests' vectors of the step being executed
@@ -203,6 +204,11 @@ class ModelRunner:
                       self.host_pool.num_blocks if self.host_pool is not None else 0, self.disk is not None)
         if self.lora is None and any(new.lora is not None for new in plan.new_requests):
             raise PlanError("a request names a LoRA adapter but this worker runs without --enable-lora")
+        if plan.disk_loads and self.disk is not None:  # read and verified before anything changes
+            try:
+                self._disk_payloads = self.disk.read(plan.disk_loads)
+            except BlockFileRefused as error:
+                raise PlanError(f"a disk tier file was refused: {error}") from error
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Raises PlanError (before any change) for a plan that does not apply."""
@@ -293,7 +299,8 @@ class ModelRunner:
             self.host_pool.apply(self.kv_cache, plan.swap_out, plan.swap_in)
         if plan.disk_loads:  # after the swap-outs that saved these device blocks' old content
             assert self.disk is not None and self.kv_cache is not None
-            self.disk.load(raw_view(self.kv_cache.storage), plan.disk_loads)
+            self.disk.place(raw_view(self.kv_cache.storage), plan.disk_loads, self._disk_payloads)
+            self._disk_payloads = []
         if plan.block_copies:
             assert self.kv_cache is not None
             self.kv_cache.copy_blocks([c.src for c in plan.block_copies],

@@ -211,6 +211,9 @@ class LLM:
         except BaseException as error:  # incl. KeyboardInterrupt: the next generate starts clean
             self.scheduler.fail_all(f"offline generate failed: {error!r}")
             self.runner.reset()
+            disk = getattr(self.runner, "disk", None)  # its files are still there: list them again
+            if disk is not None:
+                self.scheduler.restore_disk_tier(disk.listing())
             raise
         for output in outputs.values():
             for completion in output.outputs:

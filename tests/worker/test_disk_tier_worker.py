@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 
 from pagoda import LLM, SamplingParams
+from pagoda.contract.errors import PlanError
+from pagoda.contract.prefix_hash import hash_block
 from tests.worker.test_host_tier_worker import run_sessions
 from tests.worker.test_swap_worker import check_invariants_every_step
 
@@ -68,3 +70,40 @@ def test_a_restart_keeps_the_disk_tier_next_turn_hits_it(tiny_model_dir: str, tm
 def test_the_disk_tier_needs_the_host_tier(tiny_model_dir: str, tmp_path) -> None:
     with pytest.raises(ValueError, match="--kv-offloading-size"):
         LLM(model=tiny_model_dir, dtype="float32", device="cpu", kv_offload_dir=str(tmp_path))
+
+
+def test_a_corrupt_file_is_refused_at_init_and_at_load_never_served(tiny_model_dir: str, tmp_path) -> None:
+    """The session's second block file is corrupted before the restart (refused and deleted when the
+    new worker lists the directory), its first after (refused when the plan that loads it is
+    validated: that generate fails, nothing served; the LLM lists the directory again and the
+    next generate recomputes, its output identical to a run without tiers)."""
+    session = [(7 * i) % 2000 + 10 for i in range(48)]
+    tiers = dict(kv_offloading_size=HOST_4_BLOCKS, kv_offload_dir=str(tmp_path), kv_offload_dir_size=DISK_2_MIB)
+    llm = LLM(model=tiny_model_dir, dtype="float32", device="cpu", seed=0, num_gpu_blocks_override=8, **tiers)
+    reply, _ = turn(llm, session)
+    for k in range(4):
+        turn(llm, [(13 * i + k * 101) % 2000 + 10 for i in range(48)])
+    llm.close()
+    (folder,) = tmp_path.iterdir()
+    first = hash_block(None, session[:16])
+    files = [folder / f"{h.hex()}.safetensors" for h in (first, hash_block(first, session[16:32]))]
+    assert all(f.exists() for f in files)
+    data = bytearray(files[1].read_bytes())
+    data[-3] ^= 0x10  # one bit of the second block's payload
+    files[1].write_bytes(bytes(data))
+    next_turn = session + reply + [1000 + i for i in range(10)]
+    fresh = LLM(model=tiny_model_dir, dtype="float32", device="cpu", seed=0, num_gpu_blocks_override=8)
+    expected, _ = turn(fresh, next_turn)
+    del fresh
+
+    restarted = LLM(model=tiny_model_dir, dtype="float32", device="cpu", seed=0, num_gpu_blocks_override=8, **tiers)
+    assert not files[1].exists()  # refused by the listing: deleted
+    data = bytearray(files[0].read_bytes())
+    data[-3] ^= 0x10  # the first block's, after the new worker's Init verified it
+    files[0].write_bytes(bytes(data))
+    with pytest.raises(PlanError, match="checksum"):
+        turn(restarted, next_turn)
+    assert not files[0].exists()
+    out, cached = turn(restarted, next_turn)
+    assert (out, cached) == (expected, 0)
+    restarted.close()

@@ -2,7 +2,7 @@
 
 The scheduler decides (scheduler_svc/core/tiers/disk_tier.py): which host slot to write to which
 hash, which file to delete when full, which file to load into which device block; the plan carries
-it and this store does it. What the store decides alone is what is on disk at Init: it lists the
+it and this store does it (a plan's loads are read and verified while the worker validates it). What the store decides alone is what is on disk at Init: it lists the
 files, least recently used first (by modification time: a load touches its file), refuses every
 file that does not verify (deleted, with a log line), trims the oldest beyond the cap, and the
 scheduler rebuilds its index from that listing. So the tier survives a worker restart.
@@ -101,9 +101,11 @@ class DiskStore:
             write_block_file(path, source, write.block, self.fingerprint)
             self._touch(path)
 
-    def load(self, cache: torch.Tensor, loads: Sequence[DiskLoad]) -> None:
-        """`cache`: the device cache's raw storage. BlockFileRefused (the file deleted first) fails
-        the step: the scheduler resyncs, and the next Init's listing no longer has the file."""
+    def read(self, loads: Sequence[DiskLoad]) -> list[torch.Tensor]:
+        """The payloads of a plan's loads, verified; read while the plan is validated, so a refused
+        file (BlockFileRefused, the file deleted first) rejects the plan before anything changed:
+        the scheduler resyncs, its requests recompute, and the next Init's listing lacks the file."""
+        payloads = []
         for load in loads:
             path = self.path(load.block_hash)
             try:
@@ -113,8 +115,17 @@ class DiskStore:
             except BlockFileRefused as error:
                 self._refuse(path, error)
                 raise
+            payloads.append(payload)
+        return payloads
+
+    def place(self, cache: torch.Tensor, loads: Sequence[DiskLoad], payloads: Sequence[torch.Tensor]) -> None:
+        """`cache`: the device cache's raw storage; `payloads`: `read(loads)`."""
+        for load, payload in zip(loads, payloads, strict=True):
             cache[:, :, load.dst].copy_(payload.to(cache.device))
-            self._touch(path)  # most recently used: the next Init's listing keeps the LRU order
+            self._touch(self.path(load.block_hash))  # most recently used: the next Init lists it last
+
+    def load(self, cache: torch.Tensor, loads: Sequence[DiskLoad]) -> None:
+        self.place(cache, loads, self.read(loads))
 
     def close(self) -> None:
         """Let another worker (or a new LLM in this process) use the directory."""
