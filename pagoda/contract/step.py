@@ -9,6 +9,9 @@ A plan carries *changes* only (DESIGN.md, "The scheduler↔worker protocol"):
 - swap preemption moves KV between the device cache and the worker's host pool (`swap_out`,
   `swap_in`): a swapped-out request is preempted (dropped), and resumes as a new request whose
   num_computed_tokens counts the tokens whose KV the swap-in brings back;
+- the prefix cache's disk tier moves KV between the host pool (or an evicted device block) and
+  block files keyed by hash (`disk_writes`, `disk_deletes`) and from files into device blocks
+  (`disk_loads`); `WorkerInfo.disk_blocks` lists the files at every Init;
 - the worker keeps its own sampled tokens; they are never echoed back.
 
 The worker derives the rest itself: a request samples in a step when, after the step,
