@@ -66,6 +66,8 @@ _GAUGES = (
     ("pagoda:num_cpu_blocks", "num_cpu_blocks", "KV blocks in the host swap space."),
     ("pagoda:num_offload_blocks", "num_offload_blocks", "KV blocks in the prefix cache's host tier."),
     ("pagoda:offload_cache_usage_perc", "offload_kv_cache_usage", "Prefix cache host tier usage, 0..1."),
+    ("pagoda:num_disk_blocks", "num_disk_blocks", "Block files the prefix cache's disk tier may hold."),
+    ("pagoda:disk_cache_usage_perc", "disk_kv_cache_usage", "Prefix cache disk tier usage, 0..1."),
     ("pagoda:brownout_active", "brownout_active",
      "1 while the scheduler is in brownout (memory pressure: smaller steps, new requests' max_tokens capped)."),
 )
@@ -94,6 +96,9 @@ _COUNTERS = (
     ("pagoda:offload_loaded_blocks", "blocks_loaded",
      "KV blocks copied back from the host tier for a prefix hit (not recomputed)."),
     ("pagoda:offload_dropped_blocks", "blocks_offload_dropped", "Host tier entries dropped when it was full."),
+    ("pagoda:disk_written_blocks", "blocks_disk_written", "KV blocks the host tier dropped, written to the disk tier."),
+    ("pagoda:disk_loaded_blocks", "blocks_disk_loaded", "KV blocks loaded from the disk tier for a prefix hit."),
+    ("pagoda:disk_dropped_blocks", "blocks_disk_dropped", "Disk tier files deleted when it was full, or blocks it had no room for."),
     ("pagoda:brownout_capped_requests", "brownout_capped_requests",
      "Requests whose max_tokens brownout lowered at admission."),
 )

@@ -119,6 +119,9 @@ _STATS_FIELDS = {
     "blocks_offloaded": "blocks_offloaded", "blocks_loaded": "blocks_loaded",
     "blocks_offload_dropped": "blocks_offload_dropped", "num_sessions": "num_sessions",
     "num_session_blocks": "num_session_blocks",
+    "num_disk_blocks": "num_disk_blocks", "disk_kv_usage": "disk_kv_cache_usage",
+    "blocks_disk_written": "blocks_disk_written", "blocks_disk_loaded": "blocks_disk_loaded",
+    "blocks_disk_dropped": "blocks_disk_dropped",
 }
 
 

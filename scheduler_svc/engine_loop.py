@@ -227,7 +227,9 @@ class EngineLoop:
         deadline = time.monotonic() + self._worker_timeout_s
         while not self._stopping:
             try:
-                await self._client.connect(timeout_s=max(deadline - time.monotonic(), 1.0))
+                info = await self._client.connect(timeout_s=max(deadline - time.monotonic(), 1.0))
+                # The disk tier's files outlive the worker: its Init lists them (the index was reset).
+                self.scheduler.restore_disk_tier(info.disk_blocks)
                 self._failed = False
                 log.info("worker_reconnected", worker=self._client.target)
                 return

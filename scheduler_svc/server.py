@@ -79,6 +79,7 @@ def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> Scheduler
         speculative=config.speculative, brownout=config.brownout, max_loras=info.max_loras,
         num_cpu_blocks=info.num_cpu_blocks, preemption_mode=config.preemption_mode,
         num_offload_blocks=info.num_offload_blocks if config.enable_prefix_caching else 0,
+        num_disk_blocks=info.num_disk_blocks if config.enable_prefix_caching else 0,
         sliding_window=info.sliding_window)
 
 
@@ -128,6 +129,7 @@ async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
         await server.stop(0)
         raise
     scheduler = Scheduler(sched_config)
+    scheduler.restore_disk_tier(info.disk_blocks)  # the files the worker holds (kept across restarts)
     try:
         for token_ids in resolve_pinned_prompts(list(config.pinned_prompts), info.model_name):
             scheduler.pin_prompt(token_ids)  # prefilled by the first steps
@@ -143,6 +145,7 @@ async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
     log.info("scheduler_serving", address=f"{config.host}:{port}", num_blocks=sched_config.num_blocks,
              max_model_len=sched_config.max_model_len, pipelining=config.pipelining,
              num_cpu_blocks=sched_config.num_cpu_blocks, num_offload_blocks=sched_config.num_offload_blocks,
+             num_disk_blocks=sched_config.num_disk_blocks, num_disk_files=len(info.disk_blocks),
              preemption_mode=config.preemption_mode or "auto")
     return RunningEngine(server, engine, client, loop_task, port, health)
 

@@ -38,6 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "cached blocks evicted from the device pool are copied there and copied back on "
                         "a later prefix hit instead of recomputed (default 0: dropped). --fake: 1024 "
                         "host blocks per GiB")
+    p.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="the prefix cache's disk tier: blocks the host tier (--kv-offloading-size) drops are "
+                        "written to files here, loaded back on a later prefix hit, and kept across restarts "
+                        "(default: none). --fake: kept in memory")
+    p.add_argument("--kv-offload-dir-size", type=float, default=8.0, metavar="GiB",
+                   help="the disk tier's size cap; the least recently used files go first (default 8)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cupy"])
     p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU: pre-pack linear weights for oneDNN at load (faster GEMMs; see "
@@ -87,7 +93,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         quantization=args.quantization,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, swap_space=args.swap_space, pooling_type=args.pooling_type,
-        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_size=args.kv_offloading_size, kv_offload_dir=args.kv_offload_dir,
+        kv_offload_dir_size=args.kv_offload_dir_size,
         normalize_embeddings=args.normalize_embeddings)
 
 
@@ -119,7 +126,9 @@ def build_runner(args: argparse.Namespace):
                               block_size=args.block_size, max_model_len=args.max_model_len or 4096,
                               vocab_size=args.vocab_size or fake_vocab_size(args.model), check_kv=False,
                               num_cpu_blocks=int(args.swap_space * FAKE_BLOCKS_PER_GIB),
-                              num_offload_blocks=int(args.kv_offloading_size * FAKE_BLOCKS_PER_GIB))
+                              num_offload_blocks=int(args.kv_offloading_size * FAKE_BLOCKS_PER_GIB),
+                              num_disk_blocks=int(args.kv_offload_dir_size * FAKE_BLOCKS_PER_GIB)
+                              if args.kv_offload_dir else 0)
     if not args.model:
         raise SystemExit("--model is required (or --fake)")
     from worker_svc.tp_worker import create_runner  # torch import: after flags parse

@@ -49,6 +49,11 @@ class WorkerConfig:
     # cache's host tier (scheduler_svc/core/tiers/host_tier.py): the same host pool as the swap space,
     # the blocks after its. 0 (the default): cached blocks evicted from the device are dropped.
     kv_offloading_size: float = 0.0
+    # The prefix cache's disk tier (worker_svc/disk_tier/, scheduler_svc/core/tiers/disk_tier.py):
+    # the host tier's dropped blocks go to files in this directory, capped at kv_offload_dir_size
+    # GiB (LRU by file); they survive a restart. None (the default): dropped. Needs the host tier.
+    kv_offload_dir: str | None = None
+    kv_offload_dir_size: float = 8.0
     # Embeddings (worker_svc/pooling.py): vLLM's --pooling-type (last | mean) and normalisation
     pooling_type: str = "last"
     normalize_embeddings: bool = True

@@ -67,8 +67,12 @@ class KVCache:
 _RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _raw(tensor: torch.Tensor) -> torch.Tensor:
+def raw_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The same bytes as a same-size integer tensor (block copies and the disk tier's files)."""
     return tensor.view(_RAW_DTYPES[tensor.element_size()])
+
+
+_raw = raw_view
 
 
 class HostKVPool:

@@ -26,6 +26,8 @@ from pagoda.runtime.logging import get_logger
 from pagoda.runtime.model_files import is_gguf_file
 from worker_svc import fault_injection
 from worker_svc.config import WorkerConfig
+from worker_svc.disk_tier.block_file import BlockFileRefused, model_fingerprint
+from worker_svc.disk_tier.store import DiskStore, num_disk_blocks
 from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.input_batch import (
     CachedRequestState,
@@ -34,7 +36,7 @@ from worker_svc.input_batch import (
     apply_beam_updates,
     build_model_inputs,
 )
-from worker_svc.kv_cache import CacheShape, HostKVPool, KVCache, cpu_num_blocks, cuda_num_blocks
+from worker_svc.kv_cache import CacheShape, HostKVPool, KVCache, cpu_num_blocks, cuda_num_blocks, raw_view
 from worker_svc.kv_cache import num_cpu_blocks as num_host_blocks_for
 from worker_svc.lora.manager import LoRAManager
 from worker_svc.model_loader.loader import load_model, resolve_dtype
@@ -107,6 +109,8 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self._decode_buffers: DecodeInputBuffers | None = None  # made with the cache (initialize)
         self.host_pool: HostKVPool | None = None  # --swap-space: swapped-out blocks
+        self.disk: DiskStore | None = None  # --kv-offload-dir: the prefix cache's disk tier
+        self._disk_payloads: list[torch.Tensor] = []  # the validated plan's disk loads, read
         self._last_step_id: int | None = None
         self.unsampled: list[CachedRequestState] = []  # TP follower: awaiting rank 0's tokens
         self._embeddings: list = []  # the pooling requests' vectors of the step being executed
@@ -142,6 +146,7 @@ class ModelRunner:
             self.host_pool = HostKVPool(shape, num_host_blocks + num_offload_blocks,
                                         pin_memory=self.device.type == "cuda")
         self.reset()
+        self.disk = self._disk_store(shape, num_offload_blocks)
         return WorkerInfo(num_blocks=num_blocks, block_size=self.config.block_size,
                           max_model_len=self.max_model_len,
                           eos_token_ids=tuple(self.model_config.eos_token_ids),
@@ -149,7 +154,31 @@ class ModelRunner:
                           max_loras=self.lora.max_loras if self.lora else 0,
                           max_lora_rank=self.lora.max_lora_rank if self.lora else 0,
                           num_cpu_blocks=num_host_blocks, num_offload_blocks=num_offload_blocks,
-                          sliding_window=self.model_config.kv_window)
+                          sliding_window=self.model_config.kv_window,
+                          num_disk_blocks=self.disk.capacity if self.disk else 0,
+                          disk_blocks=self.disk.listing() if self.disk else ())
+
+    def _disk_store(self, shape: CacheShape, num_offload_blocks: int) -> DiskStore | None:
+        """The disk tier's directory (--kv-offload-dir), under the host tier, whose drops it keeps."""
+        config = self.config
+        if not config.kv_offload_dir:
+            return None
+        if self.disk is not None:  # Init again (a reconnecting scheduler): the same directory, listed anew
+            return self.disk
+        if not num_offload_blocks:
+            raise ValueError("--kv-offload-dir needs the host tier it sits under: set --kv-offloading-size")
+        if self.tp.size > 1:
+            raise ValueError("--kv-offload-dir with tensor parallelism is not supported yet")
+        fingerprint = model_fingerprint(config.model, self.dtype, self.cache_dtype, str(self.quantization),
+                                        shape.block_size, shape.num_layers, shape.num_kv_heads, shape.head_dim)
+        return DiskStore(config.kv_offload_dir, fingerprint,
+                         num_disk_blocks(config.kv_offload_dir_size, shape.bytes_per_block))
+
+    def close(self) -> None:
+        """Release the disk tier's directory (the offline LLM's close; the process's end does it too)."""
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
 
     def reset(self) -> None:
         """Drop every resident request; the next plan may start at any step id."""
@@ -172,9 +201,14 @@ class ModelRunner:
         if plan.draft_token_ids and self.tp.size > 1:
             raise PlanError("speculative decoding with tensor parallelism is not supported yet")
         validate_plan(plan, self.requests, self.kv_cache.num_blocks, self.config.block_size,
-                      self.host_pool.num_blocks if self.host_pool is not None else 0)
+                      self.host_pool.num_blocks if self.host_pool is not None else 0, self.disk is not None)
         if self.lora is None and any(new.lora is not None for new in plan.new_requests):
             raise PlanError("a request names a LoRA adapter but this worker runs without --enable-lora")
+        if plan.disk_loads and self.disk is not None:  # read and verified before anything changes
+            try:
+                self._disk_payloads = self.disk.read(plan.disk_loads)
+            except BlockFileRefused as error:
+                raise PlanError(f"a disk tier file was refused: {error}") from error
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Raises PlanError (before any change) for a plan that does not apply."""
@@ -256,9 +290,17 @@ class ModelRunner:
             table[update.start:update.start + len(update.block_ids)] = update.block_ids
         for request_id, drafts in plan.draft_token_ids.items():  # computed after its own tokens
             self.requests[request_id].token_ids.extend(drafts)
+        if plan.disk_deletes or plan.disk_writes:  # before the swap-outs that refill the host slots
+            assert self.disk is not None and self.host_pool is not None and self.kv_cache is not None
+            self.disk.delete_and_write(raw_view(self.host_pool.storage), raw_view(self.kv_cache.storage),
+                                       plan.disk_deletes, plan.disk_writes)
         if plan.swap_out or plan.swap_in:  # before the copies: the blocks swap-outs free may be reused
             assert self.kv_cache is not None and self.host_pool is not None  # validate_plan checked
             self.host_pool.apply(self.kv_cache, plan.swap_out, plan.swap_in)
+        if plan.disk_loads:  # after the swap-outs that saved these device blocks' old content
+            assert self.disk is not None and self.kv_cache is not None
+            self.disk.place(raw_view(self.kv_cache.storage), plan.disk_loads, self._disk_payloads)
+            self._disk_payloads = []
         if plan.block_copies:
             assert self.kv_cache is not None
             self.kv_cache.copy_blocks([c.src for c in plan.block_copies],

@@ -14,7 +14,7 @@ from worker_svc.input_batch import CachedRequestState
 
 
 def validate_plan(plan: StepPlan, resident: Mapping[RequestId, CachedRequestState], num_blocks: int,
-                  block_size: int, num_cpu_blocks: int = 0) -> None:
+                  block_size: int, num_cpu_blocks: int = 0, has_disk_tier: bool = False) -> None:
     if plan.beam_updates:  # applied first: the rest of the plan sees the re-pointed beams
         resident = _after_beam_updates(plan, resident)
     dropped = _check_dropped(plan, resident)
@@ -37,6 +37,7 @@ def validate_plan(plan: StepPlan, resident: Mapping[RequestId, CachedRequestStat
     for copy in plan.block_copies:
         _check_blocks((copy.src, copy.dst), num_blocks, "block copy")
     _check_swaps(plan, num_blocks, num_cpu_blocks)
+    _check_disk(plan, num_blocks, num_cpu_blocks, has_disk_tier)
 
 
 def _check_swaps(plan: StepPlan, num_blocks: int, num_cpu_blocks: int) -> None:
@@ -50,6 +51,21 @@ def _check_swaps(plan: StepPlan, num_blocks: int, num_cpu_blocks: int) -> None:
         _check_blocks((c.dst for c in copies), dst_blocks, f"{name} destination")
         if len({c.dst for c in copies}) != len(copies):
             raise PlanError(f"a {name} writes one block twice: {[c.dst for c in copies]}")
+
+
+def _check_disk(plan: StepPlan, num_blocks: int, num_cpu_blocks: int, has_disk_tier: bool) -> None:
+    """Disk tier operations only with --kv-offload-dir; ids in range; no device block written by
+    both a disk load and a swap-in, nor twice."""
+    if not (plan.disk_deletes or plan.disk_writes or plan.disk_loads):
+        return
+    if not has_disk_tier:
+        raise PlanError("a disk tier operation but this worker has no disk tier (start it with --kv-offload-dir)")
+    _check_blocks((w.src for w in plan.disk_writes if not w.from_device), num_cpu_blocks, "disk write source")
+    _check_blocks((w.src for w in plan.disk_writes if w.from_device), num_blocks, "disk write source")
+    _check_blocks((d.dst for d in plan.disk_loads), num_blocks, "disk load destination")
+    written = [d.dst for d in plan.disk_loads] + [c.dst for c in plan.swap_in]
+    if len(set(written)) != len(written):
+        raise PlanError(f"disk loads and swap-ins write one device block twice: {written}")
 
 
 def _check_dropped(plan: StepPlan, resident: Mapping[RequestId, CachedRequestState]) -> set[RequestId]:

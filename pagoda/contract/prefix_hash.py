@@ -10,6 +10,7 @@ would share cached blocks on one replica are sent to that replica. Pure: hashlib
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from collections.abc import Callable, Sequence
 
@@ -53,3 +54,15 @@ def prefix_hash(token_ids: Sequence[int], block_size: int, cache_salt: str | Non
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
                             block_extra_keys(i, cache_salt, lora_key))
     return parent
+
+
+def extra_keys_to_json(extra_keys: tuple) -> str:
+    """A block's extra keys (strings and ("lora", key) pairs) as JSON: the disk tier keeps them."""
+    return json.dumps(extra_keys)
+
+
+def extra_keys_from_json(text: str) -> tuple:
+    """The inverse of extra_keys_to_json: JSON lists back to the tuples the hash was taken over."""
+    def as_tuple(value):
+        return tuple(as_tuple(v) for v in value) if isinstance(value, list) else value
+    return as_tuple(json.loads(text)) if text else ()

@@ -9,6 +9,9 @@ A plan carries *changes* only (DESIGN.md, "The scheduler↔worker protocol"):
 - swap preemption moves KV between the device cache and the worker's host pool (`swap_out`,
   `swap_in`): a swapped-out request is preempted (dropped), and resumes as a new request whose
   num_computed_tokens counts the tokens whose KV the swap-in brings back;
+- the prefix cache's disk tier moves KV between the host pool (or an evicted device block) and
+  block files keyed by hash (`disk_writes`, `disk_deletes`) and from files into device blocks
+  (`disk_loads`); `WorkerInfo.disk_blocks` lists the files at every Init;
 - the worker keeps its own sampled tokens; they are never echoed back.
 
 The worker derives the rest itself: a request samples in a step when, after the step,
@@ -54,6 +57,34 @@ class BlockCopy:
     (both device blocks), or a swap (one device block, one host block: see StepPlan)."""
 
     src: BlockId
+    dst: BlockId
+
+
+@dataclass(frozen=True, slots=True)
+class DiskBlock:
+    """A prefix block in the disk tier (`--kv-offload-dir`), keyed by its chained block hash, with
+    the token ids and extra keys the scheduler verifies a hit against (as its prefix index does)."""
+
+    block_hash: bytes
+    token_ids: tuple[int, ...]
+    extra_keys: tuple = ()
+
+
+@dataclass(slots=True)
+class DiskWrite:
+    """Write host block `src` (the host tier's slot, about to be reused) to the file of `block`; or,
+    `from_device`, device block `src` (evicted while every host slot was busy in the plan)."""
+
+    src: int
+    block: DiskBlock
+    from_device: bool = False
+
+
+@dataclass(slots=True)
+class DiskLoad:
+    """Read the file of `block_hash` into device block `dst` (a prefix hit served from disk)."""
+
+    block_hash: bytes
     dst: BlockId
 
 
@@ -107,13 +138,20 @@ class StepPlan:
     # device block dst). Device blocks freed by a swap-out may thus be reused in the same step.
     swap_out: list[BlockCopy] = field(default_factory=list)
     swap_in: list[BlockCopy] = field(default_factory=list)
+    # The prefix cache's disk tier (scheduler_svc/core/tiers/disk_tier.py), run around the swaps in
+    # this order: disk_deletes (files the full tier drops), disk_writes (host slots the host tier
+    # drops, read before a swap_out refills them), swap_out, swap_in, then disk_loads (file ->
+    # device block, after the swap_out that may have saved the block's old content).
+    disk_deletes: list[bytes] = field(default_factory=list)
+    disk_writes: list[DiskWrite] = field(default_factory=list)
+    disk_loads: list[DiskLoad] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not (self.new_requests or self.finished_ids or self.preempted_ids
                     or self.table_updates or self.num_scheduled_tokens or self.block_copies
                     or self.forks or self.draft_token_ids or self.beam_updates or self.swap_out
-                    or self.swap_in)
+                    or self.swap_in or self.disk_deletes or self.disk_writes or self.disk_loads)
 
 
 @dataclass(slots=True)
@@ -182,3 +220,8 @@ class WorkerInfo:
     # wholly before it are never read again, and the scheduler frees them. 0: some layer (or every
     # one) attends to all positions.
     sliding_window: int = 0
+    # The prefix cache's disk tier (--kv-offload-dir): files it may hold under its size cap, and
+    # those it holds now (verified at Init: checksum and model fingerprint), least recently used
+    # first. The scheduler rebuilds its disk index from this at every Init (a restart included).
+    num_disk_blocks: int = 0
+    disk_blocks: tuple[DiskBlock, ...] = ()

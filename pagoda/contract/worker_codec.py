@@ -16,9 +16,13 @@ from pagoda.contract.common_codec import (
     sampling_to_pb,
 )
 from pagoda.contract.ids import BlockId, RequestId
+from pagoda.contract.prefix_hash import extra_keys_from_json, extra_keys_to_json
 from pagoda.contract.step import (
     BeamUpdate,
     BlockCopy,
+    DiskBlock,
+    DiskLoad,
+    DiskWrite,
     Embedding,
     Fork,
     NewRequestData,
@@ -46,7 +50,11 @@ def plan_to_pb(plan: StepPlan, epoch: int) -> worker_pb2.StepPlan:
         draft_token_ids={rid: worker_pb2.DraftTokens(token_ids=ids) for rid, ids in plan.draft_token_ids.items()},
         beam_updates=[worker_pb2.BeamUpdate(request_id=u.request_id, parent_id=u.parent_id,
                                             token_id=u.token_id) for u in plan.beam_updates],
-        swap_out=_copies_to_pb(plan.swap_out), swap_in=_copies_to_pb(plan.swap_in))
+        swap_out=_copies_to_pb(plan.swap_out), swap_in=_copies_to_pb(plan.swap_in),
+        disk_deletes=plan.disk_deletes,
+        disk_writes=[worker_pb2.DiskWrite(src=w.src, block=disk_block_to_pb(w.block),
+                                                 from_device=w.from_device) for w in plan.disk_writes],
+        disk_loads=[worker_pb2.DiskLoad(block_hash=d.block_hash, dst=d.dst) for d in plan.disk_loads])
 
 
 def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
@@ -65,8 +73,20 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
         draft_token_ids={RequestId(k): list(v.token_ids) for k, v in pb.draft_token_ids.items()},
         beam_updates=[BeamUpdate(RequestId(u.request_id), RequestId(u.parent_id), u.token_id)
                       for u in pb.beam_updates],
-        swap_out=_copies_from_pb(pb.swap_out), swap_in=_copies_from_pb(pb.swap_in))
+        swap_out=_copies_from_pb(pb.swap_out), swap_in=_copies_from_pb(pb.swap_in),
+        disk_deletes=list(pb.disk_deletes),
+        disk_writes=[DiskWrite(w.src, disk_block_from_pb(w.block), w.from_device) for w in pb.disk_writes],
+        disk_loads=[DiskLoad(d.block_hash, BlockId(d.dst)) for d in pb.disk_loads])
     return pb.epoch, plan
+
+
+def disk_block_to_pb(block: DiskBlock) -> worker_pb2.DiskBlock:
+    return worker_pb2.DiskBlock(block_hash=block.block_hash, token_ids=block.token_ids,
+                                extra_keys_json=extra_keys_to_json(block.extra_keys))
+
+
+def disk_block_from_pb(pb: worker_pb2.DiskBlock) -> DiskBlock:
+    return DiskBlock(pb.block_hash, tuple(pb.token_ids), extra_keys_from_json(pb.extra_keys_json))
 
 
 def _copies_to_pb(copies: list[BlockCopy]) -> list[worker_pb2.BlockCopy]:
@@ -134,7 +154,8 @@ def info_to_pb(info: WorkerInfo, epoch: int) -> worker_pb2.InitResponse:
         eos_token_ids=info.eos_token_ids, epoch=epoch, vocab_size=info.vocab_size,
         model_name=info.model_name, max_loras=info.max_loras, max_lora_rank=info.max_lora_rank,
         num_cpu_blocks=info.num_cpu_blocks, sliding_window=info.sliding_window,
-        num_offload_blocks=info.num_offload_blocks)
+        num_offload_blocks=info.num_offload_blocks, num_disk_blocks=info.num_disk_blocks,
+        disk_blocks=[disk_block_to_pb(b) for b in info.disk_blocks])
 
 
 def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
@@ -143,4 +164,5 @@ def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
         num_blocks=pb.num_blocks, block_size=pb.block_size, max_model_len=pb.max_model_len,
         eos_token_ids=tuple(pb.eos_token_ids), vocab_size=pb.vocab_size, model_name=pb.model_name,
         max_loras=pb.max_loras, max_lora_rank=pb.max_lora_rank, num_cpu_blocks=pb.num_cpu_blocks,
-        sliding_window=pb.sliding_window, num_offload_blocks=pb.num_offload_blocks)
+        sliding_window=pb.sliding_window, num_offload_blocks=pb.num_offload_blocks,
+        num_disk_blocks=pb.num_disk_blocks, disk_blocks=tuple(disk_block_from_pb(b) for b in pb.disk_blocks))

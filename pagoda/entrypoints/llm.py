@@ -99,7 +99,8 @@ class LLM:
                  kv_cache_dtype: str = "auto", swap_space: float = 0.0,
                  preemption_mode: str | None = None, pooling_type: str = "last",
                  normalize_embeddings: bool = True, batch_invariant: bool = False,
-                 kv_offloading_size: float = 0.0,
+                 kv_offloading_size: float = 0.0, kv_offload_dir: str | None = None,
+                 kv_offload_dir_size: float = 8.0,
                  quantization: str | None = None) -> None:
         # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
         # "prompt_lookup_min": 2}, or {"method": "suffix", ...} (scheduler_svc/core/spec/). Checked
@@ -121,6 +122,7 @@ class LLM:
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             swap_space=swap_space, pooling_type=pooling_type, normalize_embeddings=normalize_embeddings,
             batch_invariant=batch_invariant, kv_offloading_size=kv_offloading_size,
+            kv_offload_dir=kv_offload_dir, kv_offload_dir_size=kv_offload_dir_size,
             quantization=quantization or "auto")
         self.runner = create_runner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
         # Runs close()'s work when the LLM is garbage-collected (vLLM's users `del` their engine);
@@ -136,11 +138,13 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching, eos_token_ids=info.eos_token_ids,
                 speculative=speculative, max_loras=info.max_loras, num_cpu_blocks=info.num_cpu_blocks,
                 preemption_mode=preemption_mode, sliding_window=info.sliding_window,
-                num_offload_blocks=info.num_offload_blocks if enable_prefix_caching else 0)
+                num_offload_blocks=info.num_offload_blocks if enable_prefix_caching else 0,
+                num_disk_blocks=info.num_disk_blocks if enable_prefix_caching else 0)
         except BaseException:
             self.close()
             raise
         self.scheduler = Scheduler(scheduler_config)
+        self.scheduler.restore_disk_tier(info.disk_blocks)  # kv_offload_dir's files, from earlier runs too
         self.model_dir = model
         self._tokenizer: Any = None
         self._request_counter = itertools.count()
@@ -207,6 +211,9 @@ class LLM:
         except BaseException as error:  # incl. KeyboardInterrupt: the next generate starts clean
             self.scheduler.fail_all(f"offline generate failed: {error!r}")
             self.runner.reset()
+            disk = getattr(self.runner, "disk", None)  # its files are still there: list them again
+            if disk is not None:
+                self.scheduler.restore_disk_tier(disk.listing())
             raise
         for output in outputs.values():
             for completion in output.outputs:

@@ -2,8 +2,8 @@
 
 - In queue order, while `max_num_seqs` slots, the step's token budget, the worker's LoRA slots and
   the pool allow; the first that does not fit stops admission (the order is kept: no overtaking).
-- A sequence starts after its verified prefix-cache hit (device blocks, then the host tier's,
-  tiers/host_tier.py: only at ordinary admission, not a beam group's nor a suspect's), or after its
+- A sequence starts after its verified prefix-cache hit (device blocks, then the host tier's and
+  the disk tier's, tiers/host_tier.py and disk_tier.py: only at ordinary admission, not a beam group's nor a suspect's), or after its
   swapped KV (swap.py), and computes at most one prefill chunk (`long_prefill_token_threshold`)
   in its first step.
 - When the pool is short, idle sessions' leases are demoted first (tiers/sessions.py), oldest first.
@@ -64,7 +64,7 @@ class Admission:
                     return  # the group enters whole, or waits (in order)
                 continue
             hits, last_serial = kv.find_cached_prefix(seq)
-            host = kv.find_offloaded(seq, len(hits))  # the host tier's hits past the device's
+            host = kv.find_offloaded(seq, len(hits))  # the host and disk tiers' hits past the device's
             num_hit = (len(hits) + len(host)) * cfg.block_size
             start = resume_point(seq, num_hit)  # past the hit, or past its swapped KV
             num_new = min(len(seq.token_ids) - start, self._threshold, draft.budget)

@@ -102,6 +102,9 @@ class SchedulerConfig:
     # The prefix cache's host tier (core/tiers/host_tier.py): host blocks of the worker's
     # --kv-offloading-size (from its Init; host ids after the swap space's). 0: evicted prefixes drop.
     num_offload_blocks: int = 0
+    # The prefix cache's disk tier (core/tiers/disk_tier.py), under the host tier: files the
+    # worker's --kv-offload-dir-size holds (from its Init). 0: the host tier's drops are dropped.
+    num_disk_blocks: int = 0
     # The model's sliding window when every layer has one (the worker's Init); 0: none. Blocks
     # wholly before a sequence's window are freed (kv_cache_manager.py: free_out_of_window).
     sliding_window: int = 0

@@ -15,6 +15,7 @@ from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.prefix_index import PrefixIndex, block_extra_keys
 from scheduler_svc.core.request import NULL_BLOCK, SeqStatus, Sequence
+from scheduler_svc.core.tiers.disk_tier import DiskTier
 from scheduler_svc.core.tiers.host_tier import HostTier
 
 
@@ -30,7 +31,8 @@ def slot_mapping(block_table: list[BlockId], start: int, end: int, block_size: i
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 sliding_window: int = 0, offload_base: int = 0, num_offload_blocks: int = 0) -> None:
+                 sliding_window: int = 0, offload_base: int = 0, num_offload_blocks: int = 0,
+                 num_disk_blocks: int = 0) -> None:
         self.block_size = block_size
         self.window = sliding_window  # every layer's window is at most this; 0: no freeing
         self.index = PrefixIndex() if enable_prefix_caching else None
@@ -40,6 +42,10 @@ class KVCacheManager:
             if enable_prefix_caching and num_offload_blocks else None
         if self.tier is not None:
             self.pool.on_evict = self.tier.offload
+        # The disk tier (tiers/disk_tier.py) under the host tier: the entries it drops go to files.
+        self.disk = DiskTier(num_disk_blocks) if self.tier is not None and num_disk_blocks else None
+        if self.disk is not None:
+            self.tier.on_drop = self.disk.store  # type: ignore[union-attr]
         self._deferred: dict[int, list[list[BlockId]]] = {}  # step id -> block lists to free then
         self.num_deferred = 0  # blocks in those lists (an upper bound of what they will free)
 
@@ -66,18 +72,23 @@ class KVCacheManager:
         return self.index.match(seq.block_hashes, seq.token_ids, self.block_size,
                                 seq.request.cache_salt, max_blocks, seq.request.lora_key)
 
-    def find_offloaded(self, seq: Sequence, num_hit_blocks: int) -> list[int]:
-        """Host-tier slots of the full blocks right after seq's `num_hit_blocks` device hits (found
-        by find_cached_prefix just before), verified, leaving >= 1 token to compute."""
-        tier = self.tier
+    def find_offloaded(self, seq: Sequence, num_hit_blocks: int) -> list[int | None]:
+        """The full blocks right after seq's `num_hit_blocks` device hits (found by
+        find_cached_prefix just before) that a lower tier holds, verified, leaving >= 1 token to
+        compute: each a host-tier slot, or None when the block is on disk (read by its hash)."""
+        tier, disk = self.tier, self.disk
         if tier is None or seq.request.needs_prompt_logprobs or seq.request.sampling.pooling:
             return []
-        max_blocks = (len(seq.token_ids) - 1) // self.block_size
-        if num_hit_blocks >= max_blocks:
-            return []
+        bs, tokens, hashes = self.block_size, seq.token_ids, seq.block_hashes
         salt, lora_key = seq.request.cache_salt, seq.request.lora_key
-        keys = [block_extra_keys(i, salt, lora_key) for i in range(num_hit_blocks, max_blocks)]
-        return tier.match(seq.block_hashes, seq.token_ids, self.block_size, keys, num_hit_blocks, max_blocks)
+        found: list[int | None] = []
+        for i in range(num_hit_blocks, (len(tokens) - 1) // bs):
+            block_tokens, keys = tuple(tokens[i * bs:(i + 1) * bs]), block_extra_keys(i, salt, lora_key)
+            slot = tier.lookup(hashes[i], block_tokens, keys)
+            if slot is None and (disk is None or not disk.match(hashes[i], block_tokens, keys)):
+                break
+            found.append(slot)
+        return found
 
     def register_computed(self, seq: Sequence, num_computed: int) -> None:
         """Register the full blocks of positions < num_computed (their writing step has reported)."""
@@ -114,11 +125,14 @@ class KVCacheManager:
         return cdiv(end, self.block_size) - len(hits) + revived
 
     def admit(self, seq: Sequence, hits: list[BlockId], last_serial: int, end: int,
-              host_slots: list[int] | None = None, plan: StepPlan | None = None) -> None:
-        """Device hits first, then fresh blocks; the first len(host_slots) of those are filled from
-        the host tier in `plan` (its hits past the device ones, find_offloaded)."""
-        if host_slots:
-            self.tier.reserve(host_slots)  # type: ignore[union-attr]  # before the evictions allocate makes
+              host_slots: list[int | None] | None = None, plan: StepPlan | None = None) -> None:
+        """Device hits first, then fresh blocks; the first len(host_slots) of those are filled in
+        `plan` from the host tier (a slot) or the disk tier (None): find_offloaded's hits."""
+        n = len(hits)
+        if host_slots:  # before the evictions allocate makes, which could reuse or delete them
+            self.tier.reserve([s for s in host_slots if s is not None])  # type: ignore[union-attr]
+            if self.disk is not None:
+                self.disk.reserve(seq.block_hashes[n + i] for i, slot in enumerate(host_slots) if slot is None)
         self.pool.touch(hits)  # before allocating, so the hits cannot be evicted by it
         new = self.pool.allocate(cdiv(end, self.block_size) - len(hits))
         assert new is not None, "admit() without a successful blocks_to_admit() check"
@@ -126,9 +140,14 @@ class KVCacheManager:
         seq.num_registered_blocks = len(hits)  # the loaded blocks register when their step reports
         seq.last_serial = last_serial
         if host_slots:
-            n = len(hits)
-            self.tier.load(seq.block_hashes[n:n + len(host_slots)], host_slots,  # type: ignore[union-attr]
-                           new[:len(host_slots)], plan)
+            hashes = seq.block_hashes[n:n + len(host_slots)]
+            from_host = [i for i, slot in enumerate(host_slots) if slot is not None]
+            from_disk = [i for i, slot in enumerate(host_slots) if slot is None]
+            if from_host:
+                self.tier.load([hashes[i] for i in from_host], [host_slots[i] for i in from_host],  # type: ignore
+                               [new[i] for i in from_host], plan)
+            if from_disk:
+                self.disk.load([hashes[i] for i in from_disk], [new[i] for i in from_disk], plan)  # type: ignore
 
     def blocks_needed(self, seq: Sequence, num_new: int) -> int:
         """New blocks for positions [computed, computed+num_new): appends plus copy-on-write."""
@@ -225,6 +244,15 @@ class KVCacheManager:
         self.pool.reset()
         if self.tier is not None:
             self.tier.reset()
+        if self.disk is not None:
+            self.disk.reset()
+
+    def seal(self, plan: StepPlan) -> None:
+        """The plan is complete: the lower tiers add the copies they owe it and free their slots."""
+        if self.tier is not None:
+            self.tier.seal(plan)
+        if self.disk is not None:
+            self.disk.seal(plan)
 
     def check_refs(self, held: Counter[int]) -> None:
         """Raise AssertionError unless each block's ref count is what `held` counts (tables, pins)
@@ -233,6 +261,8 @@ class KVCacheManager:
         pool.check()
         if self.tier is not None:
             self.tier.check()
+        if self.disk is not None:
+            self.disk.check()
         held.update(self.deferred_blocks())
         for block in range(pool.num_blocks):
             if held[block] != pool.ref_count(block):

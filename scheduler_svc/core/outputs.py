@@ -108,5 +108,11 @@ class SchedulerStats:
     blocks_offloaded: int = 0  # total device -> host copies of evicted cached blocks
     blocks_loaded: int = 0  # total host -> device copies (prefix hits served from the host)
     blocks_offload_dropped: int = 0  # total entries the full tier dropped
+    # The prefix cache's disk tier (tiers/disk_tier.py)
+    num_disk_blocks: int = 0  # its capacity in files; 0: none
+    disk_kv_usage: float = 0.0  # files / capacity, 0..1
+    blocks_disk_written: int = 0  # total host -> file writes of blocks the host tier dropped
+    blocks_disk_loaded: int = 0  # total file -> device loads (prefix hits served from disk)
+    blocks_disk_dropped: int = 0  # total files the full tier deleted, or blocks it had no room for
     num_sessions: int = 0  # live session leases (tiers/sessions.py)
     num_session_blocks: int = 0  # device blocks they pin

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason
-from pagoda.contract.step import Fork, StepPlan, StepResult, TableUpdate
+from pagoda.contract.step import DiskBlock, Fork, StepPlan, StepResult, TableUpdate
 from scheduler_svc.core.admission import Admission, adapter_names
 from scheduler_svc.core.beam_group import BeamGroups
 from scheduler_svc.core.brownout import BrownoutChange, BrownoutGovernor
@@ -55,6 +55,7 @@ from scheduler_svc.core.request import EngineRequest, Request, SeqStatus, Sequen
 from scheduler_svc.core.spec import make_speculator
 from scheduler_svc.core.step_draft import InflightStep, StepDraft
 from scheduler_svc.core.swap import SwapManager
+from scheduler_svc.core.tiers.disk_tier import disk_tier_stats
 from scheduler_svc.core.tiers.host_tier import tier_stats
 from scheduler_svc.core.tiers.sessions import SessionLeases
 
@@ -71,7 +72,7 @@ class Scheduler:
         self.config = config
         bs = config.block_size
         self._kv = KVCacheManager(config.num_blocks, bs, config.enable_prefix_caching, config.sliding_window,
-                                  config.num_cpu_blocks, config.num_offload_blocks)
+                                  config.num_cpu_blocks, config.num_offload_blocks, config.num_disk_blocks)
         self._threshold = config.long_prefill_token_threshold or max(1, config.max_num_batched_tokens // 2)
         self._queues = RunQueues(config.policy)
         self._inflight: deque[InflightStep] = deque()
@@ -203,6 +204,13 @@ class Scheduler:
         self._isolator.probe = None  # discarded with the other in-flight steps; its suspect stays one
         self._reset_worker_state()  # the host pool's contents went with the worker: they recompute
 
+    def restore_disk_tier(self, blocks: tuple[DiskBlock, ...]) -> None:
+        """The worker's Init listed the files of its disk tier (at start, and again after every
+        loss and reconnect): they become the disk index, so prefixes written before a worker
+        restart are hits again (tiers/disk_tier.py). No-op without the tier."""
+        if self._kv.disk is not None:
+            self._kv.disk.restore(blocks)
+
     def fail_all(self, reason: str) -> list[SequenceDelta]:
         """ERROR for every unfinished sequence (the worker is gone for good); the core is emptied."""
         self.last_failure = reason
@@ -315,7 +323,7 @@ class Scheduler:
             blocks_swapped_in=swap.blocks_swapped_in, num_cpu_blocks=self.config.num_cpu_blocks,
             cpu_kv_usage=swap.cpu_kv_usage, prefill_tokens_computed=c.prefill_tokens_computed,
             num_sessions=len(self._leases), num_session_blocks=self._leases.num_blocks,
-            **tier_stats(self._kv.tier))
+            **tier_stats(self._kv.tier), **disk_tier_stats(self._kv.disk))
 
     def check_invariants(self) -> None:
         """Raise AssertionError with details when the block accounting is off (O(total): tests)."""
@@ -341,8 +349,7 @@ class Scheduler:
         self._inflight.append(InflightStep(plan.step_id, draft.computed, draft.spec, num_tokens))
         self._counters.last_step = (draft.num_prefill, draft.num_decode, len(plan.preempted_ids))
         self._counters.prefill_tokens_computed += draft.num_prefill
-        if self._kv.tier is not None:  # the host tier's offloads of the blocks this plan evicted
-            self._kv.tier.seal(plan)
+        self._kv.seal(plan)  # the host and disk tiers' copies of the blocks this plan evicted
         self._next_step_id += 1
         return plan
 

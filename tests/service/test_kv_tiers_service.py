@@ -1,7 +1,8 @@
 """The host tier and session leases through the services: scheduler server -> Steps stream (offloads
 and loads as swap_out / swap_in on the wire) -> fake worker whose host pool holds the tier after the
 swap space, checking every attended KV slot. Exact token streams, GetStats counters, EndSession,
-the invariant once idle, and the flags from the launcher to the worker."""
+the invariant once idle, and the flags from the launcher to the worker. The disk tier across a
+worker restart: the new worker's Init lists the (fake) files, the scheduler rebuilds its index."""
 
 from __future__ import annotations
 
@@ -49,6 +50,39 @@ async def test_evicted_prefixes_come_back_from_the_host_tier_and_sessions_end():
     assert final.num_sessions == 0 and final.num_session_blocks == 0
 
 
+async def test_a_restarted_worker_lists_its_disk_tier_and_the_next_turn_hits_it():
+    # 12 blocks of 4 slots, 2 host slots over 32 disk files (the fake keeps them in memory).
+    runner = FakeStepRunner(num_blocks=12, block_size=4, max_model_len=64, num_offload_blocks=2, num_disk_blocks=32)
+    worker, _, worker_port = await start_worker_server(runner, "127.0.0.1", 0)
+    running = await start_engine_server(EngineServiceConfig(workers=(f"127.0.0.1:{worker_port}",), port=0,
+                                                            worker_timeout_s=20))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            first = [3] * 20  # 5 blocks: the floods push them device -> host -> disk
+            await collect(stub, generate_request("a", first, 4))
+            for i in range(3):
+                await collect(stub, generate_request(f"f{i}", [10 + i] * 20, 4))
+            before = await wait_for_stats(stub, lambda s: s.idle)
+            await worker.stop(0)  # the worker goes, its device and host memory with it
+            restarted = FakeStepRunner(num_blocks=12, block_size=4, max_model_len=64, num_offload_blocks=2,
+                                       num_disk_blocks=32)
+            restarted.disk = runner.disk  # the files outlive the process
+            worker, _, _ = await start_worker_server(restarted, "127.0.0.1", worker_port)
+            # Reconnected: the loss emptied the host tier, the new Init's listing refilled the disk index.
+            await wait_for_stats(stub, lambda s: s.worker_connected and s.offload_kv_cache_usage == 0
+                                 and s.disk_kv_cache_usage > 0)
+            again = first + [7, 8]
+            tokens, responses = await collect(stub, generate_request("b", again, 4))
+            after = await wait_for_stats(stub, lambda s: s.idle)
+    finally:
+        await running.stop(0)
+        await worker.stop(0)
+    assert tokens == {0: expected(again, 4)} and responses[-1].num_cached_tokens == 20
+    assert before.blocks_disk_written >= 5 and before.num_disk_blocks == 32 and before.offload_kv_cache_usage == 1
+    assert after.blocks_disk_loaded == 5 and after.invariant_ok
+
+
 def test_the_offloading_flags_reach_the_worker():
     from pagoda.entrypoints.launcher.cli import parse_args as launcher_args
     from pagoda.entrypoints.launcher.topology import build_children
@@ -62,3 +96,6 @@ def test_the_offloading_flags_reach_the_worker():
     assert worker.argv[worker.argv.index("--kv-offloading-size") + 1] == "2.0"
     assert worker.argv[worker.argv.index("--num-gpu-blocks-override") + 1] == "64"
     assert "--kv-offloading-size" not in build_children(launcher_args(["--fake"]))[0].argv
+    info = build_runner(worker_args(["--fake", "--kv-offloading-size", "0.5", "--kv-offload-dir", "/unused",
+                                     "--kv-offload-dir-size", "2"])).initialize()
+    assert (info.num_offload_blocks, info.num_disk_blocks, info.disk_blocks) == (512, 2048, ())

@@ -2,7 +2,8 @@
 
 After every step the block accounting holds; every sequence ends exactly once; each finished
 sequence's tokens equal what the deterministic fake sampler must produce for it whatever the
-scheduling (prefix hits, host-tier offloads and loads, chunking, preemption by recompute or swap,
+scheduling (prefix hits, host-tier offloads and loads, disk-tier writes and loads (across a
+worker loss too: the fake's files outlive it), chunking, preemption by recompute or swap,
 forks, pipelining); the fake worker's KV check (every attended slot holds the right token, swapped-in
 and host-tier-loaded ones included) passes on
 every step; the host pool is empty at the end.
@@ -10,7 +11,7 @@ every step; the host pool is empty at the end.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,22 +27,27 @@ MAX_MODEL_LEN = 40
 
 
 @st.composite
-def traces(draw):
+def traces(draw, through_disk: bool = False):
+    """`through_disk`: prefix caching on, a host tier of 1 or 2 slots over a disk tier, and a
+    worker loss in most traces: evictions keep going through the disk and a new worker's listing."""
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     per_seq = cdiv(MAX_MODEL_LEN, block_size)
     num_cpu_blocks = draw(st.sampled_from([0, 2, per_seq, per_seq * 4]))  # 2: often full
     modes = [None, "recompute", "swap"] if num_cpu_blocks else [None, "recompute"]
     # The prefix cache's host tier: none, 1 or 2 slots (full at once: drops, busy slots), or roomy
-    num_offload_blocks = draw(st.sampled_from([0, 0, 1, 2, per_seq * 3]))
+    num_offload_blocks = draw(st.sampled_from([1, 2] if through_disk else [0, 0, 1, 2, per_seq * 3]))
+    # The disk tier under it: 1 or 2 files (deletes, busy files), or roomy
+    num_disk_blocks = draw(st.sampled_from([1, 2, per_seq * 3] if through_disk else [0, 1, 2, per_seq * 3])) \
+        if num_offload_blocks else 0
     config = SchedulerConfig(
         num_blocks=draw(st.integers(per_seq, per_seq * 4)), block_size=block_size,
         max_model_len=MAX_MODEL_LEN, max_num_seqs=draw(st.integers(3, 8)),
         max_num_batched_tokens=draw(st.integers(4, 32)),
         long_prefill_token_threshold=draw(st.sampled_from([0, 3, 7])),
-        enable_prefix_caching=draw(st.booleans()), eos_token_ids=(EOS,),
+        enable_prefix_caching=through_disk or draw(st.booleans()), eos_token_ids=(EOS,),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         max_inflight_steps=draw(st.sampled_from([1, 2, 3])), num_cpu_blocks=num_cpu_blocks,
-        num_offload_blocks=num_offload_blocks,
+        num_offload_blocks=num_offload_blocks, num_disk_blocks=num_disk_blocks,
         preemption_mode=draw(st.sampled_from(modes)))
     bases = draw(st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=20), min_size=1, max_size=3))
     requests = []
@@ -60,7 +66,7 @@ def traces(draw):
                                 session_ttl=draw(st.sampled_from([3.0, 50.0])) if session else 0.0)
         requests.append((draw(st.integers(0, 12)), request))  # (arrival step, request)
     aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, len(requests) - 1)), max_size=3))
-    worker_loss_step = draw(st.one_of(st.none(), st.integers(1, 30)))
+    worker_loss_step = draw(st.integers(1, 30) if through_disk else st.one_of(st.none(), st.integers(1, 30)))
     return config, requests, aborts, draw(st.floats(0.0, 0.3)), worker_loss_step
 
 
@@ -75,8 +81,9 @@ def run(config, requests, aborts, eos_probability, worker_loss_step):
     sampler = FakeSampler(vocab_size=40, eos_token_id=EOS, eos_probability=eos_probability)
     clock = [0.0]  # session leases expire after their TTL in steps
     scheduler = Scheduler(config, clock=lambda: clock[0])
+    disk: OrderedDict = OrderedDict()  # the disk tier's files: they outlive a worker loss
     worker = FakeWorker(config.num_blocks, config.block_size, sampler,
-                        num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks)
+                        num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks, disk=disk)
     streams: dict[tuple[str, int], list] = {}
     ended: dict[tuple[str, int], FinishReason] = {}
     prompt_logprobs: dict[str, list] = {}
@@ -107,7 +114,8 @@ def run(config, requests, aborts, eos_probability, worker_loss_step):
             scheduler.reset_after_worker_loss()
             pending.clear()
             worker = FakeWorker(config.num_blocks, config.block_size, sampler,
-                                num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks)
+                                num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks, disk=disk)
+            scheduler.restore_disk_tier(tuple(block for _, block in disk.values()))  # the new Init's listing
         scheduler.check_invariants()
         if step > 12 and not scheduler.has_unfinished_requests() and not pending:
             for _, request in requests:  # what the sessions still pin goes back to the pool
@@ -133,6 +141,16 @@ def run(config, requests, aborts, eos_probability, worker_loss_step):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces())
 def test_random_traces_keep_invariants_and_streams(trace):
+    check_trace(trace)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(through_disk=True))
+def test_random_traces_through_the_disk_tier_and_a_worker_loss(trace):
+    check_trace(trace)
+
+
+def check_trace(trace) -> None:
     sampler, streams, ended, prompt_logprobs = run(*trace)
     requests = trace[1]
     for _, request in requests:

@@ -28,6 +28,19 @@ def test_one_replica_keeps_the_plain_names_and_flags():
     assert all(c.env == {} for c in children)
 
 
+def test_the_disk_tier_gets_one_folder_per_replica():
+    """Each worker locks its disk tier's folder: data-parallel replicas of one model get their own."""
+    flags = ["--fake", "--kv-offloading-size", "1", "--kv-offload-dir", "/var/kv", "--kv-offload-dir-size", "2"]
+
+    def disk_flags(children):
+        return [c.argv[c.argv.index("--kv-offload-dir"):c.argv.index("--kv-offload-dir") + 4]
+                for c in children if c.name.startswith("worker")]
+
+    assert disk_flags(build_children(parse_args(flags))) == [["--kv-offload-dir", "/var/kv", "--kv-offload-dir-size", "2.0"]]
+    assert disk_flags(build_children(parse_args([*flags, "--data-parallel-size", "2"]))) == [
+        ["--kv-offload-dir", f"/var/kv/replica-{i}", "--kv-offload-dir-size", "2.0"] for i in range(2)]
+
+
 def test_each_replica_sees_its_own_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     args = parse_args(["--data-parallel-size", "2", "--tensor-parallel-size", "2"])

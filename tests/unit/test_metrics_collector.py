@@ -25,7 +25,9 @@ def fake_stats() -> engine_pb2.EngineStats:
         brownout_active=True, brownout_entries=2, brownout_capped_requests=7, num_swapped=2,
         num_swap_preemptions=4, blocks_swapped_out=40, blocks_swapped_in=36, num_cpu_blocks=64,
         cpu_kv_cache_usage=0.0625, prefill_tokens_computed=1500, num_offload_blocks=256,
-        offload_kv_cache_usage=0.5, blocks_offloaded=300, blocks_loaded=120, blocks_offload_dropped=172)
+        offload_kv_cache_usage=0.5, blocks_offloaded=300, blocks_loaded=120, blocks_offload_dropped=172,
+        num_disk_blocks=1000, disk_kv_cache_usage=0.25, blocks_disk_written=250, blocks_disk_loaded=90,
+        blocks_disk_dropped=5)
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -63,6 +65,11 @@ def test_engine_stats_become_vllm_series_with_model_name() -> None:
         ("pagoda:offloaded_blocks_total", model): 300.0,
         ("pagoda:offload_loaded_blocks_total", model): 120.0,
         ("pagoda:offload_dropped_blocks_total", model): 172.0,
+        ("pagoda:num_disk_blocks", model): 1000.0,
+        ("pagoda:disk_cache_usage_perc", model): 0.25,
+        ("pagoda:disk_written_blocks_total", model): 250.0,
+        ("pagoda:disk_loaded_blocks_total", model): 90.0,
+        ("pagoda:disk_dropped_blocks_total", model): 5.0,
         ("pagoda:swap_preemptions_total", model): 4.0,
         ("pagoda:swapped_out_blocks_total", model): 40.0,
         ("pagoda:swapped_in_blocks_total", model): 36.0,

@@ -10,6 +10,7 @@ preemption) is modelled the same way.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from pagoda.contract.ids import RequestId
@@ -108,12 +109,15 @@ class _Resident:
 
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int, sampler: FakeSampler | None = None,
-                 check_kv: bool = True, num_cpu_blocks: int = 0, sliding_window: int = 0) -> None:
+                 check_kv: bool = True, num_cpu_blocks: int = 0, sliding_window: int = 0,
+                 disk: OrderedDict | None = None) -> None:
         self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
         # A model whose every layer has this window (0: none): attention reads, and so the KV
         # check covers, only positions inside it; the scheduler may have reused the blocks before.
         self.sliding_window = sliding_window
         self.host_kv = [-1] * (num_cpu_blocks * block_size)  # the host pool's slots, likewise
+        # The disk tier's files: hash -> (slot tokens, DiskBlock), least recently used first
+        self.disk: OrderedDict = OrderedDict() if disk is None else disk
         self.sampler = sampler or FakeSampler()
         self.check_kv = check_kv
         self.kv = [-1] * (num_blocks * block_size)  # token written in each slot, -1 = never
@@ -190,6 +194,7 @@ class FakeWorker:
             self._check_blocks(update.block_ids)
             state.block_table[update.start:update.start + len(update.block_ids)] = update.block_ids
         bs = self.block_size
+        self._disk_deletes_and_writes(plan)  # before the swap-outs refill the host slots, as the real worker
         for copy in plan.swap_out:  # first swap-outs, then swap-ins, then copies, as the real worker
             self._check_blocks([copy.src])
             assert 0 <= copy.dst < self.num_cpu_blocks, f"host block id {copy.dst} out of range"
@@ -198,9 +203,29 @@ class FakeWorker:
             assert 0 <= copy.src < self.num_cpu_blocks, f"host block id {copy.src} out of range"
             self._check_blocks([copy.dst])
             self.kv[copy.dst * bs:(copy.dst + 1) * bs] = self.host_kv[copy.src * bs:(copy.src + 1) * bs]
+        for load in plan.disk_loads:  # after the swaps: the swap-out saved the block's old content
+            assert load.block_hash in self.disk, f"disk load of {load.block_hash.hex()[:12]}, not on disk"
+            self._check_blocks([load.dst])
+            self.disk.move_to_end(load.block_hash)
+            self.kv[load.dst * bs:(load.dst + 1) * bs] = self.disk[load.block_hash][0]
         for copy in plan.block_copies:  # before the forward, as the real worker does
             self._check_blocks([copy.src, copy.dst])
             self.kv[copy.dst * bs:(copy.dst + 1) * bs] = self.kv[copy.src * bs:(copy.src + 1) * bs]
+
+    def _disk_deletes_and_writes(self, plan: StepPlan) -> None:
+        """The disk tier: a file is the host slot's tokens, kept with its DiskBlock (`disk` outlives
+        the worker: FakeStepRunner keeps it across resets, as files survive a restart)."""
+        bs = self.block_size
+        for block_hash in plan.disk_deletes:
+            assert self.disk.pop(block_hash, None) is not None, "disk delete of a file not on disk"
+        for write in plan.disk_writes:
+            if write.from_device:
+                self._check_blocks([write.src])
+            else:
+                assert 0 <= write.src < self.num_cpu_blocks, f"host block id {write.src} out of range"
+            content = (self.kv if write.from_device else self.host_kv)[write.src * bs:(write.src + 1) * bs]
+            assert content[0] != -1, f"disk write of host block {write.src}, never written"
+            self.disk[write.block.block_hash] = (content, write.block)
 
     def _forward(self, counts: dict[RequestId, int]) -> list[RequestId]:
         """Write each scheduled token's KV, check what attention reads; return who samples."""

@@ -8,6 +8,7 @@ the real worker's `validate_plan` before anything changes, exactly as ModelRunne
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -80,11 +81,15 @@ class _ResidentView(Mapping):
 class FakeStepRunner:
     def __init__(self, num_blocks: int = 4096, block_size: int = 16, max_model_len: int = 4096,
                  vocab_size: int = 1000, eos_token_id: int | None = None, check_kv: bool = True,
-                 num_cpu_blocks: int = 0, sliding_window: int = 0, num_offload_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, sliding_window: int = 0, num_offload_blocks: int = 0,
+                 num_disk_blocks: int = 0) -> None:
         self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
         self.sliding_window = sliding_window  # the model's window on every layer (0: none)
         self.num_cpu_blocks = num_cpu_blocks  # the host pool for swap preemption
         self.num_offload_blocks = num_offload_blocks  # then the prefix cache's host tier, same pool
+        # The disk tier's files (FakeWorker.disk): they outlive every reset, as files a restart.
+        self.num_disk_blocks = num_disk_blocks
+        self.disk: OrderedDict = OrderedDict()
         self.sampler = FakeSampler(vocab_size=vocab_size, eos_token_id=eos_token_id)
         self.check_kv = check_kv
         self.worker: FakeWorker | None = None
@@ -96,11 +101,19 @@ class FakeStepRunner:
                           max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                           vocab_size=self.sampler.vocab_size, model_name="fake",
                           num_cpu_blocks=self.num_cpu_blocks, sliding_window=self.sliding_window,
-                          num_offload_blocks=self.num_offload_blocks)
+                          num_offload_blocks=self.num_offload_blocks, num_disk_blocks=self.num_disk_blocks,
+                          disk_blocks=self.disk_listing())
+
+    def disk_listing(self) -> tuple:
+        """The files, least recently used first, trimmed to the cap (as worker_svc/disk_tier)."""
+        while len(self.disk) > self.num_disk_blocks:
+            self.disk.popitem(last=False)
+        return tuple(block for _, block in self.disk.values())
 
     def reset(self) -> None:
         self.worker = FakeWorker(self.num_blocks, self.block_size, self.sampler, self.check_kv,
-                                 self.num_cpu_blocks + self.num_offload_blocks, self.sliding_window)
+                                 self.num_cpu_blocks + self.num_offload_blocks, self.sliding_window,
+                                 self.disk)
         self._baseline = True  # the next plan may start at any step id (as ModelRunner.reset)
 
     @property
@@ -111,7 +124,7 @@ class FakeStepRunner:
         if self.worker is None:
             raise NotInitializedError("initialize() must run before any step")
         validate_plan(plan, _ResidentView(self.worker.resident), self.num_blocks, self.block_size,
-                      self.num_cpu_blocks + self.num_offload_blocks)
+                      self.num_cpu_blocks + self.num_offload_blocks, self.num_disk_blocks > 0)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Raises PlanError (before any change) for a plan that does not apply."""

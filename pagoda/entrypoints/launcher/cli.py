@@ -68,6 +68,11 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
     g.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GiB",
                    help="the worker's host memory for the prefix cache's host tier: evicted cached blocks "
                         "are copied there and back on a later hit (default 0: none)")
+    g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="the prefix cache's disk tier under the host tier: blocks it drops go to files "
+                        "here, loaded back on a later hit, kept across worker restarts (default: none)")
+    g.add_argument("--kv-offload-dir-size", type=float, default=8.0, metavar="GiB",
+                   help="the disk tier's size cap, least recently used files first out (default 8)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
                    help="the worker's KV pool in blocks, instead of its memory budget")
     g.add_argument("--pooling-type", default="last", choices=("last", "mean"),

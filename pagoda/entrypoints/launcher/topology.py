@@ -51,7 +51,7 @@ def build_children(args: argparse.Namespace) -> list[Child]:
     for i, ((worker_port, scheduler_port), (pool, model)) in enumerate(
             zip(replica_ports(args), replica_models(args), strict=True)):
         suffix = f"[{i}]" if several else ""
-        pair = _replica_children(args, model, worker_port, scheduler_port, suffix)
+        pair = _replica_children(args, model, worker_port, scheduler_port, suffix, i if several else None)
         pair[0].env = replica_devices(args, i)
         children += pair
         schedulers.append(f"{pool}=127.0.0.1:{scheduler_port}" if pool else f"127.0.0.1:{scheduler_port}")
@@ -74,7 +74,7 @@ def build_children(args: argparse.Namespace) -> list[Child]:
 
 
 def _replica_children(args: argparse.Namespace, model_path: str, worker_port: int, scheduler_port: int,
-                      suffix: str) -> list[Child]:
+                      suffix: str, replica: int | None = None) -> list[Child]:
     worker = f"127.0.0.1:{worker_port}"
     scheduler = f"127.0.0.1:{scheduler_port}"
     # A fake worker still reads the model directory when there is one: its vocabulary size for the
@@ -87,6 +87,9 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
     swap = ["--swap-space", str(args.swap_space)] if args.swap_space else []
     invariant = ["--batch-invariant"] if args.batch_invariant else []
     swap += ["--kv-offloading-size", str(args.kv_offloading_size)] if args.kv_offloading_size else []
+    if args.kv_offload_dir:  # one folder per replica: a worker locks its own (worker_svc/disk_tier/store.py)
+        disk_dir = args.kv_offload_dir if replica is None else str(Path(args.kv_offload_dir) / f"replica-{replica}")
+        swap += ["--kv-offload-dir", disk_dir, "--kv-offload-dir-size", str(args.kv_offload_dir_size)]
     if args.num_gpu_blocks_override is not None:
         swap += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
     quant = ["--quantization", args.quantization] if args.quantization != "auto" else []

@@ -6,13 +6,14 @@ are copied to host memory instead of dropped, and a later prefix hit on them is 
   (`StepPlan.swap_out`, device block -> host slot). A hash already here costs no copy (the tier
   is inclusive: a block loaded back keeps its host copy, so evicting it again is free).
 - Load, at admission: past a waiting sequence's device hits, its next full blocks whose hashes are
-  here are hits too; the plan copies them into the device blocks allocated for them
+  here (or, with the disk tier, on disk: disk_tier.py) are hits too; the plan copies them into the device blocks allocated for them
   (`StepPlan.swap_in`, host slot -> device block), and they count as cached tokens. Their device
   blocks are registered in the prefix index when the step reports, as computed blocks are.
 - Host slots are the worker's host pool ids after the swap space's, [base, base + capacity). When
   the tier is full the least recently used entry is dropped (never one the plan being built
   reads or writes: the worker runs a plan's device -> host copies before its host -> device ones,
   so a slot reused by an offload would be overwritten before a load in the same plan read it).
+  With the disk tier, the dropped entry is written to a file first (`on_drop`, disk_tier.py).
 
 Why the copies are safe, pipelining included (the worker runs plans in order, each plan's swap_out
 before its swap_in, block copies and forward): an evicted block is registered, so every step that
@@ -29,10 +30,10 @@ KVCacheManager holds one HostTier and hands its pool's evictions to it.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pagoda.contract.ids import BlockId
-from pagoda.contract.step import BlockCopy, StepPlan
+from pagoda.contract.step import BlockCopy, DiskBlock, StepPlan
 
 # What the prefix index held for a block: (hash, parent serial, token ids, extra keys, serial).
 _HASH, _TOKENS, _KEYS = 0, 2, 3
@@ -40,7 +41,7 @@ _HASH, _TOKENS, _KEYS = 0, 2, 3
 
 class HostTier:
     __slots__ = ("base", "capacity", "_free", "_entries", "_busy", "_offloads",
-                 "blocks_offloaded", "blocks_loaded", "blocks_dropped")
+                 "blocks_offloaded", "blocks_loaded", "blocks_dropped", "on_drop")
 
     def __init__(self, base: int, capacity: int) -> None:
         if capacity < 1:
@@ -55,6 +56,10 @@ class HostTier:
         self.blocks_offloaded = 0  # device -> host copies
         self.blocks_loaded = 0  # host -> device copies (prefix hits served from the host)
         self.blocks_dropped = 0  # entries the tier itself evicted (full)
+        # Called with (slot, block, False) when a full tier drops an entry to reuse its slot in the
+        # plan being built, and with (device block, block, True) for an evicted block it has no
+        # slot for: the disk tier (disk_tier.py) writes either to a file first.
+        self.on_drop: Callable[[int, DiskBlock, bool], None] | None = None
 
     @property
     def num_used(self) -> int:
@@ -77,7 +82,9 @@ class HostTier:
             self._entries.move_to_end(block_hash)
             return
         slot = self._take_slot()
-        if slot is None:  # every slot is read or written by this plan: drop it, as without a tier
+        if slot is None:  # every slot is read or written by this plan: drop it, as without a tier,
+            if self.on_drop is not None:  # or write the device block straight to disk
+                self.on_drop(block, DiskBlock(block_hash, entry[_TOKENS], entry[_KEYS]), True)
             return
         self._entries[block_hash] = (slot, entry[_TOKENS], entry[_KEYS])
         self._busy.add(slot)
@@ -87,28 +94,22 @@ class HostTier:
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.popleft()
-        for block_hash, (slot, _, _) in self._entries.items():  # LRU first
+        for block_hash, (slot, tokens, keys) in self._entries.items():  # LRU first
             if slot not in self._busy:
                 del self._entries[block_hash]
                 self.blocks_dropped += 1
+                if self.on_drop is not None:
+                    self.on_drop(slot, DiskBlock(block_hash, tokens, keys), False)
                 return slot
         return None
 
     # -- host -> device ------------------------------------------------------------------------
-    def match(self, block_hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int,
-              extra_keys: Sequence[tuple], start: int, end: int) -> list[int]:
-        """Host slots of blocks start, start+1, ... (< end) while each is here and verified."""
-        slots: list[int] = []
-        entries = self._entries
-        for i in range(start, end):
-            held = entries.get(block_hashes[i])
-            if held is None:
-                break
-            slot, tokens, keys = held
-            if keys != extra_keys[i - start] or tokens != tuple(token_ids[i * block_size:(i + 1) * block_size]):
-                break
-            slots.append(slot)
-        return slots
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...], extra_keys: tuple) -> int | None:
+        """The host slot holding the block, verified (token ids and extra keys equal), or None."""
+        held = self._entries.get(block_hash)
+        if held is None or held[1] != token_ids or held[2] != extra_keys:
+            return None
+        return held[0]
 
     def reserve(self, slots: list[int]) -> None:
         """Slots about to be loaded: the evictions the admission's allocation makes must not reuse them."""
