@@ -101,6 +101,16 @@ def test_fused_step_matches_the_module_loop(tiny_model_dir, dtype, quantization,
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_fused_step_matches_the_module_loop_across_families(kind, tmp_path):
+    """Llama 3's scaled RoPE, Qwen2's q/k/v bias and tied head, Mistral: HF checkpoints of each."""
+    from tests.worker.hf_models import build_hf_model
+
+    model, cfg, fused = build(str(build_hf_model(kind, tmp_path, seed=3)), torch.float32, None)
+    got, expected, _, _ = decode_both_ways(model, cfg, fused, [9, 30])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_refusals(tiny_model_dir, monkeypatch):
     model, _ = load_model(tiny_model_dir, torch.float32, CPU)
     setting = Setting(CPU, torch.float32, torch.float32, "cpu")
