@@ -143,4 +143,7 @@ def fused_decode_for(model: nn.Module, setting: Setting) -> tuple[FusedDecode | 
                 bucketed.add(entry[1])
     if len(bucketed) > 1:  # one padded row count serves every packed linear of the step
         return None, "packed linears with and without row buckets"
-    return FusedDecode(model, load(), linears, bucketed == {True}), "on"
+    ops = load()
+    if not hasattr(ops, "decode_stack"):  # a library built before kernels/decode/ existed
+        return None, "the compiled library has no decode_stack: rebuild it (python -m kernels.cpu_extension)"
+    return FusedDecode(model, ops, linears, bucketed == {True}), "on"
