@@ -15,7 +15,8 @@ PROTO_OUT := pagoda/v1/.generated
 
 .PHONY: setup protos model tiny-model prometheus-tools chromium llama-server run test test-fast lint clean
 
-KERNEL_SRC := kernels/cpu_extension.py $(wildcard kernels/paged_attention/cpu_attention*) $(wildcard kernels/linear/*.cpp)
+KERNEL_SRC := kernels/cpu_extension.py $(wildcard kernels/paged_attention/cpu_attention*) $(wildcard kernels/linear/*.cpp) \
+              $(wildcard kernels/linear/*.h) $(wildcard kernels/decode/*.cpp)
 KERNEL_OUT := build/torch_extensions/.built
 
 setup: $(VENV)/.installed $(PROTO_OUT) $(KERNEL_OUT)

@@ -1,5 +1,6 @@
-"""Builds and loads the compiled CPU ops (`torch.ops.pagoda_cpu`): paged attention, KV-cache write and
-the linear layers (kernels/linear/: the weight-only quantized one and the batch-invariant bf16 one).
+"""Builds and loads the compiled CPU ops (`torch.ops.pagoda_cpu`): paged attention, KV-cache write,
+the linear layers (kernels/linear/: the weight-only quantized one and the batch-invariant bf16 one)
+and the fused decode stack (kernels/decode/: a pure-decode step of a Llama-family model as one op).
 
     python -m kernels.cpu_extension     # build once (`make setup` runs it), print the time
 
@@ -31,8 +32,11 @@ NAME = "pagoda_cpu"
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention.cpp",
            Path(__file__).resolve().parent / "linear" / "cpu_bi_linear.cpp",
-           Path(__file__).resolve().parent / "linear" / "cpu_quant_linear.cpp"]  # weight-only int8/int4
-HEADERS = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention_kernel.h"]
+           Path(__file__).resolve().parent / "linear" / "cpu_quant_linear.cpp",  # weight-only int8/int4
+           Path(__file__).resolve().parent / "decode" / "cpu_decode_stack.cpp"]  # fused decode step
+HEADERS = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention_kernel.h",
+           Path(__file__).resolve().parent / "paged_attention" / "cpu_attention.h",
+           Path(__file__).resolve().parent / "linear" / "cpu_quant_linear.h"]
 BUILD_ROOT = Path(os.environ.get("PAGODA_CPU_EXTENSION_DIR") or ROOT / "build" / "torch_extensions")
 BUILD_DIR = BUILD_ROOT / NAME
 
@@ -123,6 +127,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("pagoda_cpu::quant_linear")
     def _(x, qweight, scales, mins, bias, group, bits, zero):
         return x.new_empty((x.shape[0], qweight.shape[0]))  # [M, N] in the activation dtype
+
+    @torch.library.register_fake("pagoda_cpu::decode_stack")
+    def _(x, positions, cos_sin, norms, weights, scales, mins, biases, meta, k_caches, v_caches, slot_mapping,
+          block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, scale, eps, padded_rows):
+        return x.new_empty(x.shape)  # [T, hidden]: the final-normed hidden states
 
     @torch.library.register_fake("pagoda_cpu::quant_dequantize")
     def _(qweight, scales, mins, K, group, bits, zero):

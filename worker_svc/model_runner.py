@@ -43,6 +43,8 @@ from worker_svc.model_loader.loader import load_model, resolve_dtype
 from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.models.batch_invariant_linear import make_linears_batch_invariant
 from worker_svc.models.batch_invariant_linear import uses_amx as batch_invariant_uses_amx
+from worker_svc.models.fused_decode import Setting as FusedSetting
+from worker_svc.models.fused_decode import fused_decode_for
 from worker_svc.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
 from worker_svc.models.row_buckets import bucket_linear_rows
 from worker_svc.plan_validation import validate_plan
@@ -94,6 +96,7 @@ class ModelRunner:
                      why="the CuPy kernels are fp16/bf16: this run reads its cache through the torch reference")
         self.max_model_len = self._resolve_max_model_len()
         self.cache_dtype = resolve_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self._install_fused_decode()
         if self.backend.name == "cupy":  # refuse at start a model the kernels have no variant for
             from kernels.paged_attention.cupy_impl import KernelShape
 
@@ -410,6 +413,16 @@ class ModelRunner:
             log.warning("linear_packing_unsupported", dtype=str(self.dtype).removeprefix("torch."),
                         cpu_capability=torch.backends.cpu.get_cpu_capability(),
                         fallback="nn.Linear")
+
+    def _install_fused_decode(self) -> None:
+        """Pure-decode steps as one compiled op where the model and this worker qualify
+        (worker_svc/models/fused_decode.py); the module loop runs every other step."""
+        setting = FusedSetting(self.device, self.dtype, self.cache_dtype, self.backend.name,
+                               self.tp.size, self.lora is not None, self.config.batch_invariant)
+        fused, why = fused_decode_for(self.model, setting)
+        if fused is not None:
+            self.model.fused_decode = fused
+        log.info("fused_decode", enabled=fused is not None, reason=why)
 
     def _make_batch_invariant(self) -> None:
         """fp32 results here do not depend on the batch shape already (oneDNN's fp32 kernels sum

@@ -25,6 +25,8 @@
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
 
+#include "cpu_quant_linear.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGODA_QL_AVX2 1
@@ -387,6 +389,11 @@ void blocked(const QuantView& w, const at::Tensor& x, at::Tensor& out, const flo
   }
 }
 
+}  // namespace
+
+// Exported (cpu_quant_linear.h): the fused decode stack (kernels/decode/) calls it directly.
+namespace pagoda_cpu {
+
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
                         int64_t group, int64_t bits, int64_t zero) {
@@ -424,6 +431,10 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const
   return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 }
 
+}  // namespace pagoda_cpu
+
+namespace {
+
 // The weights themselves, dequantised (tests, and the embedding gather of a tied lm_head).
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                             int64_t K, int64_t group, int64_t bits, int64_t zero) {
@@ -448,6 +459,6 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
-  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear", &pagoda_cpu::quant_linear);
   m.impl("quant_dequantize", &quant_dequantize);
 }

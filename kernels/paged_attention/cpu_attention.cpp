@@ -19,6 +19,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_attention.h"
 #include "cpu_attention_kernel.h"
 
 #include <algorithm>
@@ -158,6 +159,11 @@ void run_fp8_cache(const Geometry& g, const std::vector<Item>& items, const at::
   }
 }
 
+}  // namespace
+
+// Exported (cpu_attention.h): the fused decode stack (kernels/decode/) calls these directly.
+namespace pagoda_cpu {
+
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
@@ -241,7 +247,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
   }
 }
 
-}  // namespace
+}  // namespace pagoda_cpu
 
 TORCH_LIBRARY(pagoda_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
@@ -251,6 +257,6 @@ TORCH_LIBRARY(pagoda_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
-  m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("paged_attention", &pagoda_cpu::paged_attention);
+  m.impl("write_kv_cache", &pagoda_cpu::write_kv_cache);
 }

@@ -1,0 +1,87 @@
+"""One decode step's forward, the module loop against the fused op (kernels/decode/), in-process.
+
+    python -m benchmarks.fused_decode [--model models/smollm2-135m-instruct] [--quantization gguf|int8|int4]
+        [--dtype float32|bfloat16] [--threads 1] [--batch 1] [--context 256] [--iters 40]
+
+The model is loaded and prepared as the CPU worker prepares it (packed and row-bucketed linears,
+or quantized ones), every sequence has `--context` cached tokens (random K/V) and one new token;
+the two paths run alternately, so a busy machine disturbs both alike. Prints min and median ms
+of `model(...)` (embedding + layers + final norm; logits excluded) and the ratio of the minima.
+`--threads 1` is the steadier figure on a shared machine: two OpenMP threads spin against other
+jobs' processes, and every one of the ~120 parallel regions of a step waits for the slower one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kernels import get_backend
+from worker_svc.model_loader.loader import load_model
+from worker_svc.models.common import AttentionMetadata
+from worker_svc.models.fused_decode import Setting, fused_decode_for
+from worker_svc.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
+from worker_svc.models.row_buckets import bucket_linear_rows
+
+BLOCK = 16
+
+
+def decode_metadata(batch: int, context: int) -> AttentionMetadata:
+    per_seq = context // BLOCK + 1
+    tables = torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq)
+    slots = tables[:, context // BLOCK].long() * BLOCK + context % BLOCK
+    return AttentionMetadata(slot_mapping=slots, block_tables=tables,
+                             seq_lens=torch.full((batch,), context + 1, dtype=torch.int32),
+                             query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+                             max_query_len=1, max_seq_len=context + 1, backend=get_backend("cpu"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p.add_argument("--quantization", default=None, help="gguf (a .gguf as stored), int8, int4")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--iters", type=int, default=40)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype, cpu = getattr(torch, args.dtype), torch.device("cpu")
+    quantization = args.quantization or ("gguf" if args.model.endswith(".gguf") else None)
+    model, cfg = load_model(args.model, dtype, cpu, quantization=quantization)
+    if quantization is None and can_pack(cpu, dtype):
+        pack_linear_weights(model)
+        bucket_linear_rows(model, PackedLinear)
+    fused, why = fused_decode_for(model, Setting(cpu, dtype, dtype, "cpu"))
+    if fused is None:
+        raise SystemExit(f"the fused path does not run this model: {why}")
+    attn = decode_metadata(args.batch, args.context)
+    shape = (args.batch * (args.context // BLOCK + 1), BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    gen = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(shape, generator=gen).to(dtype) * 0.1, torch.randn(shape, generator=gen).to(dtype) * 0.1)
+              for _ in range(cfg.num_layers)]
+    ids = torch.randint(2, cfg.vocab_size, (args.batch,), generator=gen)
+    positions = torch.full((args.batch,), args.context)
+    times: dict[str, list[float]] = {"module loop": [], "fused": []}
+    with torch.inference_mode():
+        for i in range(args.iters + 3):
+            for name, path in (("module loop", None), ("fused", fused)):
+                model.fused_decode = path
+                start = time.perf_counter()
+                model(ids, positions, attn, caches)
+                if i >= 3:  # warm-up: oneDNN primitives, first-touch pages
+                    times[name].append((time.perf_counter() - start) * 1e3)
+    print(f"{args.model} quantization={quantization} dtype={args.dtype} threads={torch.get_num_threads()} "
+          f"batch={args.batch} context={args.context}")
+    for name, values in times.items():
+        print(f"  {name:12s} min {min(values):7.2f} ms   median {statistics.median(values):7.2f} ms")
+    print(f"  fused / module loop (min): {min(times['fused']) / min(times['module loop']):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The fused decode op (kernels/decode/cpu_decode_stack.cpp) against the module loop it replaces,
+on the tiny model: the same decode step run both ways from the same prefilled KV cache, for every
+linear kind the CPU worker has (oneDNN-packed fp32 / bf16, int8 / int4 quantized), batch 1 and
+batches of mixed context lengths (17 rows: padded to the 18-row bucket for oneDNN); then greedy
+tokens of `LLM.generate` with the path on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import get_backend
+from kernels.cpu_extension import toolchain_available
+from pagoda import LLM, SamplingParams
+from worker_svc.model_loader.loader import load_model
+from worker_svc.models.common import AttentionMetadata
+from worker_svc.models.fused_decode import ENV_SWITCH, Setting, fused_decode_for
+from worker_svc.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
+from worker_svc.models.row_buckets import bucket_linear_rows
+
+pytestmark = pytest.mark.skipif(not toolchain_available(), reason="no C++ toolchain for the compiled ops")
+
+BLOCK = 16
+CPU = torch.device("cpu")
+
+
+def build(model_dir: str, dtype: torch.dtype, quantization: str | None):
+    """The model as the CPU worker runs it: packed + row-bucketed, or quantized at load."""
+    model, cfg = load_model(model_dir, dtype, CPU, quantization=quantization)
+    if quantization is None:
+        pack_linear_weights(model)
+        bucket_linear_rows(model, PackedLinear)
+    fused, why = fused_decode_for(model, Setting(CPU, dtype, dtype, "cpu"))
+    assert fused is not None, why
+    return model, cfg, fused
+
+
+def meta(lens: list[int], q_lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
+    """Sequence i has context lens[i] after this step, of which its last q_lens[i] tokens are new."""
+    slots, starts = [], [0]
+    for i, (n, q) in enumerate(zip(lens, q_lens, strict=True)):
+        slots += [int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK for p in range(n - q, n)]
+        starts.append(starts[-1] + q)
+    return AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=tables,
+                             seq_lens=torch.tensor(lens, dtype=torch.int32),
+                             query_start_loc=torch.tensor(starts, dtype=torch.int32),
+                             max_query_len=max(q_lens), max_seq_len=max(lens), backend=get_backend("cpu"))
+
+
+@torch.inference_mode()
+def decode_both_ways(model, cfg, fused, contexts: list[int]):
+    """Prefill every sequence through the module loop, then one decode step each way from copies
+    of that cache: (fused logits, module-loop logits, fused caches, module-loop caches)."""
+    gen = torch.Generator().manual_seed(len(contexts))
+    per_seq = (max(contexts) + 1 + BLOCK - 1) // BLOCK
+    # block ids interleaved between sequences, so that a wrong table reads someone else's K/V
+    tables = torch.arange(len(contexts) * per_seq, dtype=torch.int32).view(per_seq, -1).t().contiguous()
+    shape = (len(contexts) * per_seq, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    dtype = model.model.norm.weight.dtype
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=gen) for n in contexts]
+    ids = torch.cat(prompts)
+    positions = torch.cat([torch.arange(n) for n in contexts])
+    model(ids, positions, meta(contexts, contexts, tables), caches)  # prefill: max_query_len > 1
+    step_ids = torch.randint(2, cfg.vocab_size, (len(contexts),), generator=gen)
+    step_pos = torch.tensor(contexts)
+    step = meta([n + 1 for n in contexts], [1] * len(contexts), tables)
+    outs = []
+    for path in (fused, None):
+        model.fused_decode = path
+        copies = [(k.clone(), v.clone()) for k, v in caches]
+        hidden = model(step_ids, step_pos, step, copies)
+        outs.append((model.compute_logits(hidden), copies))
+    model.fused_decode = None
+    return outs[0][0], outs[1][0], outs[0][1], outs[1][1]
+
+
+CASES = [  # (dtype, quantization, rtol/atol of the logits)
+    pytest.param(torch.float32, None, 1e-5, id="packed-fp32"),
+    pytest.param(torch.bfloat16, None, 0.0, id="packed-bf16",
+                 marks=pytest.mark.skipif(not can_pack(CPU, torch.bfloat16), reason="oneDNN has no bf16 here")),
+    pytest.param(torch.float32, "int8", 1e-5, id="int8-fp32"),
+    pytest.param(torch.float32, "int4", 1e-5, id="int4-fp32"),
+    pytest.param(torch.bfloat16, "int8", 0.0, id="int8-bf16"),
+]
+
+
+@pytest.mark.parametrize("dtype, quantization, tol", CASES)
+@pytest.mark.parametrize("contexts", [[7], [5, 40, 17], [3 + 2 * i for i in range(17)]], ids=["b1", "b3", "b17"])
+def test_fused_step_matches_the_module_loop(tiny_model_dir, dtype, quantization, tol, contexts):
+    model, cfg, fused = build(tiny_model_dir, dtype, quantization)
+    got, expected, got_caches, expected_caches = decode_both_ways(model, cfg, fused, contexts)
+    assert got.shape == (len(contexts), cfg.vocab_size)
+    # fp32: only RMSNorm's summation order and FMA contraction differ (~1e-7 relative per op);
+    # bf16: every element-wise step rounds where the aten ops round, and the linears and attention
+    # are the same functions, so the step is the same bits.
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    for (k1, v1), (k2, v2) in zip(got_caches, expected_caches, strict=True):
+        torch.testing.assert_close(k1, k2, rtol=tol, atol=tol)
+        torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_fused_step_matches_the_module_loop_across_families(kind, tmp_path):
+    """Llama 3's scaled RoPE, Qwen2's q/k/v bias and tied head, Mistral: HF checkpoints of each."""
+    from tests.worker.hf_models import build_hf_model
+
+    model, cfg, fused = build(str(build_hf_model(kind, tmp_path, seed=3)), torch.float32, None)
+    got, expected, _, _ = decode_both_ways(model, cfg, fused, [9, 30])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_refusals(tiny_model_dir, monkeypatch):
+    model, _ = load_model(tiny_model_dir, torch.float32, CPU)
+    setting = Setting(CPU, torch.float32, torch.float32, "cpu")
+    assert fused_decode_for(model, setting)[0] is not None  # plain nn.Linear: at::linear inside
+    for other, why in [(Setting(CPU, torch.float32, torch.float32, "torch"), "compiled attention"),
+                       (Setting(CPU, torch.float32, torch.float8_e4m3fn, "cpu"), "same dtype"),
+                       (Setting(CPU, torch.float32, torch.float32, "cpu", lora=True), "LoRA"),
+                       (Setting(CPU, torch.float32, torch.float32, "cpu", tensor_parallel_size=2), "tensor")]:
+        fused, reason = fused_decode_for(model, other)
+        assert fused is None and why in reason
+    model.model.layers[1].mlp.down_proj = torch.nn.Sequential(model.model.layers[1].mlp.down_proj)
+    assert fused_decode_for(model, setting) == (None, "no fused path for a Sequential projection")
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    assert fused_decode_for(model, setting) == (None, f"{ENV_SWITCH}=0")
+
+
+def generate(model_dir: str, prompts: list[list[int]]) -> tuple[list[list[int]], bool]:
+    llm = LLM(model=model_dir, dtype="float32", max_num_seqs=4)
+    try:
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in out], llm.runner.model.fused_decode is not None
+    finally:
+        llm.close()
+
+
+def test_greedy_tokens_identical_with_the_path_on_and_off(tiny_model_dir, monkeypatch):
+    # more prompts than max_num_seqs: decode batches of 1..4 rows, and prefills between them
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate([5, 33, 12, 70, 2, 19])]
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    on, fused_on = generate(tiny_model_dir, prompts)
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    off, fused_off = generate(tiny_model_dir, prompts)
+    assert fused_on and not fused_off
+    assert on == off
