@@ -80,6 +80,15 @@ def server_argv(gguf: str | Path, port: int, alias: str, threads: int = THREADS,
             "--no-webui"]
 
 
+def binary_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the built binaries run in: their shared libraries sit beside them, and the
+    RUNPATH cmake bakes in is the build folder's absolute path at build time (a checkout moved or
+    a worktree removed since leaves it dangling: 'libllama-server-impl.so: not found')."""
+    env = dict(os.environ if base is None else base)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(SERVER_BIN.parent), env.get("LD_LIBRARY_PATH")) if p)
+    return env
+
+
 def cmake_flags(cpu_flags: list[str] | set[str], machine: str = platform.machine()) -> list[str]:
     """The configure flags for this CPU: its x86 vector extensions named one by one, AMX off;
     elsewhere (no x86 flags to name) ggml's own -march=native."""
@@ -185,14 +194,15 @@ def ensure_gguf(model_dir: str | Path, kind: str) -> Path:
         source = ensure_gguf(model_dir, QUANTIZED[kind])
         ensure_binaries()
         say(f"quantizing {source.name} to {kind} ...")
-        _run_logged([str(QUANTIZE_BIN), str(source), str(partial), kind], BUILD_ROOT / f"quantize-{kind}.log")
+        _run_logged([str(QUANTIZE_BIN), str(source), str(partial), kind], BUILD_ROOT / f"quantize-{kind}.log",
+                    env=binary_env())
     partial.rename(target)
     return target
 
 
 def server_version(binary: Path = SERVER_BIN) -> str:
     """`llama-server --version`: 'version: N (commit)' and the compiler line."""
-    done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60, env=binary_env())
     return " / ".join(line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip())
 
 

@@ -135,7 +135,7 @@ def serve_one(engine: str, row: Row, args: argparse.Namespace) -> dict:
             else pagoda_argv(pagoda_model(row, args.model), row.pagoda_dtype, ports))
     record: dict = {"engine": engine, "row": row.name, "command": " ".join(argv), "server_log": str(server_log)}
     print(f"  {row.name} {NAMES[engine]}: starting ...", flush=True)
-    proc = start_server(argv, dict(os.environ), server_log)
+    proc = start_server(argv, llama.binary_env() if engine == "llamacpp" else dict(os.environ), server_log)
     try:
         record["ready_s"], served = wait_ready(proc, base_url, args.startup_timeout)
         print(f"    ready after {record['ready_s']:.1f} s; benchmarking ...", flush=True)
