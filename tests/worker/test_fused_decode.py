@@ -48,11 +48,13 @@ def meta(lens: list[int], q_lens: list[int], tables: torch.Tensor) -> AttentionM
 
 
 @torch.inference_mode()
-def decode_both_ways(model, cfg, fused, contexts: list[int]):
-    """Prefill every sequence through the module loop, then one decode step each way from copies
-    of that cache: (fused logits, module-loop logits, fused caches, module-loop caches)."""
+def decode_both_ways(model, cfg, fused, contexts: list[int], new_tokens: list[int] | None = None):
+    """Prefill every sequence through the module loop, then one step each way from copies of that
+    cache, sequence i bringing new_tokens[i] query rows (default 1: a decode step):
+    (fused logits, module-loop logits, fused caches, module-loop caches)."""
+    new_tokens = new_tokens or [1] * len(contexts)
     gen = torch.Generator().manual_seed(len(contexts))
-    per_seq = (max(contexts) + 1 + BLOCK - 1) // BLOCK
+    per_seq = (max(contexts) + max(new_tokens) + BLOCK - 1) // BLOCK
     # block ids interleaved between sequences, so that a wrong table reads someone else's K/V
     tables = torch.arange(len(contexts) * per_seq, dtype=torch.int32).view(per_seq, -1).t().contiguous()
     shape = (len(contexts) * per_seq, BLOCK, cfg.num_kv_heads, cfg.head_dim)
@@ -62,9 +64,9 @@ def decode_both_ways(model, cfg, fused, contexts: list[int]):
     ids = torch.cat(prompts)
     positions = torch.cat([torch.arange(n) for n in contexts])
     model(ids, positions, meta(contexts, contexts, tables), caches)  # prefill: max_query_len > 1
-    step_ids = torch.randint(2, cfg.vocab_size, (len(contexts),), generator=gen)
-    step_pos = torch.tensor(contexts)
-    step = meta([n + 1 for n in contexts], [1] * len(contexts), tables)
+    step_ids = torch.randint(2, cfg.vocab_size, (sum(new_tokens),), generator=gen)
+    step_pos = torch.cat([torch.arange(n, n + q) for n, q in zip(contexts, new_tokens, strict=True)])
+    step = meta([n + q for n, q in zip(contexts, new_tokens, strict=True)], new_tokens, tables)
     outs = []
     for path in (fused, None):
         model.fused_decode = path
@@ -99,6 +101,23 @@ def test_fused_step_matches_the_module_loop(tiny_model_dir, dtype, quantization,
         torch.testing.assert_close(k1, k2, rtol=tol, atol=tol)
         torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype, quantization, tol", CASES)
+def test_small_multi_token_step_matches_the_module_loop(tiny_model_dir, dtype, quantization, tol):
+    """Speculative verification's shape (6 rows for one sequence, 4 for another) beside a decode
+    row and a 9-token chunk: the op's attention applies the causal mask within each sequence."""
+    model, cfg, fused = build(tiny_model_dir, dtype, quantization)
+    new_tokens = [6, 1, 4, 9]
+    assert fused.takes(meta([8] * 4, new_tokens, torch.zeros(4, 1, dtype=torch.int32)), sum(new_tokens))
+    got, expected, got_caches, expected_caches = decode_both_ways(model, cfg, fused, [12, 30, 5, 0], new_tokens)
+    assert got.shape == (sum(new_tokens), cfg.vocab_size)
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    for (k1, v1), (k2, v2) in zip(got_caches, expected_caches, strict=True):
+        torch.testing.assert_close(k1, k2, rtol=tol, atol=tol)
+        torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
+    # a large prefill keeps the module loop
+    assert not fused.takes(meta([200], [200], torch.zeros(1, 13, dtype=torch.int32)), 200)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])

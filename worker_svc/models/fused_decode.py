@@ -8,8 +8,9 @@ same linear and attention functions as the module path; the embedding and the lo
 
 `fused_decode_for` decides once, after loading / packing, whether the model qualifies and then
 collects the per-layer weights into the flat lists the op takes; `LlamaForCausalLM.forward` calls
-the result on steps where every sequence has exactly one query token (`max_query_len == 1`) and
-runs the module loop otherwise. `PAGODA_FUSED_DECODE=0` keeps the module loop on every step (to
+the result on steps where every sequence has exactly one query token (`max_query_len == 1`) or
+that have at most SMALL_STEP_ROWS rows (speculative verification, short chunks), and runs the
+module loop otherwise. `PAGODA_FUSED_DECODE=0` keeps the module loop on every step (to
 measure before/after, and for the tests that compare the two).
 """
 
@@ -89,9 +90,20 @@ def _refusal(model: nn.Module, s: Setting) -> str | None:
     return None
 
 
+# A step of at most this many rows runs fused whatever its query lengths: speculative verification
+# (K + 1 rows a sequence: 48 at batch 8, K = 5) and short prefill chunks pay the same per-op
+# overhead as decode. Larger prefills keep the module loop, whose element-wise aten ops use every
+# thread where the op's loops run on one.
+SMALL_STEP_ROWS = 64
+
+
 class FusedDecode:
-    """`forward` of LlamaForCausalLM after the embedding, for a pure-decode step: x [T, hidden]
-    -> final-normed hidden [T, hidden]. Holds the flat weight lists the op reads."""
+    """`forward` of LlamaForCausalLM after the embedding, for a decode or small step: x [T, hidden]
+    -> final-normed hidden [T, hidden]. Holds the flat weight lists the op reads. The op's
+    attention is the compiled paged attention with its causal mask, so a sequence may bring
+    several query rows."""
+
+    max_rows = SMALL_STEP_ROWS
 
     def __init__(self, model: LlamaForCausalLM, ops: object, linears: list[list], bucketed: bool) -> None:
         inner, cfg = model.model, model.config
@@ -107,6 +119,10 @@ class FusedDecode:
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.scale, self.eps = first.scale, cfg.rms_norm_eps
         self._caches: tuple[list, list, list] | None = None  # (kv_caches, ks, vs): split once per cache
+
+    def takes(self, attn: AttentionMetadata, rows: int) -> bool:
+        # every sequence one token (any batch), or a small step of any shape
+        return attn.max_query_len == 1 or rows <= self.max_rows
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
