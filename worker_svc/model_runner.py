@@ -39,6 +39,7 @@ from worker_svc.input_batch import (
 from worker_svc.kv_cache import CacheShape, HostKVPool, KVCache, cpu_num_blocks, cuda_num_blocks, raw_view
 from worker_svc.kv_cache import num_cpu_blocks as num_host_blocks_for
 from worker_svc.lora.manager import LoRAManager
+from worker_svc.model_loader import gguf_loader
 from worker_svc.model_loader.loader import load_model, resolve_dtype
 from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.models.batch_invariant_linear import make_linears_batch_invariant
@@ -79,9 +80,10 @@ class ModelRunner:
         self.tp = tp
         self.max_num_batched_tokens = max_num_batched_tokens
         self.device = resolve_device(config.device, tp.rank, tp.size)
-        self.dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(config.model))
-        self.quantization = self._resolve_quantization()
-        self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp, self.quantization)
+        with gguf_loader.shared_readers():  # the config read here and the load: one parse of a GGUF
+            self.dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(config.model))
+            self.quantization = self._resolve_quantization()
+            self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp, self.quantization)
         if config.batch_invariant:
             self._make_batch_invariant()
         elif config.pack_weights and tp.size == 1 and self.device.type == "cpu":

@@ -29,6 +29,7 @@ architecture of its own: it is `llama` with `llama.expert_count` set.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import re
@@ -81,24 +82,37 @@ class UnsupportedTensorTypeError(ValueError):
     """A GGUF tensor is stored in a quantisation type this loader cannot dequantise."""
 
 
-def _reader(path: str | Path) -> Any:
-    stat = Path(path).stat()
-    return _open_reader(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
-
-
 # GGUFReader parses every metadata field when it opens (SmolLM2's 49k-token vocabulary and merges:
-# ~4 s on the 2-core machine), and a load reads the file three times (config, the names kept
-# quantized, the tensors): one reader serves them all. The parsed fields are ~2M small numpy views,
-# so the loader drops it when done (`release_readers`) rather than keeping it for the process.
-@functools.lru_cache(maxsize=1)
-def _open_reader(path: str, mtime_ns: int, size: int) -> Any:
+# ~4 s on the 2-core machine), and a worker start reads the file three times (config, the names kept
+# quantized, the tensors). Inside `shared_readers()` they share one reader per file; outside it each
+# read opens its own. The parsed fields are ~2M small numpy views, so the shared ones are dropped
+# when the outermost scope ends: no process keeps a reader it is not loading with.
+_shared: dict[tuple[str, int, int], Any] | None = None
+
+
+@contextlib.contextmanager
+def shared_readers() -> Iterator[None]:
+    global _shared
+    outermost = _shared is None
+    if outermost:
+        _shared = {}
+    try:
+        yield
+    finally:
+        if outermost:
+            _shared = None
+
+
+def _reader(path: str | Path) -> Any:
     import gguf  # only needed for GGUF checkpoints
 
-    return gguf.GGUFReader(path)
-
-
-def release_readers() -> None:
-    _open_reader.cache_clear()
+    if _shared is None:
+        return gguf.GGUFReader(str(path))
+    stat = Path(path).stat()
+    key = (str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+    if key not in _shared:
+        _shared[key] = gguf.GGUFReader(key[0])
+    return _shared[key]
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

@@ -70,28 +70,28 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     "gguf" (a GGUF's quantized linears kept as stored) or "int8" / "int4" (computed at load)."""
     if quantization not in (None, "gguf", *QUANTIZATION_METHODS):
         raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATION_METHODS)}")
-    cfg = ModelConfig.from_dir(model_dir)
-    device = torch.device(device)
-    keep = quantization == "gguf" and is_gguf_file(model_dir)
-    # On meta, and with the modules' init functions off: every parameter is overwritten by the checkpoint
-    with torch.device("meta"), _no_weight_init():
-        model = model_class(cfg)(cfg, tp)
-        if keep:
-            swap_quantized_linears(model, gguf_loader.quantized_names(model_dir))
-    # Cast on meta first (free), so the device holds only `dtype` storage, never an fp32 copy.
-    model = model.to(dtype).to_empty(device=device)
-    model.tie_weights()  # to_empty re-creates parameters, which unties them
-    for module in model.modules():  # Gemma 3 has a second RoPE for its local layers
-        if isinstance(module, RotaryEmbedding):
-            module.reset_cache(device, dtype)
-        if isinstance(module, QuantEmbedding):  # its rows come out in the compute dtype
-            module.dtype = dtype
-    load_weights(model, Path(model_dir), keep_quantized=keep)
-    gguf_loader.release_readers()
-    if quantization in QUANTIZATION_METHODS:
-        quantize_linears(model, quantization)
-    model.eval().requires_grad_(False)
-    return model, cfg
+    with gguf_loader.shared_readers():  # a GGUF's metadata parsed once for the whole load
+        cfg = ModelConfig.from_dir(model_dir)
+        device = torch.device(device)
+        keep = quantization == "gguf" and is_gguf_file(model_dir)
+        # On meta, and with the modules' init functions off: every parameter is overwritten by the checkpoint
+        with torch.device("meta"), _no_weight_init():
+            model = model_class(cfg)(cfg, tp)
+            if keep:
+                swap_quantized_linears(model, gguf_loader.quantized_names(model_dir))
+        # Cast on meta first (free), so the device holds only `dtype` storage, never an fp32 copy.
+        model = model.to(dtype).to_empty(device=device)
+        model.tie_weights()  # to_empty re-creates parameters, which unties them
+        for module in model.modules():  # Gemma 3 has a second RoPE for its local layers
+            if isinstance(module, RotaryEmbedding):
+                module.reset_cache(device, dtype)
+            if isinstance(module, QuantEmbedding):  # its rows come out in the compute dtype
+                module.dtype = dtype
+        load_weights(model, Path(model_dir), keep_quantized=keep)
+        if quantization in QUANTIZATION_METHODS:
+            quantize_linears(model, quantization)
+        model.eval().requires_grad_(False)
+        return model, cfg
 
 
 # nn.init's functions the modules' reset_parameters call. On meta they do nothing useful, and one
