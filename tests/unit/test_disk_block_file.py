@@ -72,7 +72,8 @@ def test_store_writes_lists_lru_first_trims_and_refuses(tmp_path):
     for i, block in enumerate((a, b, c)):  # distinct modification times, oldest first
         os.utime(store.path(block.block_hash), ns=(10**18 + i, 10**18 + i))
     cache = torch.zeros(2, 2, 6, 4, 3, 8, dtype=torch.int32)
-    store.load(cache, [DiskLoad(a.block_hash, 4)])  # a is the most recently used now
+    loads = [DiskLoad(a.block_hash, 4)]
+    store.place(cache, loads, store.read(loads))  # a is the most recently used now
     assert torch.equal(cache[:, :, 4], host[:, :, 0])
     assert store.listing() == (b, c, a)
     store.delete_and_write(host, host[:, :, 1:], [b.block_hash], [DiskWrite(3, d, from_device=True)])
@@ -95,7 +96,8 @@ def test_a_refused_load_deletes_the_file_and_fails_the_step(tmp_path):
     path.write_bytes(path.read_bytes()[:-1] + b"\1")
     cache = torch.zeros(2, 2, 2, 4, 3, 8, dtype=torch.int32)
     with pytest.raises(BlockFileRefused, match="checksum"):
-        store.load(cache, [DiskLoad(a.block_hash, 1)])
+        loads = [DiskLoad(a.block_hash, 1)]
+        store.place(cache, loads, store.read(loads))
     assert not path.exists() and not cache.any()
 
 

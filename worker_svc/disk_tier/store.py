@@ -124,9 +124,6 @@ class DiskStore:
             cache[:, :, load.dst].copy_(payload.to(cache.device))
             self._touch(self.path(load.block_hash))  # most recently used: the next Init lists it last
 
-    def load(self, cache: torch.Tensor, loads: Sequence[DiskLoad]) -> None:
-        self.place(cache, loads, self.read(loads))
-
     def close(self) -> None:
         """Let another worker (or a new LLM in this process) use the directory."""
         self._lock_file.close()
