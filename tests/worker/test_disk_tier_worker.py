@@ -42,10 +42,15 @@ def turn(llm: LLM, prompt: list[int]):
 
 
 def test_a_restart_keeps_the_disk_tier_next_turn_hits_it(tiny_model_dir: str, tmp_path) -> None:
+    restart_and_hit_the_disk_tier(tiny_model_dir, tmp_path, device="cpu")
+
+
+def restart_and_hit_the_disk_tier(tiny_model_dir: str, tmp_path, device: str) -> None:
+    """Shared with tests/gpu (the same figures on CUDA)."""
     session = [(7 * i) % 2000 + 10 for i in range(48)]  # 3 full blocks
     others = [[(13 * i + k * 101) % 2000 + 10 for i in range(48)] for k in range(4)]
     tiers = dict(kv_offloading_size=HOST_4_BLOCKS, kv_offload_dir=str(tmp_path), kv_offload_dir_size=DISK_2_MIB)
-    llm = LLM(model=tiny_model_dir, dtype="float32", device="cpu", seed=0, num_gpu_blocks_override=8, **tiers)
+    llm = LLM(model=tiny_model_dir, dtype="float32", device=device, seed=0, num_gpu_blocks_override=8, **tiers)
     check_invariants_every_step(llm)
     reply, _ = turn(llm, session)
     for other in others:  # 4 x 4 blocks through 8 device blocks and 4 host slots: the session goes to disk
@@ -54,7 +59,7 @@ def test_a_restart_keeps_the_disk_tier_next_turn_hits_it(tiny_model_dir: str, tm
     llm.close()
     next_turn = session + reply + [1000 + i for i in range(10)]  # 66 tokens: 4 full blocks
 
-    restarted = LLM(model=tiny_model_dir, dtype="float32", device="cpu", seed=0, num_gpu_blocks_override=8, **tiers)
+    restarted = LLM(model=tiny_model_dir, dtype="float32", device=device, seed=0, num_gpu_blocks_override=8, **tiers)
     check_invariants_every_step(restarted)
     assert restarted.stats().disk_kv_usage > 0  # the new worker listed the files
     out, cached = turn(restarted, next_turn)
@@ -62,7 +67,7 @@ def test_a_restart_keeps_the_disk_tier_next_turn_hits_it(tiny_model_dir: str, tm
     assert cached == 48 and restarted.stats().blocks_disk_loaded == 3
     restarted.close()
 
-    fresh = LLM(model=tiny_model_dir, dtype="float32", device="cpu", seed=0, num_gpu_blocks_override=8)
+    fresh = LLM(model=tiny_model_dir, dtype="float32", device=device, seed=0, num_gpu_blocks_override=8)
     expected, fresh_cached = turn(fresh, next_turn)
     assert fresh_cached == 0 and out == expected
 
