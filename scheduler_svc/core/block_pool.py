@@ -10,7 +10,7 @@ Allocation takes the free list first (FIFO, so block ids are predictable), then 
 Tenants (docs/kv_tiers.md#per-tenant-kv-budgets): every block in use or evictable has one owner,
 the tenant whose allocation filled it (a prefix hit by another tenant sharing its salt does not
 move it), so the tenants' held counts sum to used + evictable. A tenant holds at most its cap
-(`caps`, else `default_cap`): its in-use blocks may not exceed it, and once its held count reaches
+(`set_cap`: its own, else the default): its in-use blocks may not exceed it, and once its held count reaches
 it, each further block recycles the tenant's own least recently used cached block instead of
 taking a free one or another tenant's. Under its cap a tenant allocates in the pool's usual order.
 """
@@ -27,7 +27,7 @@ from scheduler_svc.core.prefix_index import PrefixIndex
 class BlockPool:
     __slots__ = ("num_blocks", "_ref", "_free", "_evictable", "_num_used", "_index",
                  "num_allocated_total", "num_freed_total", "on_evict", "_owner", "held",
-                 "_evictable_of", "caps", "default_cap")
+                 "_evictable_of", "caps", "default_cap", "_capped")
 
     def __init__(self, num_blocks: int, index: PrefixIndex | None = None) -> None:
         if num_blocks < 1:
@@ -49,6 +49,7 @@ class BlockPool:
         self._evictable_of: dict[str, OrderedDict[BlockId, None]] = {}  # tenant -> its LRU part
         self.caps: dict[str, int] = {}  # tenant -> blocks it may hold; else default_cap
         self.default_cap = num_blocks  # = no cap
+        self._capped = False  # some cap is below the pool (else the per-block checks are skipped)
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -77,9 +78,18 @@ class BlockPool:
 
     def can_allocate(self, n: int, tenant: str | None = None) -> bool:
         """Whether n blocks are available, and (given a tenant) within that tenant's cap."""
-        return n <= len(self._free) + len(self._evictable) and (tenant is None or n <= self.tenant_room(tenant))
+        return n <= len(self._free) + len(self._evictable) and \
+            (tenant is None or not self._capped or n <= self.tenant_room(tenant))
 
     # -- tenants ------------------------------------------------------------------------------
+    def set_cap(self, tenant: str | None, cap: int) -> None:
+        """`tenant`'s cap (None: the default for tenants without their own)."""
+        if tenant is None:
+            self.default_cap = cap
+        else:
+            self.caps[tenant] = cap
+        self._capped = self.default_cap < self.num_blocks or any(c < self.num_blocks for c in self.caps.values())
+
     def cap_of(self, tenant: str) -> int:
         return self.caps.get(tenant, self.default_cap)
 

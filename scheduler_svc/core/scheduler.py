@@ -560,7 +560,10 @@ class Scheduler:
         # Pooling requests: the vector rides on the delta of the token sampled in the same step
         embeddings = {e.request_id: e.values for e in result.embeddings} if result.embeddings else None
         num_accepted, previous = 0, None
-        per_tenant: Counter[str] = Counter()  # accepted tokens (fair share's counters, the totals)
+        # Accepted tokens per tenant (fair share's counters, the totals): counted per token only
+        # while several tenants have requests; with one, they are all its.
+        single = self._tenants.single_active
+        per_tenant: Counter[str] = Counter()
         beam_requests: list[Request] = []
         for i, seq_id in enumerate(result.request_ids):
             seq = live.get(seq_id)
@@ -579,7 +582,8 @@ class Scheduler:
             tokens = seq.token_ids
             tokens.append(token)
             num_accepted += 1
-            per_tenant[req.tenant] += 1
+            if single is None:
+                per_tenant[req.tenant] += 1
             delta = SequenceDelta(req.request_id, seq.seq_index, [token],
                                   [logprobs[i]] if logprobs and logprobs[i] is not None else [],
                                   None, req.num_prompt_tokens, req.num_cached_tokens)
@@ -596,6 +600,8 @@ class Scheduler:
             if req.request_id in self._queues.requests:
                 self._beams.advance(req, deltas)
         self._counters.generation_tokens += num_accepted
+        if single is not None and num_accepted:
+            per_tenant[single] = num_accepted
         if per_tenant:
             self._tenants.sampled(per_tenant)
         return deltas

@@ -37,7 +37,7 @@ class Tenants:
     def __init__(self, pool: BlockPool, kv_share: float, fairness: str,
                  prompt_weight: float = 1.0, output_weight: float = 2.0) -> None:
         self._pool = pool
-        pool.default_cap = share_to_blocks(kv_share, pool.num_blocks)
+        pool.set_cap(None, share_to_blocks(kv_share, pool.num_blocks))
         self.fair = fairness == "vtc"
         self._wp, self._wq = prompt_weight, output_weight
         self.counters: dict[str, float] = {}  # the virtual token counters
@@ -67,10 +67,17 @@ class Tenants:
     def _set_cap(self, tenant: str, cap: int) -> None:
         pool = self._pool
         if pool.held[tenant] <= cap:
-            pool.caps[tenant] = cap
+            pool.set_cap(tenant, cap)
             self._pending_caps.pop(tenant, None)
         else:  # lowered below what it holds: applied at a later arrival, once it fits
             self._pending_caps[tenant] = cap
+
+    @property
+    def single_active(self) -> str | None:
+        """The one tenant with unfinished requests, or None (none, or several): with one, every
+        sampled token is its (the per-token path then counts nothing per tenant)."""
+        active = self.active
+        return next(iter(active)) if len(active) == 1 else None
 
     def leave(self, tenant: str) -> None:
         """A request of `tenant` ended (every sequence)."""

@@ -26,7 +26,7 @@ def cache(pool: BlockPool, index: PrefixIndex, blocks: list[BlockId]) -> None:
 
 def test_a_tenant_at_its_cap_recycles_its_own_cached_blocks_not_free_ones():
     pool, index = cached_pool(8)
-    pool.caps["a"] = 3
+    pool.set_cap("a", 3)
     assert pool.allocate(3, "a") == [0, 1, 2]
     assert pool.allocate(1, "a") is None and not pool.can_allocate(1, "a")  # all 3 in use
     assert pool.allocate(2, "b") == [3, 4]
@@ -45,7 +45,7 @@ def test_a_tenant_at_its_cap_recycles_its_own_cached_blocks_not_free_ones():
 
 def test_under_its_cap_a_tenant_evicts_in_the_pool_order_and_the_owner_loses_the_block():
     pool, index = cached_pool(4)
-    pool.caps["a"] = 3
+    pool.set_cap("a", 3)
     assert pool.allocate(4, "b") == [0, 1, 2, 3]
     cache(pool, index, [BlockId(0), BlockId(1), BlockId(2), BlockId(3)])  # LRU 3, 2, 1, 0
     assert pool.allocate(2, "a") == [3, 2]
