@@ -140,6 +140,8 @@ def check_request(cfg: SchedulerConfig, request: EngineRequest, num_waiting: int
     """Raise InvalidRequestError or QueueFullError (`num_waiting` requests with `waiting_tokens`
     prompt tokens wait; its tenant may hold `tenant_cap` blocks); else its effective max_tokens."""
     prompt, sampling = request.prompt_token_ids, request.sampling
+    if not 0.0 <= request.kv_share <= 1.0:  # (NaN fails too)
+        raise InvalidRequestError(f"kv_share must be in [0, 1] (0: the scheduler's default), got {request.kv_share}")
     if not prompt:
         raise InvalidRequestError("the prompt is empty: at least one token is required")
     check_context_length(cfg.max_model_len, len(prompt), sampling.max_tokens)

@@ -154,5 +154,7 @@ def test_a_request_larger_than_its_tenants_cap_is_refused_and_a_share_sets_the_c
     sched, _ = setup(num_blocks=16, tenant_kv_share=0.25)
     with pytest.raises(InvalidRequestError, match="tenant 'a' may hold only 4"):
         sched.add_request(req("big", range(1, 18), "a", max_tokens=4))  # 20 tokens: 5 blocks
+    with pytest.raises(InvalidRequestError, match="kv_share must be in"):
+        sched.add_request(req("bad", range(1, 5), "a", kv_share=1.5))
     sched.add_request(req("ok", range(1, 18), "a", max_tokens=4, kv_share=0.5))
     assert {t.tenant: t.blocks_cap for t in sched.stats().tenants} == {"a": 8}
