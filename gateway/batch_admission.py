@@ -30,7 +30,8 @@ def admit_batch(admit: Callable[[GenerationInput, int], tuple[GenerationInput, A
         sampling=dataclasses.replace(sampling, max_tokens=max(1, max_new)))
     salted, lease = admit(combined, max_model_len)
     shared = _SharedUsage(lease, len(requests))
-    return ([dataclasses.replace(r, cache_salt=salted.cache_salt) for r in requests],
+    return ([dataclasses.replace(r, cache_salt=salted.cache_salt, tenant=salted.tenant, kv_share=salted.kv_share)
+             for r in requests],
             [shared.view(k) for k in range(len(requests))])
 
 

@@ -59,6 +59,8 @@ class GenerationInput:
     cache_salt: str = ""
     session_id: str = ""  # a session lease (docs/kv_tiers.md); "" none
     session_ttl_s: float = 0.0
+    tenant: str = ""  # set at admission (tenancy/leases.py): the API key's tenant, "" anonymous
+    kv_share: float = 0.0  # its keys-file kv_share; 0: the scheduler's default
 
 
 @dataclass(slots=True)
@@ -160,7 +162,8 @@ def to_engine_request(request: GenerationInput) -> engine_pb2.GenerateRequest:
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_pb(request.sampling), priority=request.priority,
         cache_salt=request.cache_salt, session_id=request.session_id,
-        session_ttl_s=request.session_ttl_s if request.session_id else 0.0)
+        session_ttl_s=request.session_ttl_s if request.session_id else 0.0, tenant=request.tenant,
+        kv_share=request.kv_share)
 
 
 def start_request_span(operation: str, model: str, parent: Context | None,

@@ -146,6 +146,7 @@ class EngineStatsCollector:
             step.add_metric([model], count_value=stats.num_steps, sum_value=stats.step_seconds_sum)
         yield from (success, per_pos, step)
         yield from _lora_info(answered)
+        yield from _tenant_families(answered)
 
 
 def _lora_info(answered: list[tuple[str, Any]]) -> Iterator[Metric]:
@@ -161,6 +162,32 @@ def _lora_info(answered: list[tuple[str, Any]]) -> Iterator[Metric]:
         family.add_metric([model, ",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters),
                            str(stats.max_loras)], time.time())
     yield family
+
+
+# The scheduler's per-tenant figures (EngineStats.tenant_*, scheduler_svc/core/tenants.py):
+# (name as exposed without _total, EngineStats map field, help); labelled model_name and tenant.
+_TENANT_GAUGES = (
+    ("pagoda:tenant_kv_blocks", "tenant_blocks_held", "Device KV blocks a tenant holds (in use + cached)."),
+    ("pagoda:tenant_kv_blocks_cap", "tenant_blocks_cap", "Device KV blocks a tenant may hold (its cap)."),
+    ("pagoda:tenant_requests_waiting", "tenant_requests_waiting", "A tenant's sequences waiting for admission."),
+    ("pagoda:tenant_virtual_tokens", "tenant_virtual_tokens", "A tenant's fair-share virtual token counter."),
+)
+_TENANT_COUNTERS = (
+    ("pagoda:tenant_prompt_tokens", "tenant_prompt_tokens", "Prompt tokens the scheduler served a tenant."),
+    ("pagoda:tenant_generation_tokens", "tenant_generation_tokens", "Tokens the scheduler generated for a tenant."),
+)
+
+
+def _tenant_families(answered: list[tuple[str, Any]]) -> Iterator[Metric]:
+    """One sample per (model, tenant); the anonymous tenant ("" upstream) as "anonymous", the name
+    the gateway's own tenant metrics use."""
+    for families, cls in ((_TENANT_GAUGES, GaugeMetricFamily), (_TENANT_COUNTERS, CounterMetricFamily)):
+        for name, field, doc in families:
+            family = cls(name, doc, labels=["model_name", "tenant"])
+            for model, stats in answered:
+                for tenant, value in sorted(getattr(stats, field, {}).items()):
+                    family.add_metric([model, tenant or "anonymous"], value)
+            yield family
 
 
 def _family(cls: type, name: str, doc: str, answered: list[tuple[str, Any]], field: str) -> Metric:

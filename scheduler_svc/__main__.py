@@ -39,6 +39,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pinned-prompts", metavar="FILE", default=None,
                    help="JSON list of prompts (token-id lists, strings, or {\"messages\": [...]}) prefilled "
                         "at start and kept in the prefix cache for the engine's lifetime")
+    p.add_argument("--tenant-kv-share", type=float, default=1.0, metavar="F",
+                   help="the fraction (0..1] of the device KV pool each tenant may hold, in use + cached + "
+                        "session leases (a tenant's kv_share in the gateway's --api-keys file overrides it); "
+                        "default 1.0: no cap")
+    p.add_argument("--tenant-fairness", choices=["off", "vtc"], default="off",
+                   help="admission across tenants: 'vtc' admits the waiting request of the tenant with the "
+                        "least service (virtual token counter: prompt tokens + 2 x output tokens); 'off' "
+                        "keeps --scheduling-policy's order across tenants (default)")
     _add_brownout_flags(p)
     p.add_argument("--worker-timeout", type=float, default=30.0,
                    help="seconds a lost worker may take to come back before requests fail")
@@ -100,7 +108,8 @@ def build_config(args: argparse.Namespace) -> EngineServiceConfig:
         pipelining=not args.no_pipelining, worker_timeout_s=args.worker_timeout,
         shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_ca=args.tls_ca, speculative=args.speculative_config, brownout=brownout_config(args),
-        preemption_mode=args.preemption_mode,
+        preemption_mode=args.preemption_mode, tenant_kv_share=args.tenant_kv_share,
+        tenant_fairness=args.tenant_fairness,
         pinned_prompts=tuple(load_pinned_prompts(args.pinned_prompts)) if args.pinned_prompts else ())
 
 

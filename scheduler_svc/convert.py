@@ -41,7 +41,8 @@ def request_from_pb(pb: engine_pb2.GenerateRequest, arrival_time: float,
         prompt_token_ids=tuple(pb.prompt_token_ids), sampling=sampling_from_pb(pb.sampling),
         arrival_time=arrival_time, priority=pb.priority, cache_salt=pb.cache_salt or None,
         lora=lora_from_pb(pb), num_prior_output_tokens=pb.num_prior_output_tokens,
-        session_id=pb.session_id or None, session_ttl=pb.session_ttl_s)
+        session_id=pb.session_id or None, session_ttl=pb.session_ttl_s, tenant=pb.tenant,
+        kv_share=pb.kv_share)
 
 
 def request_to_pb(request: EngineRequest) -> engine_pb2.GenerateRequest:
@@ -50,7 +51,8 @@ def request_to_pb(request: EngineRequest) -> engine_pb2.GenerateRequest:
         sampling=sampling_to_pb(request.sampling), priority=request.priority,
         cache_salt=request.cache_salt or "", lora=lora_to_pb(request.lora),
         num_prior_output_tokens=request.num_prior_output_tokens,
-        session_id=request.session_id or "", session_ttl_s=request.session_ttl)
+        session_id=request.session_id or "", session_ttl_s=request.session_ttl, tenant=request.tenant,
+        kv_share=request.kv_share)
 
 
 def delta_to_pb(delta: SequenceDelta) -> engine_pb2.SequenceDelta:
@@ -137,6 +139,13 @@ def stats_to_pb(core_stats: object, *, num_total_blocks: int, num_steps: int, id
         if value is not None:
             setattr(pb, field, value)
     pb.spec_accepted_per_pos.extend(getattr(core_stats, "spec_accepted_per_pos", ()))
+    for t in getattr(core_stats, "tenants", ()):  # core/tenants.py
+        pb.tenant_blocks_held[t.tenant] = t.blocks_held
+        pb.tenant_blocks_cap[t.tenant] = t.blocks_cap
+        pb.tenant_prompt_tokens[t.tenant] = t.prompt_tokens
+        pb.tenant_generation_tokens[t.tenant] = t.generation_tokens
+        pb.tenant_requests_waiting[t.tenant] = t.num_waiting
+        pb.tenant_virtual_tokens[t.tenant] = t.virtual_tokens
     pb.running_lora_adapters.extend(getattr(core_stats, "running_lora_adapters", ()))
     pb.waiting_lora_adapters.extend(getattr(core_stats, "waiting_lora_adapters", ()))
     return pb

@@ -59,12 +59,16 @@ class EngineServiceConfig:
     pinned_prompts: tuple = ()  # entries of --pinned-prompts (pinned_prompts.py), pinned at start
     # vLLM's --preemption-mode: "recompute", "swap" (needs the worker's --swap-space), None: auto
     preemption_mode: Literal["recompute", "swap"] | None = None
+    tenant_kv_share: float = 1.0  # core/tenants.py: each tenant's cap, a fraction of the pool
+    tenant_fairness: Literal["off", "vtc"] = "off"  # fair-share admission across tenants
 
     def __post_init__(self) -> None:
         if not self.workers:
             raise ValueError("at least one worker address is required")
         if self.worker_timeout_s <= 0:
             raise ValueError("worker_timeout_s must be positive")
+        if not 0.0 < self.tenant_kv_share <= 1.0:
+            raise ValueError("--tenant-kv-share must be in (0, 1]")
 
 
 def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> SchedulerConfig:
@@ -80,7 +84,8 @@ def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> Scheduler
         num_cpu_blocks=info.num_cpu_blocks, preemption_mode=config.preemption_mode,
         num_offload_blocks=info.num_offload_blocks if config.enable_prefix_caching else 0,
         num_disk_blocks=info.num_disk_blocks if config.enable_prefix_caching else 0,
-        sliding_window=info.sliding_window)
+        sliding_window=info.sliding_window, tenant_kv_share=config.tenant_kv_share,
+        tenant_fairness=config.tenant_fairness)
 
 
 @dataclass(slots=True)

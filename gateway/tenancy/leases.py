@@ -88,7 +88,9 @@ class Lease:
         self.used_tokens = num_prompt  # the engine prefills it once it has the request
         metrics.TENANT_REQUESTS.labels(tenant=name).inc()
         metrics.TENANT_IN_FLIGHT.labels(tenant=name).inc()
-        return dataclasses.replace(request, cache_salt=self.tenant.prefix_cache_salt(request.cache_salt))
+        tenant = self.tenant
+        return dataclasses.replace(request, cache_salt=tenant.prefix_cache_salt(request.cache_salt),
+                                   tenant=tenant.upstream_name, kv_share=tenant.kv_share or 0.0)
 
     def record(self, used_tokens: int) -> None:
         """Tokens this request has cost so far (prompt + generated); 0 if the engine refused it."""

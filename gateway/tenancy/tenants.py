@@ -5,9 +5,11 @@ with `#` are skipped.
 
     {"key": "sk-a-1", "tenant": "team-a", "requests_per_minute": 600, "max_concurrent_requests": 8}
     {"key": "sk-a-2", "tenant": "team-a"}
-    {"key": "sk-b", "tenant": "team-b", "cache_salt": "shared-ab"}
+    {"key": "sk-b", "tenant": "team-b", "cache_salt": "shared-ab", "kv_share": 0.25}
 
-`key` and `tenant` are required. The limits and `cache_salt` belong to the tenant: a tenant named
+`key` and `tenant` are required. The limits, `cache_salt` and `kv_share` (the fraction of each
+scheduler's device KV pool the tenant may hold, docs/kv_tiers.md#per-tenant-kv-budgets; default the
+scheduler's --tenant-kv-share) belong to the tenant: a tenant named
 on several lines (several keys, e.g. during a rotation) takes them from whichever line sets them,
 and two lines that set the same one differently are an error. A missing limit is no limit. The
 prefix-cache salt defaults to the tenant's name, so tenants never share cached blocks; tenants that
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests")
-_FIELDS = frozenset({"key", "tenant", "cache_salt", *LIMIT_FIELDS})
+_FIELDS = frozenset({"key", "tenant", "cache_salt", "kv_share", *LIMIT_FIELDS})
 # Tenant names are Prometheus label values and salts: short, no ':' (see `prefix_cache_salt`).
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DEFAULT_TENANT = "default"  # the tenant of the single `--api-key`
@@ -48,6 +50,13 @@ class Tenant:
     limits: TenantLimits = field(default_factory=TenantLimits)
     cache_salt: str | None = None
     """Prefix-cache salt; None: the tenant's name. "" (the anonymous tenant only): no salt."""
+    kv_share: float | None = None
+    """Its KV cap in each scheduler, a fraction of the pool; None: the scheduler's default."""
+
+    @property
+    def upstream_name(self) -> str:
+        """The tenant as the scheduler knows it: "" for the anonymous one."""
+        return "" if self == ANONYMOUS else self.name
 
     def prefix_cache_salt(self, request_salt: str = "") -> str:
         """The salt sent upstream: the tenant's, then the request's own `cache_salt` after a ':'.
@@ -102,7 +111,7 @@ def parse_tenant_lines(text: str, source: str = "api keys") -> TenantTable:
             raise TenantFileError(f"{where}: field 'key': the same key is listed twice")
         keys[digest] = name = entry["tenant"]
         known = settings.setdefault(name, {})
-        for name_of_field in ("cache_salt", *LIMIT_FIELDS):
+        for name_of_field in ("cache_salt", "kv_share", *LIMIT_FIELDS):
             if name_of_field not in entry or entry[name_of_field] is None:
                 continue
             if known.setdefault(name_of_field, entry[name_of_field]) != entry[name_of_field]:
@@ -111,7 +120,7 @@ def parse_tenant_lines(text: str, source: str = "api keys") -> TenantTable:
     if not keys:
         raise TenantFileError(f"{source}: no API keys (one JSON object per line)")
     tenants = tuple(Tenant(name, TenantLimits(**{f: v for f, v in known.items() if f in LIMIT_FIELDS}),
-                           known.get("cache_salt"))  # type: ignore[arg-type]
+                           known.get("cache_salt"), known.get("kv_share"))  # type: ignore[arg-type]
                     for name, known in settings.items())
     return TenantTable(tuple(keys.items()), tenants)
 
@@ -136,6 +145,10 @@ def _parse_line(line: str, where: str) -> dict:
         if (name == "tenant" or value is not None) and not valid:
             raise TenantFileError(f"{where}: field {name!r} must be 1-64 characters of A-Z a-z 0-9 . _ - "
                                   f"(starting with a letter or digit), got {value!r}")
+    share = entry.get("kv_share")
+    if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                              or not 0 < share <= 1):
+        raise TenantFileError(f"{where}: field 'kv_share' must be a number in (0, 1] or null, got {share!r}")
     for name in LIMIT_FIELDS:
         value = entry.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

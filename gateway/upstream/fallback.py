@@ -73,7 +73,8 @@ class AdmitOnce:
             self._admitted = self._admit(request, max_model_len)
             return self._admitted
         salted, lease = self._admitted
-        return dataclasses.replace(request, cache_salt=salted.cache_salt), lease
+        return dataclasses.replace(request, cache_salt=salted.cache_salt, tenant=salted.tenant,
+                                   kv_share=salted.kv_share), lease
 
 
 async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:

@@ -2,6 +2,10 @@
 
 - In queue order, while `max_num_seqs` slots, the step's token budget, the worker's LoRA slots and
   the pool allow; the first that does not fit stops admission (the order is kept: no overtaking).
+- Tenants (tenants.py): with fair share on, the queue's order is that of the tenant with the
+  smallest virtual token counter first (FCFS or priority within a tenant). A request that does not
+  fit only because its tenant is at its KV cap does not stop admission: its tenant is skipped for
+  the rest of the step (its own leases are demoted first), and other tenants go on.
 - A sequence starts after its verified prefix-cache hit (device blocks, then the host tier's and
   the disk tier's, tiers/host_tier.py and disk_tier.py: only at ordinary admission, not a beam group's nor a suspect's), or after its
   swapped KV (swap.py), and computes at most one prefill chunk (`long_prefill_token_threshold`)
@@ -32,13 +36,14 @@ from scheduler_svc.core.queues import RunQueues
 from scheduler_svc.core.request import SeqStatus, Sequence
 from scheduler_svc.core.step_draft import StepDraft
 from scheduler_svc.core.swap import SwapManager, resume_point
+from scheduler_svc.core.tenants import Tenants
 
 
 class Admission:
     def __init__(self, config: SchedulerConfig, threshold: int, kv: KVCacheManager, queues: RunQueues,
                  swap: SwapManager, brownout: BrownoutGovernor, counters: SchedulerCounters,
-                 preempt: Callable[[Sequence, StepPlan], None],
-                 demote: Callable[[], bool] = lambda: False) -> None:
+                 preempt: Callable[[Sequence, StepPlan], None], tenants: Tenants,
+                 demote: Callable[[str | None], bool] = lambda tenant: False) -> None:
         self._config = config
         self._threshold = threshold
         self._kv = kv
@@ -48,13 +53,18 @@ class Admission:
         self._counters = counters
         self._preempt = preempt  # the scheduler's preemption (a beam takes its group along)
         self._demote = demote  # an idle session's lease lets its blocks go (tiers/sessions.py)
+        self._tenants = tenants  # caps are the pool's; fair-share ranks and per-tenant totals
 
     def admit_waiting(self, draft: StepDraft) -> None:
         """Admit from the head of the waiting queue while everything fits (the policy above)."""
         cfg, kv, q = self._config, self._kv, self._queues
         waiting = q.waiting
+        rank = self._tenants.rank if self._tenants.fair else None
+        skip: set[str] = set()  # tenants at their KV cap this step
         while waiting and draft.budget > 0:
-            seq = waiting.peek()
+            seq = waiting.peek(rank, skip)
+            if seq is None:
+                return  # every waiting tenant is at its cap
             if seq.num_placeholders or q.running_slots + seq.num_slots > cfg.max_num_seqs:
                 return  # its last tokens are still in flight / no room: keep the order, try later
             if seq.request.lora is not None and not lora_fits(seq, q.running, cfg.max_loras):
@@ -68,11 +78,18 @@ class Admission:
             num_hit = (len(hits) + len(host)) * cfg.block_size
             start = resume_point(seq, num_hit)  # past the hit, or past its swapped KV
             num_new = min(len(seq.token_ids) - start, self._threshold, draft.budget)
-            if not kv.pool.can_allocate(kv.blocks_to_admit(hits, start + num_new)):
-                if self._demote():  # idle sessions' blocks make room (to the LRU, then the host tier)
+            tenant = seq.request.tenant
+            short = kv.admit_short(tenant, hits, start + num_new)
+            if short is not None:
+                # idle sessions' blocks make room (to the LRU, then the host tier): any tenant's
+                # when the pool is short, the tenant's own when its cap is
+                if self._demote(None if short == "pool" else tenant):
                     continue
-                return
-            waiting.pop()
+                if short == "pool":
+                    return
+                skip.add(tenant)
+                continue
+            waiting.remove(seq)
             self.admit(draft, seq, hits, last_serial, num_hit, num_new, host)
 
     def admit(self, draft: StepDraft, seq: Sequence, hits: list[BlockId], last_serial: int, num_hit: int,
@@ -84,7 +101,9 @@ class Admission:
         self._kv.admit(seq, hits, last_serial, start + num_new, host, draft.plan)
         seq.num_computed_tokens = start
         req = seq.request
-        if self._counters.note_admission(seq, num_hit) and self._brownout.cap:
+        first = self._counters.note_admission(seq, num_hit)
+        self._tenants.admitted(req.tenant, req.num_prompt_tokens, len(seq.token_ids) - start, first)
+        if first and self._brownout.cap:
             self._brownout.cap_max_tokens(req)  # in brownout: a new request gets the short limit
         if seq.host_blocks:  # swapped out: its KV comes back from the host
             self._swap.swap_in(seq, num_hit // self._config.block_size, draft.plan)
@@ -105,8 +124,9 @@ class Admission:
         if queues.running_slots + len(beams) > self._config.max_num_seqs or draft.budget < len(beams) \
                 or any(beam.num_placeholders for beam in beams):
             return False
-        while not kv.pool.can_allocate(self._group_blocks(beams, draft.budget)):
-            if not self._demote():  # idle sessions' blocks go first (recounted: hits may revive)
+        tenant = seq.request.tenant
+        while not kv.pool.can_allocate(self._group_blocks(beams, draft.budget), tenant):
+            if not self._demote(None):  # idle sessions' blocks go first (recounted: hits may revive)
                 return False
         # Each beam's hits are looked up again just before it is admitted: the blocks the beams
         # before it allocated may have evicted one (never making the total exceed what
@@ -141,12 +161,12 @@ class Admission:
             num_hit = len(hits) * cfg.block_size
             start = resume_point(target, num_hit)  # past its hit, or its swapped KV
             num_new = min(len(target.token_ids) - start, self._threshold, draft.budget)
-            if kv.pool.can_allocate(kv.blocks_to_admit(hits, start + num_new)) and \
+            if kv.admit_short(target.request.tenant, hits, start + num_new) is None and \
                     q.running_slots + target.num_slots <= cfg.max_num_seqs and \
                     lora_fits(target, q.running, cfg.max_loras):  # the worker's slots
                 break
             if not q.running:
-                if self._demote():  # idle sessions' blocks go first
+                if self._demote(None):  # idle sessions' blocks go first
                     continue
                 return  # cannot happen for an admitted request (add_request checked its size)
             self._preempt(q.running[-1], draft.plan)

@@ -36,7 +36,7 @@ from scheduler_svc.core.request import BeamGroup, Request, SeqStatus, Sequence, 
 from scheduler_svc.core.step_draft import StepDraft
 
 # (blocks_needed, is_self, plan) -> blocks needed once room is made; None: the group was preempted
-MakeRoom = Callable[[Callable[[], int], Callable[[Sequence], bool], StepPlan], int | None]
+MakeRoom = Callable[[Callable[[], int], Callable[[Sequence], bool], StepPlan, str], int | None]
 
 
 class BeamGroups:
@@ -87,10 +87,10 @@ class BeamGroups:
             left -= num_new
             chunks.append((beam, num_new))
         need = self._make_room(lambda: self._group_blocks_needed(chunks),
-                                        lambda victim: victim.request is seq.request, plan)
+                               lambda victim: victim.request is seq.request, plan, seq.request.tenant)
         if need is None:
             return 0  # the group itself was the newest: it waits, whole
-        fits = kv.pool.can_allocate(need)
+        fits = kv.pool.can_allocate(need, seq.request.tenant)
         if not fits:  # waits for blocks in-flight steps free: admission must not take them first
             draft.blocks_short = True
         used = 0

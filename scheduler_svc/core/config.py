@@ -108,9 +108,21 @@ class SchedulerConfig:
     # The model's sliding window when every layer has one (the worker's Init); 0: none. Blocks
     # wholly before a sequence's window are freed (kv_cache_manager.py: free_out_of_window).
     sliding_window: int = 0
+    # Tenants (core/tenants.py): the fraction of the device pool each tenant may hold (in use +
+    # cached + leased; a request's kv_share overrides it for its tenant), 1.0 = no cap; and
+    # fair-share admission by virtual token counter ("vtc": a tenant's counter grows by
+    # prompt tokens * vtc_prompt_weight + output tokens * vtc_output_weight) or none ("off").
+    tenant_kv_share: float = 1.0
+    tenant_fairness: Literal["off", "vtc"] = "off"
+    vtc_prompt_weight: float = 1.0
+    vtc_output_weight: float = 2.0
 
     def __post_init__(self) -> None:
         check_preemption_mode(self.preemption_mode, has_host_pool=self.num_cpu_blocks >= 1)
+        if not 0.0 < self.tenant_kv_share <= 1.0:
+            raise ValueError(f"tenant_kv_share must be in (0, 1], got {self.tenant_kv_share}")
+        if self.tenant_fairness not in ("off", "vtc"):
+            raise ValueError(f"tenant_fairness must be 'off' or 'vtc', got {self.tenant_fairness!r}")
 
 
 def check_preemption_mode(mode: str | None, has_host_pool: bool) -> None:
@@ -123,10 +135,13 @@ def check_preemption_mode(mode: str | None, has_host_pool: bool) -> None:
                          "space (--swap-space GiB, LLM(swap_space=...)) large enough for a block")
 
 
-def check_request(cfg: SchedulerConfig, request: EngineRequest, num_waiting: int, waiting_tokens: int) -> int:
+def check_request(cfg: SchedulerConfig, request: EngineRequest, num_waiting: int, waiting_tokens: int,
+                  tenant_cap: int | None = None) -> int:
     """Raise InvalidRequestError or QueueFullError (`num_waiting` requests with `waiting_tokens`
-    prompt tokens wait); else the request's effective max_tokens."""
+    prompt tokens wait; its tenant may hold `tenant_cap` blocks); else its effective max_tokens."""
     prompt, sampling = request.prompt_token_ids, request.sampling
+    if not 0.0 <= request.kv_share <= 1.0:  # (NaN fails too)
+        raise InvalidRequestError(f"kv_share must be in [0, 1] (0: the scheduler's default), got {request.kv_share}")
     if not prompt:
         raise InvalidRequestError("the prompt is empty: at least one token is required")
     check_context_length(cfg.max_model_len, len(prompt), sampling.max_tokens)
@@ -149,6 +164,9 @@ def check_request(cfg: SchedulerConfig, request: EngineRequest, num_waiting: int
     if blocks > cfg.num_blocks:
         raise InvalidRequestError(f"the request needs {blocks} KV blocks but the cache has only "
                                   f"{cfg.num_blocks}")
+    if tenant_cap is not None and blocks > tenant_cap:
+        raise InvalidRequestError(f"the request needs {blocks} KV blocks but tenant "
+                                  f"{request.tenant!r} may hold only {tenant_cap} (its KV share)")
     if request.lora is not None and not cfg.max_loras:
         raise InvalidRequestError(f"LoRA adapter {request.lora.lora_name!r} requested, but LoRA is "
                                   "not enabled (start the worker with --enable-lora)")

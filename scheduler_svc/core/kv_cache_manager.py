@@ -48,6 +48,7 @@ class KVCacheManager:
             self.tier.on_drop = self.disk.store  # type: ignore[union-attr]
         self._deferred: dict[int, list[list[BlockId]]] = {}  # step id -> block lists to free then
         self.num_deferred = 0  # blocks in those lists (an upper bound of what they will free)
+        self.deferred_of: Counter[str] = Counter()  # the same, per owning tenant
 
     # -- prefix cache -------------------------------------------------------------------------
     def _ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
@@ -124,6 +125,22 @@ class KVCacheManager:
         revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
         return cdiv(end, self.block_size) - len(hits) + revived
 
+    def tenant_blocks_to_admit(self, tenant: str, hits: list[BlockId], end: int) -> int:
+        """What admission takes out of `tenant`'s room: new blocks, plus the evictable hits it
+        revives that the tenant owns (another tenant's revived hit stays that tenant's)."""
+        pool = self.pool
+        own = sum(1 for b in hits if pool.ref_count(b) == 0 and pool.owner(b) == tenant)
+        return cdiv(end, self.block_size) - len(hits) + own
+
+    def admit_short(self, tenant: str, hits: list[BlockId], end: int) -> str | None:
+        """Why admitting these blocks fails now: "pool" (not enough blocks), "tenant" (the tenant's
+        cap), or None when it fits."""
+        if not self.pool.can_allocate(self.blocks_to_admit(hits, end)):
+            return "pool"
+        if self.tenant_blocks_to_admit(tenant, hits, end) > self.pool.tenant_room(tenant):
+            return "tenant"
+        return None
+
     def admit(self, seq: Sequence, hits: list[BlockId], last_serial: int, end: int,
               host_slots: list[int | None] | None = None, plan: StepPlan | None = None) -> None:
         """Device hits first, then fresh blocks; the first len(host_slots) of those are filled in
@@ -134,7 +151,7 @@ class KVCacheManager:
             if self.disk is not None:
                 self.disk.reserve(seq.block_hashes[n + i] for i, slot in enumerate(host_slots) if slot is None)
         self.pool.touch(hits)  # before allocating, so the hits cannot be evicted by it
-        new = self.pool.allocate(cdiv(end, self.block_size) - len(hits))
+        new = self.pool.allocate(cdiv(end, self.block_size) - len(hits), seq.request.tenant)
         assert new is not None, "admit() without a successful blocks_to_admit() check"
         seq.block_table = hits + new
         seq.num_registered_blocks = len(hits)  # the loaded blocks register when their step reports
@@ -163,19 +180,19 @@ class KVCacheManager:
 
     def grow(self, seq: Sequence, num_new: int, plan: StepPlan) -> None:
         """Make positions [computed, computed+num_new) writable; the plan carries the changes."""
-        table, bs, pool = seq.block_table, self.block_size, self.pool
+        table, bs, pool, tenant = seq.block_table, self.block_size, self.pool, seq.request.tenant
         start = seq.num_computed_tokens
         end_block = cdiv(start + num_new, bs)
         for i in range(start // bs, min(end_block, len(table))):
             src = table[i]
             if pool.ref_count(src) > 1:  # first write into a shared block: copy it
-                (dst,) = pool.allocate(1)  # type: ignore[misc]  # checked by blocks_needed
+                (dst,) = pool.allocate(1, tenant)  # type: ignore[misc]  # checked by blocks_needed
                 plan.block_copies.append(BlockCopy(src, dst))
                 plan.table_updates.append(TableUpdate(seq.seq_id, i, [dst]))
                 table[i] = dst
                 pool.free([src])  # ref stays >= 1: another table (or a deferred free) holds it
         if end_block > len(table):
-            new = pool.allocate(end_block - len(table))
+            new = pool.allocate(end_block - len(table), tenant)
             assert new is not None, "grow() without a successful blocks_needed() check"
             plan.table_updates.append(TableUpdate(seq.seq_id, len(table), new))
             table.extend(new)
@@ -224,10 +241,12 @@ class KVCacheManager:
         else:
             self._deferred.setdefault(after_step, []).append(blocks)
             self.num_deferred += len(blocks)
+            self.deferred_of.update(self.pool.owner(b) for b in blocks)  # in use: owners fixed
 
     def step_reported(self, step_id: int) -> None:
         for blocks in self._deferred.pop(step_id, ()):
             self.num_deferred -= len(blocks)
+            self.deferred_of.subtract(self.pool.owner(b) for b in blocks)
             self.pool.free(blocks)
 
     def deferred_blocks(self) -> list[BlockId]:
@@ -241,6 +260,7 @@ class KVCacheManager:
         """Worker lost: every block back, the prefix index purged."""
         self._deferred.clear()
         self.num_deferred = 0
+        self.deferred_of.clear()
         self.pool.reset()
         if self.tier is not None:
             self.tier.reset()

@@ -61,6 +61,19 @@ class SchedulerCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantStats:
+    """One tenant's figures (tenants.py)."""
+
+    tenant: str
+    blocks_held: int  # in use + cached, owned (block_pool.py)
+    blocks_cap: int
+    prompt_tokens: int  # total, counted at a request's first admission
+    generation_tokens: int  # total sampled tokens accepted
+    num_waiting: int  # sequences
+    virtual_tokens: float  # the fair-share counter
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerStats:
     num_running: int  # sequences
     num_waiting: int  # sequences
@@ -116,3 +129,4 @@ class SchedulerStats:
     blocks_disk_dropped: int = 0  # total files the full tier deleted, or blocks it had no room for
     num_sessions: int = 0  # live session leases (tiers/sessions.py)
     num_session_blocks: int = 0  # device blocks they pin
+    tenants: tuple[TenantStats, ...] = ()  # per tenant seen (tenants.py)

@@ -7,7 +7,8 @@ Invariants (Scheduler.check_invariants tests them after every step in tests):
   children's slots) and never exceeds max_num_seqs;
 - a request stays in `requests` until every one of its sequences has finished.
 Order: running sequences in admission order (FCFS), or by `priority_key` ("priority"); a beam
-group stays contiguous. Waiting: FCFS with preempted sequences at the front, or a priority heap.
+group stays contiguous. Waiting: FCFS with preempted sequences at the front, or a priority heap,
+in one lane per tenant (fair-share admission picks the lane, tenants.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Container, Iterator
 
 from pagoda.contract.ids import RequestId
 from scheduler_svc.core.request import NULL_BLOCK, Request, SeqStatus, Sequence
@@ -28,30 +29,59 @@ def priority_key(seq: Sequence) -> tuple[int, float, int, int]:
 
 
 class WaitingQueue:
-    """FCFS deque (preempted sequences go to the front), or a heap on (priority, arrival)."""
+    """FCFS (preempted sequences go to the front), or by (priority, arrival); one lane per tenant.
 
-    __slots__ = ("_priority", "_deque", "_heap", "num_tokens")
+    Each sequence gets an order key: FCFS, a counter that grows at the back and shrinks at the
+    front; "priority", priority_key. A lane holds one tenant's sequences in key order, so the
+    queue's head is the lane head with the smallest key: with one tenant, exactly the old single
+    queue. `peek` may rank the lanes first (fair share: the tenant with the smallest virtual token
+    counter, tenants.py) and skip tenants (at their KV cap); within a lane the order is the policy's.
+    """
+
+    __slots__ = ("_priority", "_lanes", "_keys", "_front", "_back", "_len", "num_tokens")
 
     def __init__(self, policy: str) -> None:
         self._priority = policy == "priority"
-        self._deque: deque[Sequence] = deque()
-        self._heap: list[tuple[tuple[int, float, int, int], Sequence]] = []
+        # tenant -> its sequences: a deque (FCFS, key order) or a heap of (priority_key, seq)
+        self._lanes: dict[str, deque] = {}
+        self._keys: dict[RequestId, int] = {}  # FCFS order keys by sequence id
+        self._front, self._back, self._len = -1, 0, 0
         self.num_tokens = 0  # prompt tokens of the waiting sequences (the max_waiting_tokens bound)
 
     def __len__(self) -> int:
-        return len(self._heap) if self._priority else len(self._deque)
+        return self._len
 
     def __iter__(self) -> Iterator[Sequence]:
-        if self._priority:
-            return iter([seq for _, seq in sorted(self._heap, key=lambda e: e[0])])
-        return iter(self._deque)
+        if len(self._lanes) == 1:
+            (lane,) = self._lanes.values()
+            return iter([e[1] for e in sorted(lane, key=lambda e: e[0])] if self._priority else list(lane))
+        return iter(sorted((self._head_seq(e) for lane in self._lanes.values() for e in lane), key=self._key))
+
+    def lengths(self) -> dict[str, int]:
+        """Waiting sequences per tenant (tenants with none are absent)."""
+        return {tenant: len(lane) for tenant, lane in self._lanes.items()}
+
+    def _key(self, seq: Sequence):
+        return priority_key(seq) if self._priority else self._keys[seq.seq_id]
+
+    def _head_seq(self, entry) -> Sequence:
+        return entry[1] if self._priority else entry
+
+    def _lane(self, seq: Sequence) -> deque:
+        lane = self._lanes.get(seq.request.tenant)
+        if lane is None:
+            lane = self._lanes[seq.request.tenant] = [] if self._priority else deque()  # type: ignore
+        return lane
 
     def push_back(self, seq: Sequence) -> None:
         self.num_tokens += seq.request.num_prompt_tokens
+        self._len += 1
         if self._priority:
-            heapq.heappush(self._heap, (priority_key(seq), seq))
+            heapq.heappush(self._lane(seq), (priority_key(seq), seq))  # type: ignore[arg-type]
         else:
-            self._deque.append(seq)
+            self._keys[seq.seq_id] = self._back
+            self._back += 1
+            self._lane(seq).append(seq)
 
     def push_front(self, seq: Sequence) -> None:
         """A preempted sequence: first in FCFS; in its (priority, arrival) place otherwise."""
@@ -59,28 +89,59 @@ class WaitingQueue:
             self.push_back(seq)
         else:
             self.num_tokens += seq.request.num_prompt_tokens
-            self._deque.appendleft(seq)
+            self._len += 1
+            self._keys[seq.seq_id] = self._front
+            self._front -= 1
+            self._lane(seq).appendleft(seq)
 
-    def peek(self) -> Sequence:
-        return self._heap[0][1] if self._priority else self._deque[0]
+    def peek(self, rank: Callable[[str], float] | None = None,
+             skip: Container[str] = ()) -> Sequence | None:
+        """The next sequence to admit: the head of the lane whose (rank, head key) is smallest, of
+        the tenants not in `skip` (without `rank`: by head key, the policy's order). None if none."""
+        lanes = self._lanes
+        if len(lanes) == 1 and not skip:
+            return self._head_seq(next(iter(lanes.values()))[0])
+        best, best_key = None, None
+        for tenant, lane in lanes.items():
+            if tenant in skip:
+                continue
+            head = self._head_seq(lane[0])
+            key = (rank(tenant), self._key(head)) if rank is not None else self._key(head)
+            if best_key is None or key < best_key:
+                best, best_key = head, key
+        return best
 
     def pop(self) -> Sequence:
-        seq = heapq.heappop(self._heap)[1] if self._priority else self._deque.popleft()
-        self.num_tokens -= seq.request.num_prompt_tokens
+        seq = self.peek()
+        assert seq is not None, "pop() from an empty waiting queue"
+        self.remove(seq)
         return seq
 
     def remove(self, seq: Sequence) -> None:
+        tenant = seq.request.tenant
+        lane = self._lanes[tenant]
         if self._priority:
-            self._heap = [e for e in self._heap if e[1] is not seq]
-            heapq.heapify(self._heap)
+            if lane[0][1] is seq:
+                heapq.heappop(lane)  # type: ignore[arg-type]
+            else:
+                lane[:] = [e for e in lane if e[1] is not seq]  # type: ignore[index]
+                heapq.heapify(lane)  # type: ignore[arg-type]
         else:
-            self._deque.remove(seq)
+            if lane[0] is seq:
+                lane.popleft()
+            else:
+                lane.remove(seq)
+            del self._keys[seq.seq_id]
+        if not lane:
+            del self._lanes[tenant]
+        self._len -= 1
         self.num_tokens -= seq.request.num_prompt_tokens
 
     def clear(self) -> list[Sequence]:
         seqs = list(self)
-        self._deque.clear()
-        self._heap.clear()
+        self._lanes.clear()
+        self._keys.clear()
+        self._len = 0
         self.num_tokens = 0
         return seqs
 

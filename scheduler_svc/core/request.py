@@ -48,6 +48,11 @@ class EngineRequest:
     # for session_ttl seconds, for the session's next turn. None: no lease.
     session_id: str | None = None
     session_ttl: float = 0.0
+    # The tenant (the gateway's API-key tenant; "" anonymous): its KV blocks are counted against
+    # its cap, and fair-share admission ranks it (tenants.py). kv_share: its cap as a fraction of
+    # the pool (the keys file's); 0: the scheduler's --tenant-kv-share.
+    tenant: str = ""
+    kv_share: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -73,6 +78,7 @@ class Request:
     num_prior_output_tokens: int = 0  # EngineRequest's
     session_id: str | None = None  # EngineRequest's (tiers/sessions.py)
     session_ttl: float = 0.0
+    tenant: str = ""  # EngineRequest's (tenants.py)
     # Fields, not properties: read for every sequence on every step.
     num_prompt_tokens: int = field(init=False)
     max_num_tokens: int = field(init=False)  # prompt + max_tokens: no token is sampled beyond it

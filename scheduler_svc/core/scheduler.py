@@ -26,15 +26,15 @@ each owning its own: the KV manager (kv_cache_manager.py), the run queues (queue
 (admission.py), the swap manager (swap.py), the brownout governor (brownout.py), the poison isolator
 (poison.py), the prompt pinner (pinning.py), the session leases (tiers/sessions.py), the host
 tier (tiers/host_tier.py, in the KV manager), the speculator (spec/), the beam groups
-(beam_group.py) and the counters (outputs.py). They get the KV manager, the run queues and
-callbacks, never the Scheduler. Invariants: check_invariants (block accounting, queues, host pool).
+(beam_group.py), the tenants' caps, fair share and totals (tenants.py) and the counters
+(outputs.py). They get the KV manager, the run queues and callbacks, never the Scheduler. Invariants: check_invariants (block accounting, queues, host pool).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from pagoda.contract.errors import InvalidRequestError
@@ -55,6 +55,7 @@ from scheduler_svc.core.request import EngineRequest, Request, SeqStatus, Sequen
 from scheduler_svc.core.spec import make_speculator
 from scheduler_svc.core.step_draft import InflightStep, StepDraft
 from scheduler_svc.core.swap import SwapManager
+from scheduler_svc.core.tenants import Tenants
 from scheduler_svc.core.tiers.disk_tier import disk_tier_stats
 from scheduler_svc.core.tiers.host_tier import tier_stats
 from scheduler_svc.core.tiers.sessions import SessionLeases
@@ -91,9 +92,11 @@ class Scheduler:
                                  preempt_one=self._preempt_one, finish=self._finish,
                                  last_inflight=self._last_inflight)
         self._swap = SwapManager(config.num_cpu_blocks, bs, config.preemption_mode, self._threshold)
+        self._tenants = Tenants(self._kv.pool, config.tenant_kv_share, config.tenant_fairness,
+                                config.vtc_prompt_weight, config.vtc_output_weight)
         self._admission = Admission(config, self._threshold, self._kv, self._queues, self._swap,
                                     self._brownout, self._counters, preempt=self._preempt,
-                                    demote=self._leases.demote_one)
+                                    tenants=self._tenants, demote=self._leases.demote_one)
         # Speculation needs every sequence's last token to propose: one step in flight at a time.
         self.max_inflight_steps = 1 if spec is not None else config.max_inflight_steps
         self.last_failure: str | None = None  # fail_all's reason
@@ -106,7 +109,8 @@ class Scheduler:
         q = self._queues
         if rid in q.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
-        max_tokens = check_request(self.config, request, len(q.waiting), q.waiting.num_tokens)
+        max_tokens = check_request(self.config, request, len(q.waiting), q.waiting.num_tokens,
+                                   self._tenants.cap_for(request.tenant, request.kv_share))
         if request.session_id is not None and not request.session_ttl > 0:
             raise InvalidRequestError("a session_id needs a positive retain TTL (seconds)")
         num_seqs = sampling.beam_width or sampling.n
@@ -114,7 +118,8 @@ class Scheduler:
         req = Request(rid, tuple(prompt), sampling, max_tokens, request.priority, request.arrival_time,
                       next(self._arrivals), request.cache_salt, request.lora, num_unfinished=num_seqs,
                       stop_token_set=stop_set, num_prior_output_tokens=request.num_prior_output_tokens,
-                      session_id=request.session_id, session_ttl=request.session_ttl)
+                      session_id=request.session_id, session_ttl=request.session_ttl,
+                      tenant=request.tenant)
         seq = Sequence(rid, 0, req, list(prompt), pending_fork=num_seqs > 1)
         req.seqs.append(seq)
         if sampling.beam_width:
@@ -122,6 +127,7 @@ class Scheduler:
         q.requests[rid] = req
         q.live[rid] = seq
         q.waiting.push_back(seq)
+        self._tenants.arrive(request.tenant, request.kv_share)
 
     def pin_prompt(self, token_ids: list[int] | tuple[int, ...]) -> RequestId:
         """Prefill `token_ids` and keep its full blocks cached for the engine's life (pinning.py)."""
@@ -323,6 +329,7 @@ class Scheduler:
             blocks_swapped_in=swap.blocks_swapped_in, num_cpu_blocks=self.config.num_cpu_blocks,
             cpu_kv_usage=swap.cpu_kv_usage, prefill_tokens_computed=c.prefill_tokens_computed,
             num_sessions=len(self._leases), num_session_blocks=self._leases.num_blocks,
+            tenants=self._tenants.stats(q.waiting.lengths()),
             **tier_stats(self._kv.tier), **disk_tier_stats(self._kv.disk))
 
     def check_invariants(self) -> None:
@@ -378,6 +385,8 @@ class Scheduler:
             req = seq.request
             if req.beam is not None:  # the whole group at its first beam (beam_group.py)
                 budget -= self._beams.schedule(draft, seq, budget)
+                if seq.status is not SeqStatus.RUNNING:
+                    i -= 1  # the group preempted itself, whole: what followed it moved up
                 continue
             if seq.seq_id in drafts:
                 used = spec.schedule(draft, seq, drafts[seq.seq_id], budget)  # type: ignore[union-attr]
@@ -395,8 +404,8 @@ class Scheduler:
                 table = seq.block_table
                 if start % bs:
                     fits = refs[table[start // bs]] == 1
-                elif start == len(table) * bs and pool.can_allocate(1):
-                    new = pool.allocate(1)
+                elif start == len(table) * bs and pool.can_allocate(1, req.tenant):
+                    new = pool.allocate(1, req.tenant)
                     table_updates.append(TableUpdate(seq.seq_id, len(table), new))
                     table += new
                     fits = True
@@ -419,7 +428,10 @@ class Scheduler:
             if not (num_new == 1 and start % bs and refs[seq.block_table[start // bs]] == 1):
                 if not self._make_room(seq, num_new, plan):
                     if seq.status is not SeqStatus.RUNNING:
-                        break  # it preempted itself: it was the last one
+                        # It preempted itself: the last one, or its tenant's last (tenant-scoped
+                        # preemption); another tenant's sequences may follow it in the list.
+                        i -= 1
+                        continue
                     counts[seq.seq_id] = 0
                     continue
                 kv.grow(seq, num_new, plan)
@@ -440,23 +452,30 @@ class Scheduler:
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Preempt from the tail until seq's blocks fit (counting deferred frees, which come back
         when in-flight steps report). False when seq preempted itself or must wait for them."""
+        tenant = seq.request.tenant
         need = self._preempt_until_fits(lambda: self._kv.blocks_needed(seq, num_new),
-                                        lambda victim: victim is seq, plan)
-        return need is not None and self._kv.pool.can_allocate(need)
+                                        lambda victim: victim is seq, plan, tenant)
+        return need is not None and self._kv.pool.can_allocate(need, tenant)
 
     def _preempt_until_fits(self, blocks_needed: Callable[[], int], is_self: Callable[[Sequence], bool],
-                            plan: StepPlan) -> int | None:
-        """Preempt the newest running sequences until `blocks_needed()` blocks are free or will be
-        once in-flight steps report; its last value, or None when a victim `is_self` (the one
-        making room preempted itself: it waits). Recounted after each victim: a victim may have
-        shared blocks with it."""
-        kv, running = self._kv, self._queues.running
+                            plan: StepPlan, tenant: str) -> int | None:
+        """Preempt the newest running sequences until `blocks_needed()` blocks are free, within
+        `tenant`'s cap, or will be once in-flight steps report; its last value, or None when a
+        victim `is_self` (the one making room preempted itself: it waits). Recounted after each
+        victim: a victim may have shared blocks with it. When only the tenant's cap is short, the
+        victims are that tenant's (its newest first): another tenant's blocks would not help."""
+        kv, running, pool = self._kv, self._queues.running, self._kv.pool
         need = blocks_needed()
-        while not kv.pool.can_allocate(need) and kv.pool.num_available + kv.num_deferred < need:
-            if self._leases.demote_one():  # idle sessions' pinned blocks go before running sequences
+        while not pool.can_allocate(need, tenant):
+            pool_short = pool.num_available + kv.num_deferred < need
+            if not pool_short and pool.tenant_room(tenant) + kv.deferred_of[tenant] >= need:
+                break  # it fits once the in-flight steps report
+            # idle sessions' pinned blocks go before running sequences (the tenant's own, if its cap)
+            if self._leases.demote_one(None if pool_short else tenant):
                 need = blocks_needed()
                 continue
-            victim = running[-1]
+            victim = running[-1] if pool_short else \
+                next(s for s in reversed(running) if s.request.tenant == tenant)
             self._preempt(victim, plan)
             if is_self(victim):
                 return None
@@ -541,6 +560,10 @@ class Scheduler:
         # Pooling requests: the vector rides on the delta of the token sampled in the same step
         embeddings = {e.request_id: e.values for e in result.embeddings} if result.embeddings else None
         num_accepted, previous = 0, None
+        # Accepted tokens per tenant (fair share's counters, the totals): counted per token only
+        # while several tenants have requests; with one, they are all its.
+        single = self._tenants.single_active
+        per_tenant: Counter[str] = Counter()
         beam_requests: list[Request] = []
         for i, seq_id in enumerate(result.request_ids):
             seq = live.get(seq_id)
@@ -559,6 +582,8 @@ class Scheduler:
             tokens = seq.token_ids
             tokens.append(token)
             num_accepted += 1
+            if single is None:
+                per_tenant[req.tenant] += 1
             delta = SequenceDelta(req.request_id, seq.seq_index, [token],
                                   [logprobs[i]] if logprobs and logprobs[i] is not None else [],
                                   None, req.num_prompt_tokens, req.num_cached_tokens)
@@ -575,6 +600,10 @@ class Scheduler:
             if req.request_id in self._queues.requests:
                 self._beams.advance(req, deltas)
         self._counters.generation_tokens += num_accepted
+        if single is not None and num_accepted:
+            per_tenant[single] = num_accepted
+        if per_tenant:
+            self._tenants.sampled(per_tenant)
         return deltas
 
     # -- ending -------------------------------------------------------------------------------
@@ -618,6 +647,7 @@ class Scheduler:
             req.num_unfinished -= req.num_seqs - 1
         if req.num_unfinished == 0:
             del q.requests[req.request_id]
+            self._tenants.leave(req.tenant)
 
     def _reset_worker_state(self) -> None:
         """What the worker held is gone (worker loss, fail_all): in-flight steps, owed beam

@@ -25,7 +25,7 @@ KEYS = """
 {"key": "sk-b", "tenant": "free-b"}
 {"key": "sk-t", "tenant": "tpm-t", "tokens_per_minute": 200}
 {"key": "sk-c", "tenant": "conc-c", "max_concurrent_requests": 1}
-{"key": "sk-s", "tenant": "salt-s", "cache_salt": "group-1"}
+{"key": "sk-s", "tenant": "salt-s", "cache_salt": "group-1", "kv_share": 0.25}
 """
 TABLE = parse_tenant_lines(KEYS, "keys.jsonl")
 
@@ -142,6 +142,9 @@ async def test_the_tenant_salts_the_prefix_cache(tenant_gateway, make_gateway, u
     await complete(client_for(open_gateway, "x"), extra_body={"cache_salt": "mine"})
     await complete(client_for(open_gateway, "x"))
     assert [r.cache_salt for r in upstream.engine.requests] == ["free-b", "free-b:mine", "group-1", "mine", ""]
+    # The scheduler learns the tenant (its KV cap and fair share): "" for the anonymous one.
+    assert [(r.tenant, r.kv_share) for r in upstream.engine.requests] == \
+        [("free-b", 0.0), ("free-b", 0.0), ("salt-s", 0.25), ("", 0.0), ("", 0.0)]
 
 
 async def test_a_session_reaches_the_engine_and_ends_in_its_tenant_only(tenant_gateway, upstream):

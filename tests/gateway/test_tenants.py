@@ -22,7 +22,7 @@ GOOD = """
 {"key": "sk-a-2", "tenant": "team-a"}
 
 {"key": "sk-b", "tenant": "team-b", "cache_salt": "shared", "tokens_per_minute": null}
-{"key": "sk-c", "tenant": "team-c", "cache_salt": "shared"}
+{"key": "sk-c", "tenant": "team-c", "cache_salt": "shared", "kv_share": 0.5}
 """
 
 
@@ -32,6 +32,7 @@ def test_parses_keys_tenants_limits_and_salts():
                                 key_digest("sk-b"): "team-b", key_digest("sk-c"): "team-c"}
     assert table.tenant("team-a") == Tenant("team-a", TenantLimits(60, 5000, 4))
     assert table.tenant("team-b") == Tenant("team-b", TenantLimits(), "shared")
+    assert table.tenant("team-c").kv_share == 0.5 and table.tenant("team-b").kv_share is None
     assert table.auth_required
 
 
@@ -58,6 +59,8 @@ def test_prefix_cache_salt_defaults_to_the_tenant_and_keeps_tenants_apart():
     ('{"key": "k", "tenant": "t", "tokens_per_minute": 0}', "line 1: field 'tokens_per_minute' must be a positive"),
     ('{"key": "k", "tenant": "t", "requests_per_minute": true}', "field 'requests_per_minute' must be"),
     ('{"key": "k", "tenant": "t", "max_concurrent_requests": 1.5}', "field 'max_concurrent_requests' must be"),
+    ('{"key": "k", "tenant": "t", "kv_share": 0}', "field 'kv_share' must be a number in (0, 1]"),
+    ('{"key": "k", "tenant": "t", "kv_share": 1.5}', "field 'kv_share' must be a number in (0, 1]"),
     ('{"key": "k", "tenant": "t"}\n\n{"key": "k", "tenant": "u"}', "line 3: field 'key': the same key is listed twice"),
     ('{"key": "k1", "tenant": "t", "requests_per_minute": 5}\n{"key": "k2", "tenant": "t", "requests_per_minute": 6}',
      "line 2: field 'requests_per_minute': tenant 't' already has 5"),

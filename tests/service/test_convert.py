@@ -22,7 +22,7 @@ from pagoda.contract.step import (
 )
 from pagoda.v1 import common_pb2, engine_pb2, worker_pb2
 from scheduler_svc import convert as engine_convert
-from scheduler_svc.core.outputs import SequenceDelta
+from scheduler_svc.core.outputs import SchedulerStats, SequenceDelta, TenantStats
 from scheduler_svc.core.request import EngineRequest
 
 FULL_SAMPLING = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=7, max_tokens=9,
@@ -78,9 +78,21 @@ def test_worker_info_round_trip():
 
 
 def test_engine_request_round_trip():
-    request = EngineRequest("r1", (1, 2, 3), FULL_SAMPLING, arrival_time=1.5, priority=-2, cache_salt="t")
+    request = EngineRequest("r1", (1, 2, 3), FULL_SAMPLING, arrival_time=1.5, priority=-2, cache_salt="t",
+                            tenant="team-a", kv_share=0.25)
     pb = engine_convert.request_to_pb(request)
     assert engine_convert.request_from_pb(pb, arrival_time=1.5) == request
+
+
+def test_stats_carry_the_tenants_figures():
+    core = SchedulerStats(*([0] * 15), tenants=(TenantStats("team-a", 12, 16, 900, 300, 5, 1500.0),
+                                                TenantStats("", 3, 64, 40, 8, 0, 56.0)))
+    pb = engine_convert.stats_to_pb(core, num_total_blocks=64, num_steps=1, idle=False, invariant_ok=True,
+                                    request_success={}, worker_connected=True, step_seconds_sum=0.0)
+    assert (dict(pb.tenant_blocks_held), dict(pb.tenant_blocks_cap), dict(pb.tenant_prompt_tokens),
+            dict(pb.tenant_generation_tokens), dict(pb.tenant_requests_waiting), dict(pb.tenant_virtual_tokens)) == \
+        ({"team-a": 12, "": 3}, {"team-a": 16, "": 64}, {"team-a": 900, "": 40}, {"team-a": 300, "": 8},
+         {"team-a": 5, "": 0}, {"team-a": 1500.0, "": 56.0})
 
 
 def test_empty_request_id_gets_a_fresh_one():

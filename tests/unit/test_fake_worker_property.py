@@ -1,6 +1,7 @@
 """Property tests: random traces through the scheduler core and the fake worker.
 
-After every step the block accounting holds; every sequence ends exactly once; each finished
+After every step the block accounting holds (per tenant too: each within its KV cap, the
+tenants' counts summing to used + cached); every sequence ends exactly once; each finished
 sequence's tokens equal what the deterministic fake sampler must produce for it whatever the
 scheduling (prefix hits, host-tier offloads and loads, disk-tier writes and loads (across a
 worker loss too: the fake's files outlive it), chunking, preemption by recompute or swap,
@@ -39,8 +40,13 @@ def traces(draw, through_disk: bool = False):
     # The disk tier under it: 1 or 2 files (deletes, busy files), or roomy
     num_disk_blocks = draw(st.sampled_from([1, 2, per_seq * 3] if through_disk else [0, 1, 2, per_seq * 3])) \
         if num_offload_blocks else 0
+    num_blocks = draw(st.integers(per_seq, per_seq * 4))
+    # Tenants (core/tenants.py): a KV cap between one request's worst case and the whole pool (the
+    # invariants assert no tenant ever holds more), and fair-share admission on or off.
+    def share():
+        return (draw(st.integers(per_seq, num_blocks)) + 0.5) / num_blocks
     config = SchedulerConfig(
-        num_blocks=draw(st.integers(per_seq, per_seq * 4)), block_size=block_size,
+        num_blocks=num_blocks, block_size=block_size,
         max_model_len=MAX_MODEL_LEN, max_num_seqs=draw(st.integers(3, 8)),
         max_num_batched_tokens=draw(st.integers(4, 32)),
         long_prefill_token_threshold=draw(st.sampled_from([0, 3, 7])),
@@ -48,7 +54,10 @@ def traces(draw, through_disk: bool = False):
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         max_inflight_steps=draw(st.sampled_from([1, 2, 3])), num_cpu_blocks=num_cpu_blocks,
         num_offload_blocks=num_offload_blocks, num_disk_blocks=num_disk_blocks,
-        preemption_mode=draw(st.sampled_from(modes)))
+        preemption_mode=draw(st.sampled_from(modes)),
+        tenant_kv_share=draw(st.sampled_from([1.0, min(1.0, share())])),
+        tenant_fairness=draw(st.sampled_from(["off", "vtc"])))
+    tenant_shares = {"": 0.0, "a": 0.0, "b": draw(st.sampled_from([0.0, min(1.0, share())]))}
     bases = draw(st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=20), min_size=1, max_size=3))
     requests = []
     for i in range(draw(st.integers(1, 8))):
@@ -63,7 +72,9 @@ def traces(draw, through_disk: bool = False):
         session = draw(st.sampled_from([None, None, "s0", "s1"]))  # a lease (tiers/sessions.py), TTL in steps
         request = EngineRequest(RequestId(f"r{i}"), tuple(prompt), sampling, priority=draw(st.integers(0, 2)),
                                 cache_salt=draw(st.sampled_from([None, None, "tenant"])), session_id=session,
-                                session_ttl=draw(st.sampled_from([3.0, 50.0])) if session else 0.0)
+                                session_ttl=draw(st.sampled_from([3.0, 50.0])) if session else 0.0,
+                                tenant=(tenant := draw(st.sampled_from(sorted(tenant_shares)))),
+                                kv_share=tenant_shares[tenant])
         requests.append((draw(st.integers(0, 12)), request))  # (arrival step, request)
     aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, len(requests) - 1)), max_size=3))
     worker_loss_step = draw(st.integers(1, 30) if through_disk else st.one_of(st.none(), st.integers(1, 30)))

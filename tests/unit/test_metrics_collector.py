@@ -137,3 +137,22 @@ def test_gateway_latency_histograms_in_seconds() -> None:
     ttft_bounds = sorted(float(dict(labels)["le"]) for name, labels in got
                          if name == "vllm:time_to_first_token_seconds_bucket")
     assert ttft_bounds == [*TTFT_BUCKETS, float("inf")]
+
+
+def test_the_schedulers_per_tenant_figures_are_labelled_by_tenant() -> None:
+    stats = engine_pb2.EngineStats(
+        tenant_blocks_held={"team-a": 12, "": 3}, tenant_blocks_cap={"team-a": 16, "": 64},
+        tenant_prompt_tokens={"team-a": 900, "": 40}, tenant_generation_tokens={"team-a": 300, "": 8},
+        tenant_requests_waiting={"team-a": 5, "": 0}, tenant_virtual_tokens={"team-a": 1500.0, "": 56.0})
+    got = scrape_collector(lambda: stats)
+    a = (("model_name", MODEL), ("tenant", "team-a"))
+    anonymous = (("model_name", MODEL), ("tenant", "anonymous"))  # "" upstream
+    assert {k: v for k, v in got.items() if k[0].startswith("pagoda:tenant_")} == {
+        ("pagoda:tenant_kv_blocks", a): 12.0, ("pagoda:tenant_kv_blocks", anonymous): 3.0,
+        ("pagoda:tenant_kv_blocks_cap", a): 16.0, ("pagoda:tenant_kv_blocks_cap", anonymous): 64.0,
+        ("pagoda:tenant_requests_waiting", a): 5.0, ("pagoda:tenant_requests_waiting", anonymous): 0.0,
+        ("pagoda:tenant_virtual_tokens", a): 1500.0, ("pagoda:tenant_virtual_tokens", anonymous): 56.0,
+        ("pagoda:tenant_prompt_tokens_total", a): 900.0, ("pagoda:tenant_prompt_tokens_total", anonymous): 40.0,
+        ("pagoda:tenant_generation_tokens_total", a): 300.0,
+        ("pagoda:tenant_generation_tokens_total", anonymous): 8.0,
+    }

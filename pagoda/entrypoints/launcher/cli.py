@@ -92,6 +92,10 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
                    help="the scheduler's: recompute or swap a preempted sequence (default: by cost)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="the scheduler's speculative decoding (ngram or suffix), as JSON (see its --help)")
+    g.add_argument("--tenant-kv-share", type=float, default=None, metavar="F",
+                   help="the scheduler's per-tenant KV cap, a fraction of the pool (default: 1.0, none)")
+    g.add_argument("--tenant-fairness", choices=["off", "vtc"], default=None,
+                   help="the scheduler's admission across tenants (default: off)")
 
     g = groups["gateway"]
     g.add_argument("--no-gateway", action="store_true", help="start only the workers and schedulers")

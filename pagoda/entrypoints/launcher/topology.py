@@ -94,6 +94,10 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
         swap += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
     quant = ["--quantization", args.quantization] if args.quantization != "auto" else []
     preemption = ["--preemption-mode", args.preemption_mode] if args.preemption_mode else []
+    if getattr(args, "tenant_kv_share", None) is not None:
+        preemption += ["--tenant-kv-share", str(args.tenant_kv_share)]
+    if getattr(args, "tenant_fairness", None):
+        preemption += ["--tenant-fairness", args.tenant_fairness]
     # Like the flags above, only what differs from the worker's defaults (last, normalised).
     pooling = [*(["--pooling-type", args.pooling_type] if args.pooling_type != "last" else []),
                *([] if args.normalize_embeddings else ["--no-normalize-embeddings"])]

@@ -140,7 +140,7 @@ class Speculator:
         drafts = drafts[:budget - 1]
         num_new = 1 + len(drafts)
         kv = self._kv
-        if not kv.pool.can_allocate(kv.blocks_needed(seq, num_new)):
+        if not kv.pool.can_allocate(kv.blocks_needed(seq, num_new), seq.request.tenant):
             return 0  # the plain decode path may preempt for its one token; drafts never do
         plan = draft.plan
         kv.grow(seq, num_new, plan)

@@ -89,11 +89,14 @@ class SessionLeases:
         self._kv.release(lease.blocks, None)
         return True
 
-    def demote_one(self) -> bool:
-        """Pressure: the least recently used lease holding blocks lets them go to the evictable LRU
-        (and from there, when evicted, to the host tier). False when no lease holds any."""
+    def demote_one(self, tenant: str | None = None) -> bool:
+        """Pressure: the least recently used lease holding blocks (holding blocks `tenant` owns,
+        when its KV cap is what is short: a lease is charged to the tenant whose blocks it holds,
+        block_pool.py) lets them go to the evictable LRU (and from there, when evicted, to the host
+        tier). False when no such lease holds any."""
+        owner = self._kv.pool.owner
         for lease in self._leases.values():
-            if lease.blocks:
+            if lease.blocks and (tenant is None or any(owner(b) == tenant for b in lease.blocks)):
                 self._kv.release(lease.blocks, None)
                 lease.blocks = []
                 self.num_demoted += 1
