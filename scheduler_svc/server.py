@@ -80,7 +80,7 @@ def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> Scheduler
         num_cpu_blocks=info.num_cpu_blocks, preemption_mode=config.preemption_mode,
         num_offload_blocks=info.num_offload_blocks if config.enable_prefix_caching else 0,
         num_disk_blocks=info.num_disk_blocks if config.enable_prefix_caching else 0,
-        sliding_window=info.sliding_window)
+        sliding_window=info.sliding_window, kv_migration=info.kv_migration)
 
 
 @dataclass(slots=True)

@@ -108,6 +108,8 @@ class SchedulerConfig:
     # The model's sliding window when every layer has one (the worker's Init); 0: none. Blocks
     # wholly before a sequence's window are freed (kv_cache_manager.py: free_out_of_window).
     sliding_window: int = 0
+    # The worker exports and imports migrated requests' KV (its Init; core/tiers/migration.py).
+    kv_migration: bool = False
 
     def __post_init__(self) -> None:
         check_preemption_mode(self.preemption_mode, has_host_pool=self.num_cpu_blocks >= 1)
