@@ -49,7 +49,10 @@ def add_admin_routes(app: FastAPI, state: GatewayState) -> None:
         for replicas in replica_sets():
             if body.target is not None and not 0 <= body.target < len(replicas.replicas):
                 continue
-            moved = await replicas.migrate(body.request_id, body.target)
+            try:
+                moved = await replicas.migrate(body.request_id, body.target)
+            except TimeoutError:  # asked, but the target has not streamed yet: it may still move
+                return {"request_id": body.request_id, "migrated": False, "error": "timed out"}
             if moved is not None:
                 log.info("request_migrated", request_id=body.request_id, **moved)
                 return {"request_id": body.request_id, **moved}

@@ -233,7 +233,11 @@ class Scheduler:
         self._counters.num_preemptions += self._queues.requeue_all()
         self._brownout.rebase(self._counters.num_preemptions)  # a worker loss is not memory pressure
         self._isolator.probe = None  # discarded with the other in-flight steps; its suspect stays one
+        asked = self._migrator.asked  # not detached yet: they move now, to recompute on their target
         self._migrated_after_loss += self._migrator.reset()
+        for seq, migration_id in asked.items():
+            if seq.status is not SeqStatus.FINISHED:
+                self._migrated_after_loss += self._end_migrated(seq.request, KvHandoff(migration_id, 0, 0))
         self._reset_worker_state()  # the host pool's contents went with the worker: they recompute
 
     def restore_disk_tier(self, blocks: tuple[DiskBlock, ...]) -> None:

@@ -145,3 +145,22 @@ def test_n_greater_than_one_is_refused():
     sched.add_request(request("n2", n=2))
     with pytest.raises(InvalidRequestError):
         sched.export_request(RequestId("n2"), "m5")
+
+
+@pytest.mark.parametrize("when", ["asked", "exporting"])
+def test_a_worker_loss_moves_the_request_with_an_empty_handoff(when):
+    """The export may not have run: the request still moves (its stream ends MIGRATED), and its
+    target recomputes it, as a failover continuation."""
+    sched, worker = replica({}, inflight=1)
+    driver = Driver(sched, worker)
+    sched.add_request(request("r"))
+    while not any(d.new_token_ids for d in driver.step()):
+        pass
+    sched.export_request(RequestId("r"), "m6")
+    if when == "exporting":
+        sched.schedule()  # the export's plan is out; its step never reports
+    sched.reset_after_worker_loss()
+    deltas = sched.take_migrated_after_loss()
+    assert [(d.finish_reason, d.migration) for d in deltas] == [(FinishReason.MIGRATED, KvHandoff("m6", 0, 0))]
+    assert not sched.has_unfinished_requests() and sched.take_migrated_after_loss() == []
+    sched.check_invariants()

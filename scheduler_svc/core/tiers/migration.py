@@ -89,7 +89,7 @@ class Migrator:
         """The worker is gone: exports in flight may not have run. Their deltas, with an empty handoff."""
         deltas = [d for held in self._held.values() for d in held]
         self._held.clear()
-        self.asked.clear()
+        self.asked = {}  # (a new dict: the scheduler ends the old one's sequences)
         for delta in deltas:
             if delta.migration is not None:
                 delta.migration = KvHandoff(delta.migration.migration_id, 0, 0)
