@@ -75,3 +75,19 @@ async def test_an_unknown_request_is_not_migrated_and_a_drained_replica_leaves_t
         assert replicas.available() == [1]
         replicas.undrain(0)
         assert replicas.available() == [0, 1]
+
+
+async def test_drain_moves_the_streams_of_a_replica_and_takes_it_out_of_the_rotation():
+    async with replica_set(_engine(), _engine()) as replicas:
+        undisturbed = _tokens(await _responses(replicas, _request()))
+    source, target = MigratingEngine(model_name="m", scripts=[[]], tokens_per_response=3), _engine()
+    async with replica_set(source, target) as replicas:
+        stream = replicas.generate(_request())
+        received = [await anext(stream)]
+        drain = asyncio.create_task(replicas.drain(0))
+        received += [r async for r in stream]
+        moves = await drain
+        assert replicas.available() == [1]  # new requests go to the other replica only
+    assert _tokens(received) == undisturbed
+    assert [(m["migrated"], m["source"], m["target"]) for m in moves] == [(True, 0, 1)]
+    assert len(target.requests) == 1 and target.requests[0].kv_import == HANDOFF
