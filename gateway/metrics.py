@@ -35,7 +35,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["CONTENT_TYPE_LATEST", "FALLBACK_REQUESTS", "HTTP_REQUESTS", "INTER_TOKEN_BUCKETS", "METRICS",
            "REPLICA_BREAKER_OPENED", "REPLICA_UP", "REQUEST_LATENCY_BUCKETS", "ROUTER_REQUESTS",
-           "ROUTER_RESUBMITTED", "ROUTER_STREAMS_FAILED", "ROUTER_STREAM_FAILOVERS", "TENANT_IN_FLIGHT", "TENANT_RATE_LIMITED",
+           "ROUTER_RESUBMITTED", "ROUTER_STREAMS_FAILED", "ROUTER_STREAM_FAILOVERS", "ROUTER_MIGRATIONS", "TENANT_IN_FLIGHT", "TENANT_RATE_LIMITED",
            "TENANT_REQUESTS", "TENANT_TOKENS", "TTFT_BUCKETS", "EngineStatsCollector", "GatewayMetrics",
            "RequestTimer"]
 
@@ -317,6 +317,9 @@ ROUTER_STREAMS_FAILED = Counter("pagoda:router_streams_failed", "Streams already
 ROUTER_STREAM_FAILOVERS = Counter("pagoda:router_stream_failovers", "Streams already under way whose replica "
                                   "failed and that went on on another replica (mid-stream failover); "
                                   "labelled by the replica that failed.", ["replica"], registry=METRICS.registry)
+ROUTER_MIGRATIONS = Counter("pagoda:router_migrations", "Streams moved to another replica with their KV "
+                            "(live migration: POST /admin/migrate, drain); labelled by the replica they left.",
+                            ["replica"], registry=METRICS.registry)
 REPLICA_UP = Gauge("pagoda:replica_up", "1 while a replica's circuit breaker is closed (in rotation).",
                    ["replica"], registry=METRICS.registry)
 REPLICA_BREAKER_OPENED = Counter("pagoda:replica_breaker_opened", "Times a replica's circuit breaker opened "

@@ -26,7 +26,7 @@ from pagoda.contract.step import WorkerInfo
 from pagoda.v1 import common_pb2, engine_pb2
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.outputs import SequenceDelta
-from scheduler_svc.core.request import EngineRequest
+from scheduler_svc.core.request import EngineRequest, KvHandoff
 
 
 def request_from_pb(pb: engine_pb2.GenerateRequest, arrival_time: float,
@@ -42,7 +42,17 @@ def request_from_pb(pb: engine_pb2.GenerateRequest, arrival_time: float,
         arrival_time=arrival_time, priority=pb.priority, cache_salt=pb.cache_salt or None,
         lora=lora_from_pb(pb), num_prior_output_tokens=pb.num_prior_output_tokens,
         session_id=pb.session_id or None, session_ttl=pb.session_ttl_s, tenant=pb.tenant,
-        kv_share=pb.kv_share)
+        kv_share=pb.kv_share,
+        kv_import=handoff_from_pb(pb.kv_import) if pb.HasField("kv_import") else None)
+
+
+def handoff_from_pb(pb: common_pb2.KvHandoff) -> KvHandoff:
+    return KvHandoff(pb.migration_id, pb.num_tokens, pb.num_blocks)
+
+
+def handoff_to_pb(handoff: KvHandoff) -> common_pb2.KvHandoff:
+    return common_pb2.KvHandoff(migration_id=handoff.migration_id, num_tokens=handoff.num_tokens,
+                                num_blocks=handoff.num_blocks)
 
 
 def request_to_pb(request: EngineRequest) -> engine_pb2.GenerateRequest:
@@ -75,13 +85,15 @@ def response_to_pb(request_id: str, deltas: Iterable[SequenceDelta], finished: b
     deltas = list(deltas)
     first = deltas[0] if deltas else None
     prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), ())
+    handoff = next((d.migration for d in deltas if d.migration is not None), None)
     return engine_pb2.GenerateResponse(
         request_id=request_id, sequences=[delta_to_pb(d) for d in deltas],
         num_prompt_tokens=first.num_prompt_tokens if first else 0,
         num_cached_tokens=first.num_cached_tokens if first else 0,
         queue_seconds=queue_seconds, finished=finished,
         prompt_logprobs=[logprobs_to_pb(lp) for lp in prompt_logprobs], timings=timings,
-        embedding=next((d.embedding for d in deltas if d.embedding), ()))
+        embedding=next((d.embedding for d in deltas if d.embedding), ()),
+        kv_export=handoff_to_pb(handoff) if handoff is not None else None)
 
 
 def finish_reason_name(reason: FinishReason | None) -> str:

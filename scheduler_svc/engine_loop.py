@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+import uuid
 from collections import Counter, defaultdict
 
 import grpc
@@ -108,6 +109,20 @@ class EngineLoop:
         self._wake.set()  # the next plan tells the worker to drop the request
         return True
 
+    def migrate(self, request_id: RequestId) -> bool:
+        """Live migration (core/tiers/migration.py): export the request's KV and end its stream with
+        MIGRATED and the handoff; the gateway carries it on on another replica. False if unknown."""
+        if request_id not in self._streams:
+            return False
+        migration_id = uuid.uuid4().hex
+        deltas = self.scheduler.export_request(request_id, migration_id)
+        if deltas is None:
+            return False
+        self._dispatch(deltas)  # a waiting request ends now; a running one when its export step reports
+        log.info("request_migrating", request_id=request_id, migration_id=migration_id)
+        self._wake.set()
+        return True
+
     def end_session(self, cache_salt: str | None, session_id: str) -> bool:
         """End a session's lease now (its blocks become ordinary cached blocks)."""
         found = self.scheduler.end_session(cache_salt, session_id)
@@ -149,6 +164,7 @@ class EngineLoop:
                 break
             self._set_connected(False)
             self.scheduler.reset_after_worker_loss()
+            self._dispatch(self.scheduler.take_migrated_after_loss())  # they recompute on their target
             self._sent_at.clear()
             self._tracing.worker_lost()
             await self._reconnect()

@@ -84,6 +84,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         found = self._engine.end_session(request.cache_salt or None, request.session_id)
         return engine_pb2.EndSessionResponse(found=found)
 
+    async def Migrate(self, request: engine_pb2.MigrateRequest, context) -> engine_pb2.MigrateResponse:
+        """Live migration: the request's stream ends with MIGRATED and its KV handoff (engine_loop)."""
+        try:
+            accepted = self._engine.migrate(RequestId(request.request_id))
+        except Exception as error:  # noqa: BLE001 - mapped by the error table
+            await abort_with(context, error)
+        return engine_pb2.MigrateResponse(accepted=accepted)
+
     async def GetInfo(self, request, context) -> engine_pb2.EngineInfo:
         if self._info is None:
             await abort_with(context, WorkerUnavailableError("the scheduler is waiting for its worker"))

@@ -44,6 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: none). --fake: kept in memory")
     p.add_argument("--kv-offload-dir-size", type=float, default=8.0, metavar="GiB",
                    help="the disk tier's size cap; the least recently used files go first (default 8)")
+    p.add_argument("--kv-migrate-dir", default=None, metavar="DIR",
+                   help="live migration: where migrated requests' KV blocks go between replicas; give every "
+                        "replica's worker the same folder (one host or a shared volume). Default: none "
+                        "(a migrated request recomputes on its target)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cupy"])
     p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU: pre-pack linear weights for oneDNN at load (faster GEMMs; see "
@@ -94,7 +98,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, swap_space=args.swap_space, pooling_type=args.pooling_type,
         kv_offloading_size=args.kv_offloading_size, kv_offload_dir=args.kv_offload_dir,
-        kv_offload_dir_size=args.kv_offload_dir_size,
+        kv_offload_dir_size=args.kv_offload_dir_size, kv_migrate_dir=args.kv_migrate_dir,
         normalize_embeddings=args.normalize_embeddings)
 
 

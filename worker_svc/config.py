@@ -54,6 +54,10 @@ class WorkerConfig:
     # GiB (LRU by file); they survive a restart. None (the default): dropped. Needs the host tier.
     kv_offload_dir: str | None = None
     kv_offload_dir_size: float = 8.0
+    # Live migration (worker_svc/disk_tier/migration.py): the folder, shared by the replicas' workers,
+    # where a migrated request's KV blocks go from the source to the target. None: no migration
+    # of KV (a migrated request recomputes on its target).
+    kv_migrate_dir: str | None = None
     # Embeddings (worker_svc/pooling.py): vLLM's --pooling-type (last | mean) and normalisation
     pooling_type: str = "last"
     normalize_embeddings: bool = True

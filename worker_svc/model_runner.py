@@ -27,6 +27,7 @@ from pagoda.runtime.model_files import is_gguf_file
 from worker_svc import fault_injection
 from worker_svc.config import WorkerConfig
 from worker_svc.disk_tier.block_file import BlockFileRefused, model_fingerprint
+from worker_svc.disk_tier.migration import MigrationStore
 from worker_svc.disk_tier.store import DiskStore, num_disk_blocks
 from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.input_batch import (
@@ -116,6 +117,8 @@ class ModelRunner:
         self.host_pool: HostKVPool | None = None  # --swap-space: swapped-out blocks
         self.disk: DiskStore | None = None  # --kv-offload-dir: the prefix cache's disk tier
         self._disk_payloads: list[torch.Tensor] = []  # the validated plan's disk loads, read
+        self.migration: MigrationStore | None = None  # --kv-migrate-dir: live migration's files
+        self._import_payloads: list[torch.Tensor] = []  # the validated plan's migrated blocks, read
         self._last_step_id: int | None = None
         self.unsampled: list[CachedRequestState] = []  # TP follower: awaiting rank 0's tokens
         self._embeddings: list = []  # the pooling requests' vectors of the step being executed
@@ -152,6 +155,7 @@ class ModelRunner:
                                         pin_memory=self.device.type == "cuda")
         self.reset()
         self.disk = self._disk_store(shape, num_offload_blocks)
+        self.migration = self._migration_store(shape)
         return WorkerInfo(num_blocks=num_blocks, block_size=self.config.block_size,
                           max_model_len=self.max_model_len,
                           eos_token_ids=tuple(self.model_config.eos_token_ids),
@@ -161,7 +165,16 @@ class ModelRunner:
                           num_cpu_blocks=num_host_blocks, num_offload_blocks=num_offload_blocks,
                           sliding_window=self.model_config.kv_window,
                           num_disk_blocks=self.disk.capacity if self.disk else 0,
-                          disk_blocks=self.disk.listing() if self.disk else ())
+                          disk_blocks=self.disk.listing() if self.disk else (),
+                          kv_migration=self.migration is not None)
+
+    def _migration_store(self, shape: CacheShape) -> MigrationStore | None:
+        """Live migration's folder (--kv-migrate-dir); not with TP yet (each rank holds some heads)."""
+        if not self.config.kv_migrate_dir or self.tp.size > 1:
+            return None
+        fingerprint = model_fingerprint(self.config.model, self.dtype, self.cache_dtype, str(self.quantization),
+                                        shape.block_size, shape.num_layers, shape.num_kv_heads, shape.head_dim)
+        return MigrationStore(self.config.kv_migrate_dir, fingerprint, shape.block_size)
 
     def _disk_store(self, shape: CacheShape, num_offload_blocks: int) -> DiskStore | None:
         """The disk tier's directory (--kv-offload-dir), under the host tier, whose drops it keeps."""
@@ -214,6 +227,26 @@ class ModelRunner:
                 self._disk_payloads = self.disk.read(plan.disk_loads)
             except BlockFileRefused as error:
                 raise PlanError(f"a disk tier file was refused: {error}") from error
+        if plan.kv_exports or plan.kv_imports:
+            self._validate_migration(plan)
+
+    def _validate_migration(self, plan: StepPlan) -> None:
+        """Exports name resident requests; imports are read and verified now (PlanError before
+        anything changed, as disk loads)."""
+        if self.migration is None:
+            raise PlanError("a KV export or import but this worker has no --kv-migrate-dir")
+        for export in plan.kv_exports:
+            state = self.requests.get(export.request_id)
+            if state is None or export.num_tokens > len(state.token_ids):
+                raise PlanError(f"KV export of {export.request_id!r}, not resident with {export.num_tokens} tokens")
+        num_blocks = self.kv_cache.num_blocks  # type: ignore[union-attr]  # validate() checked
+        blocks = [b for e in plan.kv_exports for b in e.block_ids] + [b for i in plan.kv_imports for b in i.block_ids]
+        if any(not 0 <= b < num_blocks for b in blocks):
+            raise PlanError(f"a KV export or import names a block out of range: {blocks}")
+        new = {r.request_id: r.token_ids for r in plan.new_requests}
+        if any(i.request_id not in new for i in plan.kv_imports):
+            raise PlanError("a KV import for a request this plan does not start")
+        self._import_payloads = self.migration.read(plan.kv_imports, new) if plan.kv_imports else []
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Raises PlanError (before any change) for a plan that does not apply."""
@@ -279,6 +312,10 @@ class ModelRunner:
 
     def _apply(self, plan: StepPlan) -> list[ScheduledSeq]:
         """Apply the plan's changes; return the sequences computed this step, in resident order."""
+        if plan.kv_exports:  # first of all: the finished ids below drop these requests' tokens
+            assert self.migration is not None and self.kv_cache is not None  # _validate_migration checked
+            self.migration.export(raw_view(self.kv_cache.storage), plan.kv_exports,
+                                  {e.request_id: self.requests[e.request_id].token_ids for e in plan.kv_exports})
         if plan.beam_updates:  # first: a beam the plan drops may still be another one's parent
             apply_beam_updates(self.requests, plan.beam_updates)
         for request_id in (*plan.finished_ids, *plan.preempted_ids):
@@ -306,6 +343,10 @@ class ModelRunner:
             assert self.disk is not None and self.kv_cache is not None
             self.disk.place(raw_view(self.kv_cache.storage), plan.disk_loads, self._disk_payloads)
             self._disk_payloads = []
+        if plan.kv_imports:  # with the disk loads: fresh blocks of new requests, read at validation
+            assert self.migration is not None and self.kv_cache is not None
+            self.migration.place(raw_view(self.kv_cache.storage), plan.kv_imports, self._import_payloads)
+            self._import_payloads = []
         if plan.block_copies:
             assert self.kv_cache is not None
             self.kv_cache.copy_blocks([c.src for c in plan.block_copies],

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
+from gateway.admin_routes import add_admin_routes
 from gateway.anthropic.routes import add_anthropic_routes
 from gateway.errors import GatewayError, UpstreamError, error_body, to_client_error
 from gateway.openai.json_body import IJSONRoute
@@ -76,6 +77,7 @@ def create_app(state: GatewayState) -> FastAPI:
     _add_routes(app, state)
     add_lora_routes(app, state)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     add_session_routes(app, state)  # DELETE /v1/sessions/{id}
+    add_admin_routes(app, state)  # POST /admin/migrate, /admin/drain: live migration
     add_anthropic_routes(app, state)  # /v1/messages: Anthropic's Messages API
     add_chat_page(app)  # GET /: the chat page (gateway/web/static/), outside the OpenAPI schema
     _add_error_handlers(app, state.config.retry_after_s)

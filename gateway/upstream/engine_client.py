@@ -63,6 +63,11 @@ class EngineClient:
         reply = await self._unary(self._stub.Abort, engine_pb2.AbortRequest(request_id=request_id))
         return reply.found
 
+    async def migrate(self, request_id: str) -> bool:
+        """Live migration: the scheduler exports the request and ends its stream with MIGRATED."""
+        reply = await self._unary(self._stub.Migrate, engine_pb2.MigrateRequest(request_id=request_id))
+        return reply.accepted
+
     async def end_session(self, session_id: str, cache_salt: str) -> bool:
         reply = await self._unary(self._stub.EndSession, engine_pb2.EndSessionRequest(
             session_id=session_id, cache_salt=cache_salt))

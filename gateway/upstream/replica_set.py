@@ -13,6 +13,11 @@ streams continue with exactly the tokens the first replica would have sampled. R
 Every replica is tried at most once per request, and at most `max_stream_failovers` continuations;
 then the error ends the stream (the handlers render it as before). Aborts go to the replica that
 holds the request. Ready when at least one replica serves.
+
+Live migration (`migrate`, `drain`; gateway/upstream/migration.py): a stream whose replica ends it
+with MIGRATED goes on on the target as the same continuation, carrying the exported KV handoff
+(`kv_import`), so the target computes no prefill; it counts neither as a failover nor as a try.
+A drained replica leaves the rotation until `undrain`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import grpc
 from gateway import metrics
 from gateway.errors import UpstreamError
 from gateway.upstream.engine_client import EngineClient
+from gateway.upstream.migration import Moves, migrated_handoff
 from gateway.upstream.routing import BreakerState, CircuitBreaker, Router, RoutingConfig, routing_key
 from pagoda.contract.common_codec import lora_from_pb
 from pagoda.runtime.logging import get_logger
@@ -100,6 +106,8 @@ class ReplicaSet:
         self.block_size = 0  # from GetInfo; 0 (no key) until a replica answered
         self._config = routing
         self._holders: dict[str, Replica] = {}  # request id -> the replica streaming it
+        self._moves = Moves()  # live migrations asked and not complete yet
+        self.drained: set[int] = set()  # out of rotation (drain): new requests go elsewhere
         self._refreshers: list[asyncio.Task] = []
         for replica in self.replicas:
             metrics.REPLICA_UP.labels(replica.label).set(1)
@@ -155,7 +163,7 @@ class ReplicaSet:
     def available(self, exclude: set[int] = frozenset()) -> list[int]:
         """Replicas in rotation (closed breakers); when none is, every one not excluded (a request
         then fails fast with the replica's own error rather than a made-up one)."""
-        candidates = [r.index for r in self.replicas if r.index not in exclude]
+        candidates = [r.index for r in self.replicas if r.index not in exclude and r.index not in self.drained]
         closed = [i for i in candidates if self.replicas[i].breaker.closed]
         return closed or candidates
 
@@ -167,13 +175,25 @@ class ReplicaSet:
         key = (routing_key(request.prompt_token_ids, request.cache_salt, self.block_size,
                            self._config.prefix_blocks, lora.cache_key if lora else None)
                if self.block_size else None)
+        try:
+            async with contextlib.aclosing(self._attempts(request, metadata, key)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            self._moves.ended(request.request_id)  # a move asked for and not complete: it ended here
+
+    async def _attempts(self, request: engine_pb2.GenerateRequest, metadata, key: bytes | None
+                        ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         tried: set[int] = set()
-        attempt = request  # the original, or its continuation after a mid-stream failover
+        attempt = request  # the original, or its continuation after a failover or a migration
         produced: list[int] = []  # sequence 0's tokens streamed so far, on every replica
         failovers = 0
+        moved_to: int | None = None  # a live migration's target, for the next attempt
         while True:
             candidates = self.available(tried)
-            if tried:  # failover: the least-loaded of the rest, whatever the policy
+            if moved_to is not None:  # live migration: the target asked for (or chosen) already
+                chosen, reason, moved_to = moved_to, "migration", None
+            elif tried:  # failover: the least-loaded of the rest, whatever the policy
                 chosen, reason = self.router.least_loaded(candidates), "failover"
             else:
                 chosen, reason = self.router.choose(key, candidates)
@@ -182,17 +202,24 @@ class ReplicaSet:
             metrics.ROUTER_REQUESTS.labels(replica.label, reason).inc()
             self._holders[request.request_id] = replica
             started = False
+            handoff = None
             try:
                 async with contextlib.aclosing(replica.client.generate(attempt, metadata)) as stream:
                     async for response in stream:
+                        handoff = migrated_handoff(response)
+                        if handoff is not None:  # it left this replica: no token, no finish for the caller
+                            break
                         if not started and any(d.token_ids or d.finish_reason for d in response.sequences):
                             started = True
                             self._succeeded(replica)  # it serves (the caller may stop reading early)
+                            if attempt.HasField("kv_import"):
+                                self._moves.resumed(request.request_id)
                         if attempt is not request:
                             _as_continued(response)
                         produced += [t for d in response.sequences if d.index == 0 for t in d.token_ids]
                         yield response
-                return
+                if handoff is None:
+                    return
             except UpstreamError as error:
                 if error.grpc_code == grpc.StatusCode.UNAVAILABLE:
                     self._failed(replica, "request failed: UNAVAILABLE")
@@ -219,6 +246,19 @@ class ReplicaSet:
             finally:
                 if self._holders.get(request.request_id) is replica:
                     del self._holders[request.request_id]
+            if handoff is not None:
+                attempt = continuation(request, produced)
+                attempt.kv_import.CopyFrom(handoff)
+                move = self._moves.exported(request.request_id, handoff)
+                others = self.available({replica.index}) if len(self.replicas) > 1 else [replica.index]
+                asked = move.target if move is not None else None
+                moved_to = asked if asked is not None else self.router.least_loaded(others)
+                if move is not None:
+                    move.chosen = moved_to
+                tried.discard(moved_to)
+                metrics.ROUTER_MIGRATIONS.labels(replica.label).inc()
+                log.info("stream_migrated", request_id=request.request_id, source=replica.index, target=moved_to,
+                         tokens_streamed=len(produced), kv_tokens=handoff.num_tokens, kv_blocks=handoff.num_blocks)
 
     async def abort(self, request_id: str) -> bool:
         holder = self._holders.get(request_id)
@@ -227,6 +267,34 @@ class ReplicaSet:
         found = await asyncio.gather(*(r.client.abort(request_id) for r in self.replicas),
                                      return_exceptions=True)
         return any(f is True for f in found)
+
+    async def migrate(self, request_id: str, target: int | None = None, timeout_s: float = 60.0) -> dict | None:
+        """Move a stream under way to `target` (None: the least loaded other replica) with its KV;
+        the move's figures once the target streamed its first token. None: no replica streams it."""
+        holder = self._holders.get(request_id)
+        if holder is None:
+            return None
+        move = self._moves.start(request_id, target, holder.index)
+        try:
+            accepted = await holder.client.migrate(request_id)
+        except BaseException:
+            self._moves.ended(request_id)
+            raise
+        if not accepted:
+            self._moves.ended(request_id)
+            return None
+        return await asyncio.wait_for(asyncio.shield(move.done), timeout_s)
+
+    async def drain(self, index: int) -> list[dict]:
+        """Take replica `index` out of rotation and move every stream it serves elsewhere (then it
+        may be stopped with nothing lost); `undrain` puts it back."""
+        self.drained.add(index)
+        held = [rid for rid, replica in self._holders.items() if replica.index == index]
+        moved = await asyncio.gather(*(self.migrate(rid) for rid in held), return_exceptions=True)
+        return [m if isinstance(m, dict) else {"migrated": False, "error": str(m)} for m in moved if m is not None]
+
+    def undrain(self, index: int) -> None:
+        self.drained.discard(index)
 
     async def end_session(self, session_id: str, cache_salt: str) -> bool:
         """On every replica: the session's turns may have been routed to any of them."""

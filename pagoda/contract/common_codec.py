@@ -23,6 +23,7 @@ _FINISH_TO_PB = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+    FinishReason.MIGRATED: common_pb2.FINISH_REASON_MIGRATED,
 }
 _FINISH_FROM_PB = {code: reason for reason, code in _FINISH_TO_PB.items()}
 

@@ -20,6 +20,7 @@ class FinishReason(StrEnum):
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # cancelled by the caller
     ERROR = "error"  # failed: worker lost and not back in time, or an internal error
+    MIGRATED = "migrated"  # moved to another replica (live migration); the gateway carries it on
 
 
 _UINT32_MAX = 2**32 - 1

@@ -89,6 +89,30 @@ class DiskLoad:
 
 
 @dataclass(slots=True)
+class KvExport:
+    """Live migration, on the source: write blocks [0, len(block_ids)) of `request_id`'s table
+    (its first `num_tokens` tokens' KV) to the shared migration directory under `migration_id`."""
+
+    request_id: RequestId
+    migration_id: str
+    block_ids: list[BlockId]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class KvImport:
+    """Live migration, on the target: migrated files first_block, first_block + 1, ... into device
+    blocks `block_ids` of the new request `request_id` (verified against its first `num_tokens`
+    token ids, the exported ones)."""
+
+    request_id: RequestId
+    migration_id: str
+    first_block: int
+    block_ids: list[BlockId]
+    num_tokens: int
+
+
+@dataclass(slots=True)
 class Fork:
     """Parallel sampling (n>1): after this step's forward, `parent` sampled its first token.
 
@@ -145,13 +169,18 @@ class StepPlan:
     disk_deletes: list[bytes] = field(default_factory=list)
     disk_writes: list[DiskWrite] = field(default_factory=list)
     disk_loads: list[DiskLoad] = field(default_factory=list)
+    # Live migration (scheduler_svc/core/tiers/migration.py): exports run first of all (before the
+    # finished ids drop their requests, before anything writes a block); imports with disk_loads.
+    kv_exports: list[KvExport] = field(default_factory=list)
+    kv_imports: list[KvImport] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not (self.new_requests or self.finished_ids or self.preempted_ids
                     or self.table_updates or self.num_scheduled_tokens or self.block_copies
                     or self.forks or self.draft_token_ids or self.beam_updates or self.swap_out
-                    or self.swap_in or self.disk_deletes or self.disk_writes or self.disk_loads)
+                    or self.swap_in or self.disk_deletes or self.disk_writes or self.disk_loads
+                    or self.kv_exports or self.kv_imports)
 
 
 @dataclass(slots=True)
@@ -225,3 +254,4 @@ class WorkerInfo:
     # first. The scheduler rebuilds its disk index from this at every Init (a restart included).
     num_disk_blocks: int = 0
     disk_blocks: tuple[DiskBlock, ...] = ()
+    kv_migration: bool = False  # it exports and imports migrated KV (--kv-migrate-dir)

@@ -25,6 +25,8 @@ from pagoda.contract.step import (
     DiskWrite,
     Embedding,
     Fork,
+    KvExport,
+    KvImport,
     NewRequestData,
     PromptLogprobs,
     StepPlan,
@@ -54,7 +56,12 @@ def plan_to_pb(plan: StepPlan, epoch: int) -> worker_pb2.StepPlan:
         disk_deletes=plan.disk_deletes,
         disk_writes=[worker_pb2.DiskWrite(src=w.src, block=disk_block_to_pb(w.block),
                                                  from_device=w.from_device) for w in plan.disk_writes],
-        disk_loads=[worker_pb2.DiskLoad(block_hash=d.block_hash, dst=d.dst) for d in plan.disk_loads])
+        disk_loads=[worker_pb2.DiskLoad(block_hash=d.block_hash, dst=d.dst) for d in plan.disk_loads],
+        kv_exports=[worker_pb2.KvExport(request_id=e.request_id, migration_id=e.migration_id,
+                                        block_ids=e.block_ids, num_tokens=e.num_tokens) for e in plan.kv_exports],
+        kv_imports=[worker_pb2.KvImport(request_id=i.request_id, migration_id=i.migration_id,
+                                        first_block=i.first_block, block_ids=i.block_ids,
+                                        num_tokens=i.num_tokens) for i in plan.kv_imports])
 
 
 def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
@@ -76,7 +83,11 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
         swap_out=_copies_from_pb(pb.swap_out), swap_in=_copies_from_pb(pb.swap_in),
         disk_deletes=list(pb.disk_deletes),
         disk_writes=[DiskWrite(w.src, disk_block_from_pb(w.block), w.from_device) for w in pb.disk_writes],
-        disk_loads=[DiskLoad(d.block_hash, BlockId(d.dst)) for d in pb.disk_loads])
+        disk_loads=[DiskLoad(d.block_hash, BlockId(d.dst)) for d in pb.disk_loads],
+        kv_exports=[KvExport(RequestId(e.request_id), e.migration_id, [BlockId(b) for b in e.block_ids],
+                             e.num_tokens) for e in pb.kv_exports],
+        kv_imports=[KvImport(RequestId(i.request_id), i.migration_id, i.first_block,
+                             [BlockId(b) for b in i.block_ids], i.num_tokens) for i in pb.kv_imports])
     return pb.epoch, plan
 
 
@@ -155,7 +166,7 @@ def info_to_pb(info: WorkerInfo, epoch: int) -> worker_pb2.InitResponse:
         model_name=info.model_name, max_loras=info.max_loras, max_lora_rank=info.max_lora_rank,
         num_cpu_blocks=info.num_cpu_blocks, sliding_window=info.sliding_window,
         num_offload_blocks=info.num_offload_blocks, num_disk_blocks=info.num_disk_blocks,
-        disk_blocks=[disk_block_to_pb(b) for b in info.disk_blocks])
+        disk_blocks=[disk_block_to_pb(b) for b in info.disk_blocks], kv_migration=info.kv_migration)
 
 
 def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
@@ -165,4 +176,5 @@ def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
         eos_token_ids=tuple(pb.eos_token_ids), vocab_size=pb.vocab_size, model_name=pb.model_name,
         max_loras=pb.max_loras, max_lora_rank=pb.max_lora_rank, num_cpu_blocks=pb.num_cpu_blocks,
         sliding_window=pb.sliding_window, num_offload_blocks=pb.num_offload_blocks,
-        num_disk_blocks=pb.num_disk_blocks, disk_blocks=tuple(disk_block_from_pb(b) for b in pb.disk_blocks))
+        num_disk_blocks=pb.num_disk_blocks, disk_blocks=tuple(disk_block_from_pb(b) for b in pb.disk_blocks),
+        kv_migration=pb.kv_migration)

@@ -37,13 +37,15 @@ from scheduler_svc.core.request import SeqStatus, Sequence
 from scheduler_svc.core.step_draft import StepDraft
 from scheduler_svc.core.swap import SwapManager, resume_point
 from scheduler_svc.core.tenants import Tenants
+from scheduler_svc.core.tiers.migration import Migrator
 
 
 class Admission:
     def __init__(self, config: SchedulerConfig, threshold: int, kv: KVCacheManager, queues: RunQueues,
                  swap: SwapManager, brownout: BrownoutGovernor, counters: SchedulerCounters,
                  preempt: Callable[[Sequence, StepPlan], None], tenants: Tenants,
-                 demote: Callable[[str | None], bool] = lambda tenant: False) -> None:
+                 demote: Callable[[str | None], bool] = lambda tenant: False,
+                 migrator: Migrator | None = None) -> None:
         self._config = config
         self._threshold = threshold
         self._kv = kv
@@ -54,6 +56,7 @@ class Admission:
         self._preempt = preempt  # the scheduler's preemption (a beam takes its group along)
         self._demote = demote  # an idle session's lease lets its blocks go (tiers/sessions.py)
         self._tenants = tenants  # caps are the pool's; fair-share ranks and per-tenant totals
+        self._migrator = migrator  # a migrated continuation's KV is loaded at its first admission
 
     def admit_waiting(self, draft: StepDraft) -> None:
         """Admit from the head of the waiting queue while everything fits (the policy above)."""
@@ -107,6 +110,8 @@ class Admission:
             self._brownout.cap_max_tokens(req)  # in brownout: a new request gets the short limit
         if seq.host_blocks:  # swapped out: its KV comes back from the host
             self._swap.swap_in(seq, num_hit // self._config.block_size, draft.plan)
+        if req.kv_import is not None and self._migrator is not None:  # migrated: its KV from the files
+            self._migrator.load(seq, num_hit, draft.plan)
         draft.plan.new_requests.append(NewRequestData(
             seq.seq_id, list(seq.token_ids), req.worker_num_prompt_tokens, list(seq.block_table),
             start, num_new, req.worker_sampling, seq.seq_index, req.lora))

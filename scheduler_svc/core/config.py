@@ -116,6 +116,8 @@ class SchedulerConfig:
     tenant_fairness: Literal["off", "vtc"] = "off"
     vtc_prompt_weight: float = 1.0
     vtc_output_weight: float = 2.0
+    # The worker exports and imports migrated requests' KV (its Init; core/tiers/migration.py).
+    kv_migration: bool = False
 
     def __post_init__(self) -> None:
         check_preemption_mode(self.preemption_mode, has_host_pool=self.num_cpu_blocks >= 1)

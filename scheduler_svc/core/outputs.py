@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason
 from pagoda.contract.step import TokenLogprobs
-from scheduler_svc.core.request import Sequence
+from scheduler_svc.core.request import KvHandoff, Sequence
 
 
 @dataclass(slots=True)
@@ -28,6 +28,7 @@ class SequenceDelta:
     # request, on sequence 0's delta that carries its first token.
     prompt_logprobs: list[TokenLogprobs] | None = None
     embedding: list[float] | None = None  # a pooling request's vector, with its one (unread) token
+    migration: KvHandoff | None = None  # with FinishReason.MIGRATED: where its KV went (tiers/migration.py)
 
     @property
     def finished(self) -> bool:

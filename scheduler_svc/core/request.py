@@ -30,6 +30,17 @@ def child_seq_id(request_id: RequestId, seq_index: int) -> RequestId:
 
 
 @dataclass(frozen=True, slots=True)
+class KvHandoff:
+    """A migrated request's KV (tiers/migration.py): `num_blocks` block files under `migration_id` in
+    the workers' shared migration folder, holding its first `num_tokens` tokens' KV. An export's
+    answer on the source; a continuation's import on the target. num_blocks 0: nothing exported."""
+
+    migration_id: str
+    num_tokens: int
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     """A request as the engine accepts it: token ids in, one or more sequences out."""
 
@@ -53,6 +64,8 @@ class EngineRequest:
     # the pool (the keys file's); 0: the scheduler's --tenant-kv-share.
     tenant: str = ""
     kv_share: float = 0.0
+    # A migrated request's continuation (with num_prior_output_tokens): KV to load, not compute.
+    kv_import: KvHandoff | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -79,6 +92,7 @@ class Request:
     session_id: str | None = None  # EngineRequest's (tiers/sessions.py)
     session_ttl: float = 0.0
     tenant: str = ""  # EngineRequest's (tenants.py)
+    kv_import: KvHandoff | None = None  # EngineRequest's, until its first admission loads it
     # Fields, not properties: read for every sequence on every step.
     num_prompt_tokens: int = field(init=False)
     max_num_tokens: int = field(init=False)  # prompt + max_tokens: no token is sampled beyond it

@@ -24,7 +24,8 @@ Shape: `Scheduler` declares the whole public API here and runs the per-step path
 running, preempt, fork, apply results, finish). What keeps state is an object it holds and calls,
 each owning its own: the KV manager (kv_cache_manager.py), the run queues (queues.py), admission
 (admission.py), the swap manager (swap.py), the brownout governor (brownout.py), the poison isolator
-(poison.py), the prompt pinner (pinning.py), the session leases (tiers/sessions.py), the host
+(poison.py), the prompt pinner (pinning.py), the session leases (tiers/sessions.py), live
+migration's exports and imports (tiers/migration.py), the host
 tier (tiers/host_tier.py, in the KV manager), the speculator (spec/), the beam groups
 (beam_group.py), the tenants' caps, fair share and totals (tenants.py) and the counters
 (outputs.py). They get the KV manager, the run queues and callbacks, never the Scheduler. Invariants: check_invariants (block accounting, queues, host pool).
@@ -51,20 +52,22 @@ from scheduler_svc.core.pinning import PromptPinner
 from scheduler_svc.core.poison import PoisonIsolator
 from scheduler_svc.core.prompt_logprobs import attach_prompt_logprobs, fold_prompt_logprobs
 from scheduler_svc.core.queues import RunQueues
-from scheduler_svc.core.request import EngineRequest, Request, SeqStatus, Sequence, new_beam_group
+from scheduler_svc.core.request import EngineRequest, KvHandoff, Request, SeqStatus, Sequence, new_beam_group
 from scheduler_svc.core.spec import make_speculator
 from scheduler_svc.core.step_draft import InflightStep, StepDraft
 from scheduler_svc.core.swap import SwapManager
 from scheduler_svc.core.tenants import Tenants
 from scheduler_svc.core.tiers.disk_tier import disk_tier_stats
 from scheduler_svc.core.tiers.host_tier import tier_stats
+from scheduler_svc.core.tiers.migration import Migrator
 from scheduler_svc.core.tiers.sessions import SessionLeases
 
 __all__ = ["Scheduler", "SchedulerStats"]
 
 
 class Scheduler:
-    """The engine's core, driven by one caller thread: add_request / abort / pin_prompt in;
+    """The engine's core, driven by one caller thread: add_request / abort / pin_prompt /
+    export_request (live migration; take_migrated_after_loss after a worker loss) in;
     schedule() -> StepPlan out, update(StepResult) -> deltas back (at most max_inflight_steps plans
     out); note_step_failure / reset_after_worker_loss / fail_all when the worker fails; stats(),
     check_invariants() and the read-only properties below for the engine loop and tests."""
@@ -94,9 +97,12 @@ class Scheduler:
         self._swap = SwapManager(config.num_cpu_blocks, bs, config.preemption_mode, self._threshold)
         self._tenants = Tenants(self._kv.pool, config.tenant_kv_share, config.tenant_fairness,
                                 config.vtc_prompt_weight, config.vtc_output_weight)
+        self._migrator = Migrator(bs, config.kv_migration)
+        self._migrated_after_loss: list[SequenceDelta] = []  # reset_after_worker_loss's, for the loop
         self._admission = Admission(config, self._threshold, self._kv, self._queues, self._swap,
                                     self._brownout, self._counters, preempt=self._preempt,
-                                    tenants=self._tenants, demote=self._leases.demote_one)
+                                    tenants=self._tenants, demote=self._leases.demote_one,
+                                    migrator=self._migrator)
         # Speculation needs every sequence's last token to propose: one step in flight at a time.
         self.max_inflight_steps = 1 if spec is not None else config.max_inflight_steps
         self.last_failure: str | None = None  # fail_all's reason
@@ -119,7 +125,7 @@ class Scheduler:
                       next(self._arrivals), request.cache_salt, request.lora, num_unfinished=num_seqs,
                       stop_token_set=stop_set, num_prior_output_tokens=request.num_prior_output_tokens,
                       session_id=request.session_id, session_ttl=request.session_ttl,
-                      tenant=request.tenant)
+                      tenant=request.tenant, kv_import=self._checked_import(request))
         seq = Sequence(rid, 0, req, list(prompt), pending_fork=num_seqs > 1)
         req.seqs.append(seq)
         if sampling.beam_width:
@@ -128,6 +134,30 @@ class Scheduler:
         q.live[rid] = seq
         q.waiting.push_back(seq)
         self._tenants.arrive(request.tenant, request.kv_share)
+
+    def export_request(self, request_id: RequestId, migration_id: str) -> list[SequenceDelta] | None:
+        """Live migration (tiers/migration.py): end the request here with MIGRATED, its KV exported
+        under `migration_id`. A running one is detached by the next plan and its delta comes from
+        the update() of that plan's step ([] now); a waiting one ends now, with an empty handoff
+        (its deltas now). None if unknown or ended; InvalidRequestError for what one continuation
+        cannot carry on (n > 1, beam search, pooling)."""
+        req = self._queues.requests.get(request_id)
+        if req is None or self._pins.is_pin(req):
+            return None
+        if req.num_seqs != 1 or req.sampling.pooling:
+            raise InvalidRequestError("only a request with one sequence (n = 1, no beam search, no pooling) "
+                                      "can be migrated")
+        seq = req.seqs[0]
+        if seq.status is SeqStatus.RUNNING:
+            self._migrator.asked[seq] = migration_id
+            return []
+        return self._end_migrated(req, KvHandoff(migration_id, 0, 0))
+
+    def take_migrated_after_loss(self) -> list[SequenceDelta]:
+        """The MIGRATED deltas a worker loss released (their exports may not have run: empty
+        handoffs, the targets recompute); the engine loop sends them after reset_after_worker_loss."""
+        deltas, self._migrated_after_loss = self._migrated_after_loss, []
+        return deltas
 
     def pin_prompt(self, token_ids: list[int] | tuple[int, ...]) -> RequestId:
         """Prefill `token_ids` and keep its full blocks cached for the engine's life (pinning.py)."""
@@ -156,11 +186,14 @@ class Scheduler:
         if self._isolator.suspects:  # a step failed: run the suspects one by one first (poison.py)
             return self._schedule_probe()
         plan = self._new_plan()
+        if self._migrator.asked:  # before scheduling: the migrating sequences leave in this plan
+            self._detach_migrating(plan)
         draft = StepDraft(plan, brownout.step_budget, self.config.block_size)
         self._schedule_running(draft)
         if not plan.preempted_ids and not draft.blocks_short:
             self._admission.admit_waiting(draft)
-        if not (draft.num_scheduled or plan.finished_ids or plan.preempted_ids or plan.beam_updates):
+        if not (draft.num_scheduled or plan.finished_ids or plan.preempted_ids or plan.beam_updates
+                or self._migrator.holds(plan.step_id)):
             return None
         return self._seal(plan, draft)
 
@@ -186,7 +219,7 @@ class Scheduler:
         if self._isolator.probe is not None:
             self._isolator.reported(step.step_id, result.request_ids)
         kv.step_reported(step.step_id)
-        return deltas
+        return deltas + self._migrator.reported(step.step_id)
 
     # -- failures -----------------------------------------------------------------------------
     def note_step_failure(self, step_id: int, message: str) -> list[SequenceDelta]:
@@ -208,6 +241,11 @@ class Scheduler:
         self._counters.num_preemptions += self._queues.requeue_all()
         self._brownout.rebase(self._counters.num_preemptions)  # a worker loss is not memory pressure
         self._isolator.probe = None  # discarded with the other in-flight steps; its suspect stays one
+        asked = self._migrator.asked  # not detached yet: they move now, to recompute on their target
+        self._migrated_after_loss += self._migrator.reset()
+        for seq, migration_id in asked.items():
+            if seq.status is not SeqStatus.FINISHED:
+                self._migrated_after_loss += self._end_migrated(seq.request, KvHandoff(migration_id, 0, 0))
         self._reset_worker_state()  # the host pool's contents went with the worker: they recompute
 
     def restore_disk_tier(self, blocks: tuple[DiskBlock, ...]) -> None:
@@ -224,6 +262,7 @@ class Scheduler:
         for req in list(self._queues.requests.values()):
             deltas += self._end_request(req, FinishReason.ERROR)
         self._isolator.reset()
+        self._migrator.reset()  # their requests ended already: the engine loop fails their streams
         self._reset_worker_state()
         return deltas
 
@@ -359,6 +398,38 @@ class Scheduler:
         self._kv.seal(plan)  # the host and disk tiers' copies of the blocks this plan evicted
         self._next_step_id += 1
         return plan
+
+    def _detach_migrating(self, plan: StepPlan) -> None:
+        """The sequences asked to migrate leave in `plan`: their KV exported first (tiers/migration.py),
+        then ended as an abort ends them; their deltas wait for this step's report."""
+        asked, self._migrator.asked = self._migrator.asked, {}
+        for seq, migration_id in asked.items():
+            if seq.status is SeqStatus.FINISHED:
+                continue  # ended meanwhile (its last token, an abort): nothing to move
+            handoff = KvHandoff(migration_id, 0, 0)
+            if seq.status is SeqStatus.RUNNING:
+                handoff = self._migrator.export(seq, migration_id, plan)
+            self._migrator.hold(plan.step_id, self._end_migrated(seq.request, handoff))
+        plan.finished_ids += self._finished_resident  # the worker drops them after the export
+        self._finished_resident = []
+
+    def _end_migrated(self, req: Request, handoff: KvHandoff) -> list[SequenceDelta]:
+        deltas = self._end_request(req, FinishReason.MIGRATED)
+        for delta in deltas:
+            delta.migration = handoff
+        return deltas
+
+    def _checked_import(self, request: EngineRequest) -> KvHandoff | None:
+        """A continuation's KV import, or None when this worker cannot import (it recomputes)."""
+        handoff = request.kv_import
+        if handoff is None or not handoff.num_blocks or not self.config.kv_migration:
+            return None
+        bs = self.config.block_size
+        if not 0 < handoff.num_tokens <= len(request.prompt_token_ids) or \
+                handoff.num_blocks != -(-handoff.num_tokens // bs) or request.sampling.n != 1:
+            raise InvalidRequestError(f"kv_import of {handoff.num_tokens} tokens in {handoff.num_blocks} blocks "
+                                      f"does not fit a {len(request.prompt_token_ids)}-token continuation")
+        return handoff
 
     def _last_inflight(self) -> int | None:
         return self._inflight[-1].step_id if self._inflight else None

@@ -38,7 +38,9 @@ class StepDraft:
         """Advance seq's num_computed by `num_new` scheduled tokens (tokens of in-flight steps count);
         add a placeholder if the step samples for it."""
         total = len(seq.token_ids) + seq.num_placeholders
-        if num_new == 1 and total > seq.request.num_prompt_tokens:
+        # A decode: one token past the prompt the client sent (a continuation's earlier output is
+        # not prompt: computing its last token alone, after a migration's import, is a decode).
+        if num_new == 1 and total > seq.request.worker_num_prompt_tokens:
             self.num_decode += 1
         else:
             self.num_prefill += num_new

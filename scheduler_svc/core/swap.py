@@ -44,10 +44,13 @@ from scheduler_svc.core.request import SeqStatus, Sequence
 
 
 def resume_point(seq: Sequence, num_hit: int) -> int:
-    """Where a waiting sequence's computation resumes: its prefix hit or its swapped tokens,
-    leaving at least its last token to compute (a beam's swapped KV may cover all its tokens:
-    its candidates were dropped at preemption and come from that last token's logits)."""
-    return min(max(num_hit, seq.num_swapped_tokens), len(seq.token_ids) - 1)
+    """Where a waiting sequence's computation resumes: its prefix hit, its swapped tokens or its
+    migrated KV (tiers/migration.py), leaving at least its last token to compute (a beam's swapped
+    KV may cover all its tokens: its candidates were dropped at preemption and come from that last
+    token's logits)."""
+    handoff = seq.request.kv_import
+    imported = handoff.num_tokens if handoff is not None and seq.seq_index == 0 else 0
+    return min(max(num_hit, seq.num_swapped_tokens, imported), len(seq.token_ids) - 1)
 
 
 class SwapManager:

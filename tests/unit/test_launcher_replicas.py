@@ -121,3 +121,10 @@ def test_quantization_reaches_the_worker_only_when_asked_for():
     from worker_svc.__main__ import parse_args as worker_args
 
     assert build_config(worker_args(worker[1:])).quantization == "int8"
+
+
+def test_every_replica_shares_the_one_migration_folder():
+    children = build_children(parse_args(["--fake", "--data-parallel-size", "2", "--kv-migrate-dir", "/var/mig"]))
+    workers = [c for c in children if "--kv-migrate-dir" in c.argv]
+    assert len(workers) == 2 and all(c.argv[c.argv.index("--kv-migrate-dir") + 1] == "/var/mig" for c in workers)
+    assert not any("--kv-migrate-dir" in c.argv for c in build_children(parse_args(["--fake"])))

@@ -110,7 +110,7 @@ class _Resident:
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int, sampler: FakeSampler | None = None,
                  check_kv: bool = True, num_cpu_blocks: int = 0, sliding_window: int = 0,
-                 disk: OrderedDict | None = None) -> None:
+                 disk: OrderedDict | None = None, migrations: dict | None = None) -> None:
         self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
         # A model whose every layer has this window (0: none): attention reads, and so the KV
         # check covers, only positions inside it; the scheduler may have reused the blocks before.
@@ -118,6 +118,9 @@ class FakeWorker:
         self.host_kv = [-1] * (num_cpu_blocks * block_size)  # the host pool's slots, likewise
         # The disk tier's files: hash -> (slot tokens, DiskBlock), least recently used first
         self.disk: OrderedDict = OrderedDict() if disk is None else disk
+        # Live migration's shared folder: migration id -> each exported block's slot tokens (two
+        # fakes given one dict are two replicas' workers on one file system)
+        self.migrations: dict = {} if migrations is None else migrations
         self.sampler = sampler or FakeSampler()
         self.check_kv = check_kv
         self.kv = [-1] * (num_blocks * block_size)  # token written in each slot, -1 = never
@@ -128,6 +131,11 @@ class FakeWorker:
     def execute(self, plan: StepPlan) -> StepResult:
         assert plan.step_id == self.next_step_id, f"step {plan.step_id}, expected {self.next_step_id}"
         self.next_step_id += 1
+        bs = self.block_size
+        for export in plan.kv_exports:  # first of all, as the real worker: the drops come next
+            assert export.request_id in self.resident, f"export of {export.request_id!r}, not resident"
+            self._check_blocks(export.block_ids)
+            self.migrations[export.migration_id] = [self.kv[b * bs:(b + 1) * bs] for b in export.block_ids]
         self._apply_beam_updates(plan)  # before the drops, as the real worker: parents may go
         self._drop(plan)
         self._add_new(plan)
@@ -208,6 +216,11 @@ class FakeWorker:
             self._check_blocks([load.dst])
             self.disk.move_to_end(load.block_hash)
             self.kv[load.dst * bs:(load.dst + 1) * bs] = self.disk[load.block_hash][0]
+        for load in plan.kv_imports:  # with the disk loads, as the real worker
+            files = self.migrations.pop(load.migration_id)
+            self._check_blocks(load.block_ids)
+            for k, block in enumerate(load.block_ids):
+                self.kv[block * bs:(block + 1) * bs] = files[load.first_block + k]
         for copy in plan.block_copies:  # before the forward, as the real worker does
             self._check_blocks([copy.src, copy.dst])
             self.kv[copy.dst * bs:(copy.dst + 1) * bs] = self.kv[copy.src * bs:(copy.src + 1) * bs]

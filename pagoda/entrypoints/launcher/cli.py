@@ -73,6 +73,10 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
                         "here, loaded back on a later hit, kept across worker restarts (default: none)")
     g.add_argument("--kv-offload-dir-size", type=float, default=8.0, metavar="GiB",
                    help="the disk tier's size cap, least recently used files first out (default 8)")
+    g.add_argument("--kv-migrate-dir", default=None, metavar="DIR",
+                   help="live migration: every replica's worker shares this folder, where a migrated "
+                        "request's KV goes (POST /admin/migrate, /admin/drain; default: none, a moved "
+                        "request recomputes)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
                    help="the worker's KV pool in blocks, instead of its memory budget")
     g.add_argument("--pooling-type", default="last", choices=("last", "mean"),

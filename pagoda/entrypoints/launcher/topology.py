@@ -90,6 +90,8 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
     if args.kv_offload_dir:  # one folder per replica: a worker locks its own (worker_svc/disk_tier/store.py)
         disk_dir = args.kv_offload_dir if replica is None else str(Path(args.kv_offload_dir) / f"replica-{replica}")
         swap += ["--kv-offload-dir", disk_dir, "--kv-offload-dir-size", str(args.kv_offload_dir_size)]
+    if getattr(args, "kv_migrate_dir", None):  # one folder for all replicas: exports meet imports there
+        swap += ["--kv-migrate-dir", args.kv_migrate_dir]
     if args.num_gpu_blocks_override is not None:
         swap += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
     quant = ["--quantization", args.quantization] if args.quantization != "auto" else []

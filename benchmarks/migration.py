@@ -1,0 +1,115 @@
+"""Live migration's time to move (docs/reliability.md#live-migration): the launcher with two replicas
+sharing a --kv-migrate-dir, one greedy stream with a long prompt (2,000 tokens by default), moved
+mid-stream with POST /admin/migrate. Prints the move's figures (export, first token on the target),
+the target's prefill tokens computed for it (0 expected), whether the tokens equal an undisturbed
+run's, and that undisturbed run's time to first token: what moving by recomputation would cost.
+
+    python -m benchmarks.migration [--model models/smollm2-135m-instruct] [--prompt-tokens 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+
+from benchmarks.sessions import free_port
+from pagoda.v1 import engine_pb2, engine_pb2_grpc
+
+
+def _stats(target: str) -> engine_pb2.EngineStats:
+    with grpc.insecure_channel(target) as channel:
+        return engine_pb2_grpc.EngineStub(channel).GetStats(engine_pb2.GetStatsRequest(), timeout=10)
+
+
+def _stream(url: str, model: str, prompt: list[int], max_tokens: int, on_token=None) -> tuple[list[int], float]:
+    """The streamed token ids (logprobs as token ids) and the time to the first one."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "logprobs": 1, "ignore_eos": True, "return_tokens_as_token_ids": True}
+    tokens, started, ttft = [], time.monotonic(), 0.0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=None) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk["choices"]:
+                for token in (choice.get("logprobs") or {}).get("tokens", []):
+                    ttft = ttft or time.monotonic() - started
+                    tokens.append(int(token.removeprefix("token_id:")))
+                    if on_token is not None:
+                        on_token(chunk["id"], len(tokens))
+    return tokens, ttft
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prompt-tokens", type=int, default=2000)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--move-after", type=int, default=8, help="tokens streamed before the move")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    args = p.parse_args()
+    http, sched = free_port(), free_port()
+    folder = tempfile.mkdtemp(prefix="pagoda-migrate-")
+    cmd = [sys.executable, "-m", "pagoda.entrypoints.launcher", "--model", args.model, "--dtype", args.dtype,
+           "--data-parallel-size", "2", "--kv-migrate-dir", folder, "--gateway-port", str(http),
+           "--grpc-port", str(free_port()), "--scheduler-port", str(sched), "--worker-port", str(free_port())]
+    log = Path(folder) / "launcher.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{http}"
+    try:
+        end = time.monotonic() + args.startup_timeout
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"the server did not start; see {log}")
+            time.sleep(0.5)  # poll interval, bounded by the deadline
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        prompt = [random.Random(0).randrange(100, 40000) for _ in range(args.prompt_tokens)]
+        expected, ttft = _stream(url, model, prompt, args.max_tokens)
+        schedulers = [f"127.0.0.1:{sched + 10 * i}" for i in range(2)]
+        before = [_stats(s) for s in schedulers]
+        moved: dict = {}
+
+        def maybe_move(request_id: str, count: int) -> None:
+            if count == args.move_after:
+                def move() -> None:
+                    moved.update(httpx.post(f"{url}/admin/migrate", json={"request_id": request_id},
+                                            timeout=120).json())
+                threading.Thread(target=move).start()
+
+        tokens, _ = _stream(url, model, prompt, args.max_tokens, maybe_move)
+        end = time.monotonic() + 30
+        while not moved and time.monotonic() < end:
+            time.sleep(0.05)  # the mover thread answers once the target streamed; bounded
+        target = moved.get("target", -1)
+        prefill = _stats(schedulers[target]).prefill_tokens_computed - before[target].prefill_tokens_computed \
+            if target >= 0 else None
+        print(json.dumps({"model": args.model, "prompt_tokens": args.prompt_tokens, "move": moved,
+                          "target_prefill_tokens_computed": prefill, "tokens_identical": tokens == expected,
+                          "undisturbed_ttft_seconds": round(ttft, 3)}, indent=2))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+if __name__ == "__main__":
+    main()
