@@ -106,7 +106,7 @@ def build_config(args: argparse.Namespace) -> EngineServiceConfig:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_service_logging(args)
+    configure_service_logging(args, "scheduler")
     from pagoda.runtime.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("pagoda-scheduler", args.otlp_traces_endpoint)

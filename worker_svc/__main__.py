@@ -100,7 +100,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_service_logging(args)
+    configure_service_logging(args, "worker")
     from pagoda.runtime.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("pagoda-worker", args.otlp_traces_endpoint)
