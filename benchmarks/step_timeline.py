@@ -12,8 +12,8 @@ Over the decode steps of those requests it prints medians (ms):
 - TPOT p50 (the client's SSE chunk gaps) and the worker's step interval (step start to step start);
 - forward: the model's forward and output layer (inputs built -> logits), as served;
 - overhead = TPOT - forward, cut into the worker's parts (plan decode and checks, applying the plan
-  and building the inputs, the sampler, the result proto, the gRPC write, waiting for the next
-  plan) and the scheduler's turnaround (result read -> update -> next plan written);
+  and building the inputs, the sampler, the result proto, handing the result to gRPC, waiting for the
+  next plan) and the scheduler's turnaround (result read -> update -> next plan written);
 - pipelining: the share of steps whose next plan the scheduler had written before this step's
   forward ended (so the worker found it waiting);
 - CPU ms per token of each process (psutil): on a 2-core machine what the gateway and the
@@ -43,7 +43,7 @@ DEFAULT_MODEL = "models/gguf/smollm2-135m-instruct-Q8_0.gguf"
 # (name, from mark, to mark) of consecutive worker instants; see WorkerServicer._record.
 WORKER_PARTS = (("plan decode + checks", "started", "execute"), ("apply + build inputs", "execute", "inputs_built"),
                 ("forward", "inputs_built", "logits_done"), ("sampler", "logits_done", "sampled"),
-                ("result proto", "sampled", "encoded"), ("gRPC write", "encoded", "written"))
+                ("result proto", "sampled", "encoded"), ("gRPC write handed over", "encoded", "written"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,7 +116,10 @@ def _switches(procs: dict) -> dict[str, int]:
 
 def analyse(worker: list[dict], scheduler: list[dict], windows: list[tuple[float, float]]) -> dict:
     """Medians (ms) over the decode steps that ran inside the clients' streaming windows."""
-    steps = {line["step"]: line for line in worker if line.get("decode")}
+    # Decode steps that ran a forward (a plan that only drops a finished request has no marks),
+    # or every decode step of a --fake worker, which marks none.
+    fake = not any("execute" in line for line in worker)
+    steps = {line["step"]: line for line in worker if line.get("decode") and (fake or "execute" in line)}
     inside = sorted(s for s, line in steps.items()
                     if any(start <= line["started"] <= end for start, end in windows) and s + 1 in steps)
     plans = {line["step"]: line for line in scheduler}

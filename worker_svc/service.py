@@ -81,10 +81,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         else:
             self._runner.reset()
 
-    async def Steps(self, request_iterator, context):
+    async def Steps(self, request_iterator, context) -> None:
         plans: asyncio.Queue = asyncio.Queue()
         reader = asyncio.create_task(self._read_plans(request_iterator, plans))
         log.info("steps_stream_opened", epoch=self.epoch)
+        writing: asyncio.Task | None = None  # the last result's write, still in flight
         try:
             while (item := await plans.get()) is not _END:
                 if isinstance(item, BaseException):
@@ -93,12 +94,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 started = time.perf_counter()
                 result_pb = await self._run_step(plan_pb)
                 encoded = time.perf_counter()
-                yield result_pb
+                if writing is not None:
+                    await writing  # one write at a time per call; long done by now: a step ran since
+                writing = await self._start_write(context, result_pb)
                 if self._timeline.enabled:
                     self._record(plan_pb, received, started, encoded)
+            if writing is not None:
+                await writing
         finally:
             reader.cancel()
+            if writing is not None and not writing.done():
+                writing.cancel()
             log.info("steps_stream_closed", epoch=self.epoch, last_step_id=self._last_step_id)
+
+    @staticmethod
+    async def _start_write(context, result_pb: worker_pb2.StepResult) -> asyncio.Task:
+        """Hand the result to gRPC and return without waiting for the write to complete.
+
+        Yielding the result from an async generator (as this servicer did) resumes it only once gRPC
+        reports the write done: a hop through gRPC's completion-queue thread and back to this loop,
+        between the end of one forward and the start of the next (13 ms per token on a busy 2-core
+        machine, benchmarks/step_timeline.py). One pass of the loop lets the task submit the write
+        (the send op starts inside `context.write` before its first suspension); its completion
+        is collected before the next write."""
+        writing = asyncio.ensure_future(context.write(result_pb))
+        await asyncio.sleep(0)  # a yield to the loop, not a wait: the task submits the write now
+        return writing
 
     @staticmethod
     async def _read_plans(request_iterator, plans: asyncio.Queue) -> None:
@@ -111,11 +132,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         plans.put_nowait(_END)
 
     def _record(self, plan_pb: worker_pb2.StepPlan, received: float, started: float, encoded: float) -> None:
-        """One timeline line (pagoda/runtime/step_timeline.py); `written` is when gRPC asked for the
-        next result, so the write of this one is done."""
-        marks = getattr(self._runner, "marks", None)
-        parts = {} if marks is None else {"execute": marks.started, "inputs_built": marks.inputs_built,
-                                          "logits_done": marks.logits_done, "sampled": marks.sampled}
+        """One timeline line (pagoda/runtime/step_timeline.py); `written` is when the result had been
+        handed to gRPC, so the next step could start."""
+        marks = getattr(self._runner, "marks", None)  # the fake runner has none
+        fresh = marks is not None and marks.started >= started  # else a step without a forward
+        parts = {} if not fresh else {"execute": marks.started, "inputs_built": marks.inputs_built,
+                                      "logits_done": marks.logits_done, "sampled": marks.sampled}
         decode = not plan_pb.new_requests and not plan_pb.num_scheduled_tokens  # one token each
         self._timeline.record(step=plan_pb.step_id, decode=decode, received=received, started=started,
                               **parts, encoded=encoded, written=time.perf_counter())

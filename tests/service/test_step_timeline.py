@@ -53,3 +53,16 @@ async def test_init_freezes_the_workers_long_lived_objects(fake_worker):
     assert gc.get_freeze_count() == 0
     await fake_worker.stub.Init(worker_pb2.InitRequest())
     assert gc.get_freeze_count() > 0
+
+
+async def test_a_step_without_a_forward_reports_no_stale_marks(timeline_dir, fake_worker, engine_factory):
+    """The runner's marks belong to its last forward: a plan that ran none (it only drops a finished
+    request) must not report them as its own."""
+    from worker_svc.model_runner import StepMarks
+
+    fake_worker.runner.marks = StepMarks(started=1.0, inputs_built=2.0, logits_done=3.0, sampled=4.0)
+    _, stub = await engine_factory()
+    await collect(stub, generate_request("s", [1, 2, 3], max_tokens=3))
+    await wait_for_stats(stub, lambda stats: stats.idle)
+    lines = read_timelines(timeline_dir, "worker")
+    assert lines and not any("execute" in line for line in lines)
