@@ -128,13 +128,19 @@ def analyse(worker: list[dict], scheduler: list[dict], windows: list[tuple[float
         values = list(values)
         return statistics.median(values) * 1e3 if values else float("nan")
 
-    parts = {name: median_ms(steps[s][b] - steps[s][a] for s in inside if a in steps[s] and b in steps[s])  # --fake: no marks
-             for name, a, b in WORKER_PARTS}
-    parts["waiting for the next plan"] = median_ms(steps[s + 1]["started"] - steps[s]["written"] for s in inside)
+    def durations(a: str, b: str, after: int = 0) -> list[float]:  # b of step s + after minus a of step s
+        return [steps[s + after][b] - steps[s][a] for s in inside if a in steps[s] and b in steps[s + after]]
+
+    spans = {name: durations(a, b) for name, a, b in WORKER_PARTS}  # --fake: no marks, empty lists
+    spans["waiting for the next plan"] = durations("written", "started", after=1)
+    parts = {name: median_ms(values) for name, values in spans.items()}
+    # Means too: on a busy machine a step loses a whole time slice in one part or another, which
+    # the medians of the parts hide and the median of their sum does not.
+    means = {name: statistics.fmean(values) * 1e3 if values else float("nan") for name, values in spans.items()}
     interval = median_ms(steps[s + 1]["started"] - steps[s]["started"] for s in inside)
     turnaround = [plans[s + 2]["sent"] - plans[s]["received"] for s in inside if s in plans and s + 2 in plans]
     early = [plans[s + 1]["sent"] < steps[s].get("logits_done", steps[s]["encoded"]) for s in inside if s + 1 in plans]
-    return {"decode_steps": len(inside), "worker_interval_ms": interval, "worker_ms": parts,
+    return {"decode_steps": len(inside), "worker_interval_ms": interval, "worker_ms": parts, "worker_mean_ms": means,
             "scheduler_ms": {"result read -> next plan written": median_ms(turnaround),
                              "result read -> tokens dispatched": median_ms(
                                  plans[s]["dispatched"] - plans[s]["received"] for s in inside if s in plans)},
@@ -146,9 +152,9 @@ def report(result: dict) -> None:
     print(f"TPOT p50 {result['tpot_p50_ms']:.3f} ms   worker step interval p50 {result['worker_interval_ms']:.3f} ms   "
           f"forward p50 {result['worker_ms']['forward']:.3f} ms   overhead (TPOT - forward) "
           f"{result['overhead_ms']:.3f} ms")
-    print("worker, per step (p50 ms):")
+    print("worker, per step (p50 / mean ms):")
     for name, ms in result["worker_ms"].items():
-        print(f"   {name:28s} {ms:8.3f}")
+        print(f"   {name:28s} {ms:8.3f} / {result['worker_mean_ms'][name]:8.3f}")
     print("scheduler (p50 ms):")
     for name, ms in result["scheduler_ms"].items():
         print(f"   {name:34s} {ms:8.3f}")
