@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 
 from gateway.config import GatewayConfig
@@ -13,6 +12,7 @@ from gateway.server import serve
 from gateway.tenancy.tenants import TenantFileError, load_tenant_file
 from gateway.upstream.lora_adapters import parse_lora_module
 from gateway.upstream.routing import POLICIES, RoutingConfig
+from pagoda.runtime import event_loop
 from pagoda.runtime.logging import configure_logging
 from pagoda.runtime.service_flags import add_service_flags
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_tracing("pagoda-gateway", config.otlp_traces_endpoint)
     try:
-        asyncio.run(serve(config))
+        event_loop.run(serve(config))
     finally:
         shutdown_tracing()  # flush the drained requests' spans
 

@@ -15,6 +15,7 @@ from gateway.drain import CountingGenerationServicer, InFlight, InFlightMiddlewa
 from gateway.openai.api_server import create_app
 from gateway.state import GatewayState
 from gateway.upstream.model_pools import pools_from_config
+from pagoda.runtime.gc_tuning import freeze_long_lived_objects
 from pagoda.runtime.grpc_health import HealthState
 from pagoda.runtime.logging import get_logger
 from pagoda.runtime.shutdown import EXIT_MARGIN_S, install_stop_handlers
@@ -53,6 +54,8 @@ async def start_grpc_server(state: GatewayState, host: str, port: int, in_flight
 
 async def _connect(state: GatewayState, health: HealthState) -> None:
     await state.connect(on_first_ready=lambda: health.set_serving(True))  # SERVING once one pool is
+    # Tokenizers and FastAPI's machinery are loaded: keep the collector's full walks off them.
+    freeze_long_lived_objects()
 
 
 async def serve(config: GatewayConfig) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from pagoda.contract.errors import InvalidRequestError
+from pagoda.runtime import event_loop
 from pagoda.runtime.service_flags import add_service_flags, configure_service_logging
 from scheduler_svc.core.brownout import BrownoutConfig
 from scheduler_svc.core.config import SpeculativeConfig
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_tracing("pagoda-scheduler", args.otlp_traces_endpoint)
     try:
-        asyncio.run(serve(build_config(args)))
+        event_loop.run(serve(build_config(args)))
     except (PinnedPromptsError, InvalidRequestError, ValueError) as error:  # bad --pinned-prompts, no swap space
         raise SystemExit(f"scheduler: {error}") from None
     finally:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
+from pagoda.runtime import event_loop
 from pagoda.runtime.logging import get_logger
 from pagoda.runtime.service_flags import add_service_flags, configure_service_logging
 from worker_svc.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, WorkerConfig
@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> None:
                     request_ids=sorted(fault_injection.fail_request_ids))
 
     try:
-        asyncio.run(serve(build_runner(args), args.host, args.port, tls_cert=args.tls_cert,
-                          tls_key=args.tls_key))
+        event_loop.run(serve(build_runner(args), args.host, args.port, tls_cert=args.tls_cert,
+                             tls_key=args.tls_key))
     finally:
         shutdown_tracing()  # flush the last steps' spans
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -60,6 +61,17 @@ log = get_logger(__name__)
 
 PROFILE_SAMPLING_ROWS = 256  # logits rows the memory profile samples (a full decode batch)
 MAX_BUFFERED_DECODE_SEQS = 256  # decode steps up to this batch build their inputs in fixed buffers
+
+
+@dataclass(slots=True)
+class StepMarks:
+    """perf_counter() instants of the last step that ran a forward (pagoda/runtime/step_timeline.py):
+    execute's start, inputs built, logits computed, tokens sampled. Four clock reads a step."""
+
+    started: float = 0.0
+    inputs_built: float = 0.0
+    logits_done: float = 0.0
+    sampled: float = 0.0
 
 
 def resolve_device(name: str, tp_rank: int = 0, tp_size: int = 1) -> torch.device:
@@ -122,6 +134,7 @@ class ModelRunner:
         self._last_step_id: int | None = None
         self.unsampled: list[CachedRequestState] = []  # TP follower: awaiting rank 0's tokens
         self._embeddings: list = []  # the pooling requests' vectors of the step being executed
+        self.marks = StepMarks()  # the last step's instants, for the worker's step timeline
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -262,7 +275,7 @@ class ModelRunner:
             return result
         fault_injection.check(seq.state.request_id for seq in seqs)  # no-op unless a test set it
         forks = {fork.parent_id: fork for fork in plan.forks}
-        started = time.perf_counter()
+        started = self.marks.started = time.perf_counter()
         logits, rows, states, drafted, prompt_logprobs = self._forward(seqs, forks, plan.draft_token_ids)
         result.prompt_logprobs = prompt_logprobs
         result.embeddings = self._embeddings
@@ -279,7 +292,8 @@ class ModelRunner:
         if drafted:
             self._verify_drafts(logits[len(rows):], drafted, result)
         result.forward_seconds = sampled_at - started
-        result.sample_seconds = time.perf_counter() - sampled_at
+        self.marks.sampled = time.perf_counter()
+        result.sample_seconds = self.marks.sampled - sampled_at
         return result
 
     def _verify_drafts(self, logits: torch.Tensor, drafted: list[tuple[CachedRequestState, list[int]]],
@@ -371,6 +385,7 @@ class ModelRunner:
         if self.lora is not None:  # grouped by adapter: each adapter's rows become one block
             seqs = self.lora.prepare(seqs)
         inputs = self._build_inputs(seqs)
+        self.marks.inputs_built = time.perf_counter()
         try:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.layers)
         finally:
@@ -409,6 +424,7 @@ class ModelRunner:
             return None, rows, states, drafted, []
         sampled_hidden = self._logit_hidden(hidden, inputs, logit_rows, draft_rows)  # [N, hidden]
         logits = self.model.compute_logits(sampled_hidden).float()  # [N, V]
+        self.marks.logits_done = time.perf_counter()
         prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
         return logits, rows, states, drafted, prompt_logprobs
 

@@ -174,3 +174,18 @@ def test_a_cpu_without_reduced_precision_onednn_serves_with_plain_linears(tiny_m
     linears = [m for m in fallback.model.modules() if isinstance(m, nn.Linear | packed_linear.PackedLinear)]
     assert linears and all(type(m) is nn.Linear for m in linears)
     assert got == expected and len(got) == 4
+
+
+def test_a_step_marks_its_parts_in_order(runner):
+    """The instants the worker's step timeline reads (benchmarks/step_timeline.py): execute's
+    start, inputs built, logits, sampled, each within the step's own wall time."""
+    import time
+
+    steps = Steps(runner)
+    steps.run(new_requests=[new_request("m", PROMPT, [0, 1])])
+    before = time.perf_counter()
+    result = steps.run()  # a decode step
+    after = time.perf_counter()
+    marks = runner.marks
+    assert before <= marks.started <= marks.inputs_built <= marks.logits_done <= marks.sampled <= after
+    assert result.token_ids and len(result.token_ids) == 1
