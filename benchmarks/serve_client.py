@@ -23,6 +23,7 @@ class RequestSpec:
     max_tokens: int
     prompt_text: str | None = None  # the chat endpoint needs text; completions sends the ids
     cache_salt: str | None = None
+    session_id: str | None = None  # Pagoda's session lease (docs/kv_tiers.md); others get no such field
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,8 @@ def request_body(endpoint: Endpoint, spec: RequestSpec) -> dict:
         body["prompt"] = spec.prompt_token_ids
     if spec.cache_salt is not None:
         body["cache_salt"] = spec.cache_salt
+    if spec.session_id is not None:
+        body["session_id"] = spec.session_id
     return body
 
 
@@ -97,6 +100,8 @@ def _fold_chunk(chunk: dict, now: float, record: RequestRecord) -> bool:
         record.output_len = int(usage.get("completion_tokens") or 0)
         record.prompt_len = int(usage.get("prompt_tokens") or record.prompt_len)
         record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    if chunk.get("timings"):  # Pagoda with --enable-request-timings: the server's own account
+        record.timings = chunk["timings"]
     return True
 
 

@@ -30,6 +30,7 @@ class RequestRecord:
     finished_at: float = 0.0
     output_len: int = 0  # from the final usage chunk when the server sends one, else the expected len
     cached_tokens: int = 0  # prompt tokens the server's prefix cache supplied (usage, when reported)
+    timings: dict | None = None  # the server's `timings` (queue_ms, prompt_ms, ...), when it sends them
     success: bool = False
     error: str = ""
 
