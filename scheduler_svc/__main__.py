@@ -26,6 +26,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--max-waiting-requests", type=int, default=4096)
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    p.add_argument("--admission-order", choices=["fcfs", "cached-first"], default="fcfs",
+                   help="which waiting request is admitted next: the queue's head, or the one with the fewest "
+                        "tokens to compute after its prefix-cache hit (multi-turn sessions; docs/kv_tiers.md)")
     p.add_argument("--no-pipelining", action="store_true", help="one plan in flight at a time")
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
                    help="how a preempted sequence resumes: recompute its KV, or swap it to the worker's "
@@ -105,6 +108,7 @@ def build_config(args: argparse.Namespace) -> EngineServiceConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_waiting_requests=args.max_waiting_requests, scheduling_policy=args.scheduling_policy,
+        admission_order=args.admission_order,
         pipelining=not args.no_pipelining, worker_timeout_s=args.worker_timeout,
         shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_ca=args.tls_ca, speculative=args.speculative_config, brownout=brownout_config(args),

@@ -48,6 +48,7 @@ class EngineServiceConfig:
     long_prefill_token_threshold: int = 0
     max_waiting_requests: int = 4096
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    admission_order: Literal["fcfs", "cached-first"] = "fcfs"  # core/tiers/prefill_order.py
     pipelining: bool = True  # 2 plans in flight
     worker_timeout_s: float = 30.0  # fail requests when the worker is not back within this
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long running requests may take to finish
@@ -79,7 +80,7 @@ def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> Scheduler
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         enable_prefix_caching=config.enable_prefix_caching,
         max_waiting_requests=config.max_waiting_requests, eos_token_ids=info.eos_token_ids,
-        policy=config.scheduling_policy, max_inflight_steps=2 if config.pipelining else 1,
+        policy=config.scheduling_policy, admission_order=config.admission_order, max_inflight_steps=2 if config.pipelining else 1,
         speculative=config.speculative, brownout=config.brownout, max_loras=info.max_loras,
         num_cpu_blocks=info.num_cpu_blocks, preemption_mode=config.preemption_mode,
         num_offload_blocks=info.num_offload_blocks if config.enable_prefix_caching else 0,

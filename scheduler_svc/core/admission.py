@@ -1,6 +1,7 @@
 """Admission: who moves from the waiting queue to the running set, and with what.
 
-- In queue order, while `max_num_seqs` slots, the step's token budget, the worker's LoRA slots and
+- In queue order (or, with `admission_order="cached-first"`, the fewest uncached tokens first:
+  tiers/prefill_order.py), while `max_num_seqs` slots, the step's token budget, the worker's LoRA slots and
   the pool allow; the first that does not fit stops admission (the order is kept: no overtaking).
 - Tenants (tenants.py): with fair share on, the queue's order is that of the tenant with the
   smallest virtual token counter first (FCFS or priority within a tenant). A request that does not
@@ -38,6 +39,7 @@ from scheduler_svc.core.step_draft import StepDraft
 from scheduler_svc.core.swap import SwapManager, resume_point
 from scheduler_svc.core.tenants import Tenants
 from scheduler_svc.core.tiers.migration import Migrator
+from scheduler_svc.core.tiers.prefill_order import CachedFirst
 
 
 class Admission:
@@ -57,6 +59,7 @@ class Admission:
         self._demote = demote  # an idle session's lease lets its blocks go (tiers/sessions.py)
         self._tenants = tenants  # caps are the pool's; fair-share ranks and per-tenant totals
         self._migrator = migrator  # a migrated continuation's KV is loaded at its first admission
+        self._order = CachedFirst() if config.admission_order == "cached-first" else None
 
     def admit_waiting(self, draft: StepDraft) -> None:
         """Admit from the head of the waiting queue while everything fits (the policy above)."""
@@ -65,9 +68,12 @@ class Admission:
         rank = self._tenants.rank if self._tenants.fair else None
         skip: set[str] = set()  # tenants at their KV cap this step
         while waiting and draft.budget > 0:
-            seq = waiting.peek(rank, skip)
+            head = seq = waiting.peek(rank, skip)
             if seq is None:
                 return  # every waiting tenant is at its cap
+            if self._order is not None:  # within the head's tenant: fair share and caps stay as they are
+                seq = self._order.pick((s for s in waiting if s.request.tenant == head.request.tenant), head,
+                                       self._uncached)
             if seq.num_placeholders or q.running_slots + seq.num_slots > cfg.max_num_seqs:
                 return  # its last tokens are still in flight / no room: keep the order, try later
             if seq.request.lora is not None and not lora_fits(seq, q.running, cfg.max_loras):
@@ -94,6 +100,15 @@ class Admission:
                 continue
             waiting.remove(seq)
             self.admit(draft, seq, hits, last_serial, num_hit, num_new, host)
+
+    def _uncached(self, seq: Sequence) -> int:
+        """Tokens `seq` would compute if admitted now (past its hit on every tier, or its swapped
+        KV); a beam group's beams never go out of order (the group enters whole at its head)."""
+        if seq.request.beam is not None:
+            return len(seq.token_ids) << 20
+        hits, _ = self._kv.find_cached_prefix(seq)
+        host = self._kv.find_offloaded(seq, len(hits))
+        return len(seq.token_ids) - resume_point(seq, (len(hits) + len(host)) * self._config.block_size)
 
     def admit(self, draft: StepDraft, seq: Sequence, hits: list[BlockId], last_serial: int, num_hit: int,
               num_new: int, host: list[int] | None = None) -> None:

@@ -82,6 +82,9 @@ class SchedulerConfig:
     max_waiting_tokens: int | None = None  # optional bound on the prompt tokens waiting
     eos_token_ids: tuple[int, ...] = ()
     policy: Literal["fcfs", "priority"] = "fcfs"
+    # Which waiting sequence admission tries next (tiers/prefill_order.py): the queue's head, or
+    # "cached-first", the fewest tokens left to compute after its prefix hit (multi-turn sessions).
+    admission_order: Literal["fcfs", "cached-first"] = "fcfs"
     max_inflight_steps: int = 2  # 2 = the next plan goes out before the last result is back
     # A request that took part in this many failed steps is failed (poison.py); one that fails a
     # step alone, after failing one batched, is failed at once.
