@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         print(f"  TTFT p50 {results[run.name]['ttft_p50_ms']} ms, prefill computed "
               f"{results[run.name]['prefill_tokens_computed']}", flush=True)
+        write_result(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "num_gpu_blocks": num_blocks,
+                                **results})  # so far: a long series interrupted keeps its finished runs
     print(f"\n{args.sessions} sessions x {args.turns} turns, {args.model} ({args.dtype}), first message "
           f"{args.first_len} tokens, later {args.message_len}, {args.output_len} output tokens, think time "
           f"{args.think_time} s; device pool {num_blocks * BLOCK_SIZE} tokens (~{args.pool_sessions:g} "
