@@ -91,3 +91,21 @@ def test_the_head_is_overtaken_at_most_max_overtakes_times(max_overtakes):
     assert order.pick([short], short, uncached) is short  # a new head starts its own count
     other = Seq()
     assert CachedFirst().pick([head, short, other], head, {head: 1, short: 1, other: 1}.__getitem__) is head  # ties
+
+
+
+def test_the_flag_reaches_the_scheduler_config_and_the_launcher_passes_it_on():
+    from pagoda.contract.step import WorkerInfo
+    from pagoda.entrypoints.launcher.cli import parse_args as launcher_args
+    from pagoda.entrypoints.launcher.topology import build_children
+    from scheduler_svc.__main__ import build_config, parse_args
+    from scheduler_svc.server import scheduler_config
+
+    info = WorkerInfo(num_blocks=8, block_size=2, max_model_len=64, eos_token_ids=(0,), vocab_size=50, model_name="m")
+    scheduler = build_children(launcher_args(["--fake", "--admission-order", "cached-first"]))[1]
+    assert scheduler.name == "scheduler"
+    config = build_config(parse_args(scheduler.argv[1:]))
+    assert scheduler_config(info, config).admission_order == "cached-first"
+    plain = build_children(launcher_args(["--fake"]))[1].argv
+    assert "--admission-order" not in plain
+    assert scheduler_config(info, build_config(parse_args(plain[1:]))).admission_order == "fcfs"
