@@ -7,7 +7,8 @@
   FCFS it waits behind other sessions' first turns, each a full prompt to prefill; run first, it
   costs those a step's share and answers in one step. What a production server wants for agents
   (docs/kv_tiers.md, "Benchmark"). Starvation is bounded: the head that another sequence
-  overtook `max_overtakes` times is taken next whatever its length.
+  overtook `max_overtakes` times is taken next whatever its length. With tenant fair share on
+  (tenants.py) it chooses only among the waiting sequences of the tenant whose turn it is.
 
 Lookups only (the prefix index and the tiers are read, nothing is touched): admission then looks
 the chosen sequence's hit up again and admits it as usual.
