@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include "cpu_quant_linear.h"
+#include "cpu_quant_linear_lowbit.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -397,7 +398,8 @@ namespace pagoda_cpu {
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
                         int64_t group, int64_t bits, int64_t zero) {
-  TORCH_CHECK(bits == 8 || bits == 4, "pagoda_cpu.quant_linear: bits must be 8 or 4, got ", bits);
+  if (bits == 5 || bits == 6) return quant_linear_lowbit(x_in, qweight, scales, mins, bias, group, bits, zero);
+  TORCH_CHECK(bits == 8 || bits == 4, "pagoda_cpu.quant_linear: bits must be 8, 6, 5 or 4, got ", bits);
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
               "pagoda_cpu.quant_linear: activations must be float32 or bfloat16, got ", x_in.scalar_type());
@@ -438,6 +440,7 @@ namespace {
 // The weights themselves, dequantised (tests, and the embedding gather of a tied lm_head).
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                             int64_t K, int64_t group, int64_t bits, int64_t zero) {
+  if (bits == 5 || bits == 6) return pagoda_cpu::quant_dequantize_lowbit(qweight, scales, mins, K, group, bits, zero);
   const int64_t N = qweight.size(0);
   const bool has_min = mins.has_value() && mins->defined();
   QuantView w{static_cast<const uint8_t*>(qweight.const_data_ptr()), scales.const_data_ptr<float>(),

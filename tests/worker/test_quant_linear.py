@@ -27,7 +27,8 @@ def decoded(type_name: str, rows: int, cols: int, seed: int = 0) -> tuple[Quanti
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
 def test_every_gguf_format_is_represented_bit_for_bit(type_name):
     weight, expected = decoded(type_name, 6, 512)
-    assert weight.shape == (6, 512) and weight.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    bits = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}.get(type_name, 8)
+    assert weight.shape == (6, 512) and weight.bits == bits
     np.testing.assert_array_equal(weight.dequantize().numpy(), expected)
     widened = _ops().quant_dequantize(weight.qweight, weight.scales, weight.mins, 512, weight.group,
                                       weight.bits, weight.zero)
@@ -36,15 +37,27 @@ def test_every_gguf_format_is_represented_bit_for_bit(type_name):
 
 def test_stored_bytes_per_weight_are_the_files_plus_fp32_scales():
     per_weight = {t: decoded(t, 4, 256)[0].nbytes / (4 * 256) for t in GGUF_TYPES}
-    # Q8_0 / Q5_0: 1 + 4/32; Q4_0: 0.5 + 4/32; Q4_1 / Q4_K: 0.5 + 8/32; Q5_1 / Q5_K: 1 + 8/32; Q6_K: 1 + 4/16
-    assert per_weight == {"Q8_0": 1.125, "Q4_0": 0.625, "Q4_1": 0.75, "Q5_0": 1.125, "Q5_1": 1.25,
-                          "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25}
+    # the codes at the file's bits (8, 4, 5, 6 / 8 B), plus fp32 scales (and mins) per group:
+    # Q8_0: 1 + 4/32; Q4_0: 0.5 + 4/32; Q4_1 / Q4_K: 0.5 + 8/32; Q5_0: 0.625 + 4/32;
+    # Q5_1 / Q5_K: 0.625 + 8/32; Q6_K: 0.75 + 4/16
+    assert per_weight == {"Q8_0": 1.125, "Q4_0": 0.625, "Q4_1": 0.75, "Q5_0": 0.75, "Q5_1": 0.875,
+                          "Q4_K": 0.75, "Q5_K": 0.875, "Q6_K": 1.0}
+
+
+@pytest.mark.parametrize("bits", [5, 6])
+def test_low_bit_packing_round_trips(bits):
+    from worker_svc.model_loader.quant_format import pack_lowbit, unpack_lowbit
+
+    q = torch.randint(0, 2**bits, (3, 96), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    packed = pack_lowbit(q, bits)
+    assert packed.shape == (3, 96 * bits // 8) and torch.equal(unpack_lowbit(packed, bits), q)
 
 
 def _formats() -> dict[str, QuantizedWeight]:
     gen = torch.Generator().manual_seed(0)
     dense = torch.randn(37, 96, generator=gen) * 0.05
     formats = {t: decoded(t, 37, 256, seed=i)[0] for i, t in enumerate(GGUF_TYPES)}
+    formats["Q5_0_k96"] = decoded("Q5_0", 37, 96, seed=11)[0]  # a K of 3 blocks, not a power of two
     formats["int8_g32"] = quantize(dense, "int8")
     formats["int4_g32"] = quantize(dense, "int4")
     formats["int8_row_odd_k"] = quantize(torch.randn(37, 75, generator=gen), "int8")  # K % 32 != 0: per row
@@ -84,6 +97,11 @@ def test_parts_of_different_formats_fuse_exactly():
     assert torch.equal(fused.dequantize(), expected)
     same = concat([q4k, decoded("Q4_K", 2, 256, seed=9)[0]])
     assert (same.bits, same.group) == (4, 32)  # alike parts stay int4
+    q5 = [decoded("Q5_0", r, 256, seed=r)[0] for r in (3, 2)]
+    assert concat(q5).bits == 5 and torch.equal(concat(q5).dequantize(), torch.cat([p.dequantize() for p in q5]))
+    mixed = concat([q5[0], q8])  # Q4_K_M's attn_q (Q5_0) with an attn_v in Q8_0
+    assert (mixed.bits, mixed.group, mixed.mins) == (8, 32, None)
+    assert torch.equal(mixed.dequantize(), torch.cat([q5[0].dequantize(), q8.dequantize()]))
 
 
 def test_quantize_at_load_round_trip():

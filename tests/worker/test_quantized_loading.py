@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from pagoda import LLM, SamplingParams
-from tests.smollm2_fixtures import MAX_TOKENS
+from tests.smollm2_fixtures import MAX_TOKENS, REPO
 from tests.worker.gguf_files import Q, write_gguf
 from tests.worker.hf_models import PagedSequence
 from worker_svc.config import WorkerConfig
@@ -76,6 +76,7 @@ def test_q4_k_m_mix_fuses_q6_k_parts_exactly(tmp_path):
     layers = quant.model.layers
     assert layers[0].self_attn.qkv_proj.weight_q.bits == 8  # Q4_K q/k + Q6_K v: the common int8 g16
     assert layers[1].self_attn.qkv_proj.weight_q.bits == 4  # all Q4_K: stays packed
+    assert layers[1].mlp.down_proj.weight_q.bits == 6  # Q6_K alone: its packed 6-bit codes
     assert torch.equal(layers[0].self_attn.qkv_proj.dequantized_weight(),
                        dense.model.layers[0].self_attn.qkv_proj.weight)
 
@@ -159,6 +160,24 @@ def test_smollm2_gguf_as_stored_matches_hf_on_the_same_file(smollm2_gguf, chats,
         assert isinstance(llm.runner.model.lm_head, QuantLinear)  # Q4_1 / Q8_0 as stored
         ours = _greedy(llm, chats)
     assert _match_rate(ours, hf_greedy) >= 0.9  # the same weights: only summation order differs
+
+
+Q4_K_M = REPO / "models" / "gguf" / "smollm2-135m-instruct-Q4_K_M.gguf"  # benchmarks.vs_llamacpp makes it
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Q4_K_M.exists(), reason="no Q4_K_M file (python -m benchmarks.vs_llamacpp makes it)")
+def test_smollm2_q4_k_m_as_stored_matches_the_same_file_dequantised(chats):
+    """The Q4_K_M mix (Q5_0 in packed 5-bit codes, Q6_K in 6-bit, Q4_K, Q8_0) against the same
+    weights widened to fp32 (`--quantization none`, HF-exact): only the summation order differs."""
+    with LLM(model=str(Q4_K_M), dtype="float32", kv_cache_memory_bytes=64 << 20) as llm:
+        layers = llm.runner.model.model.layers
+        assert {layer.mlp.gate_up_proj.weight_q.bits for layer in layers} == {5}  # Q5_0, packed
+        assert {layer.mlp.down_proj.weight_q.bits for layer in layers} == {4, 6}  # Q4_K / Q6_K
+        ours = _greedy(llm, chats[:6])  # 6 of the 16 chats: two models' generations, kept short
+    with LLM(model=str(Q4_K_M), dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20) as llm:
+        widened = _greedy(llm, chats[:6])
+    assert _match_rate(ours, widened) >= 0.9
 
 
 @pytest.mark.slow

@@ -10,13 +10,16 @@ same fp32 operations as gguf's numpy reference (`d * sc`, `dmin * m`), and a min
     Q8_0  34 B / 32:  fp16 d, int8 q[32]                      w = d * q
     Q4_0  18 B / 32:  fp16 d, nibbles                         w = d * (q - 8)
     Q4_1  20 B / 32:  fp16 d, fp16 m, nibbles                 w = d * q + m
-    Q5_0  22 B / 32:  fp16 d, 32 fifth bits, nibbles          w = d * (q - 16)   (int8 storage)
-    Q5_1  24 B / 32:  fp16 d, fp16 m, 32 fifth bits, nibbles  w = d * q + m      (int8 storage)
+    Q5_0  22 B / 32:  fp16 d, 32 fifth bits, nibbles          w = d * (q - 16)   (5-bit storage)
+    Q5_1  24 B / 32:  fp16 d, fp16 m, 32 fifth bits, nibbles  w = d * q + m      (5-bit storage)
     Q4_K 144 B / 256: fp16 d, dmin, 12 B of 6-bit sc/m, 128 B nibbles (8 groups of 32)
                                                               w = (d * sc) * q - (dmin * m)
-    Q5_K 176 B / 256: as Q4_K plus 32 B of fifth bits         (q 0..31: int8 storage)
+    Q5_K 176 B / 256: as Q4_K plus 32 B of fifth bits         (q 0..31: 5-bit storage)
     Q6_K 210 B / 256: 128 B low nibbles, 64 B high 2 bits, int8 sc[16], fp16 d
                                                               w = (d * sc) * (q - 32), groups of 16
+                                                              (6-bit storage)
+The 5- and 6-bit codes are repacked into quant_format's block layout (nibbles, then a plane of top
+bits), as many bits per weight as the file.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from worker_svc.model_loader.quant_format import QuantizedWeight, pack_int4
+from worker_svc.model_loader.quant_format import QuantizedWeight, pack_int4, pack_lowbit
 
 # A block decoded: (q, scales, mins or None, bits, group, zero), blocks as rows.
 Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int, int]
@@ -56,12 +59,13 @@ def _five_bits(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
 
 
 def _q5_0(b: torch.Tensor) -> Decoded:
-    # (q - 16) fits int8 and keeps the file's product d * (q - 16) exact: no zero point needed
-    return (_five_bits(b[:, 2:6], b[:, 6:]) - 16).to(torch.int8), _f16(b[:, :2]), None, 8, 32, 0
+    # the kernel widens q - 16 as an integer: d * float(q - 16) is the file's product exactly
+    return pack_lowbit(_five_bits(b[:, 2:6], b[:, 6:]).to(torch.uint8), 5), _f16(b[:, :2]), None, 5, 32, 16
 
 
 def _q5_1(b: torch.Tensor) -> Decoded:
-    return _five_bits(b[:, 4:8], b[:, 8:]).to(torch.int8), _f16(b[:, :2]), _f16(b[:, 2:4]), 8, 32, 0
+    q = _five_bits(b[:, 4:8], b[:, 8:]).to(torch.uint8)
+    return pack_lowbit(q, 5), _f16(b[:, :2]), _f16(b[:, 2:4]), 5, 32, 0
 
 
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,8 +91,8 @@ def _q5_k(b: torch.Tensor) -> Decoded:
     qs = b[:, 48:].reshape(-1, 4, 1, 32)
     low = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 8, 32)
     high = (qh >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1  # group j: bit j
-    q = (low | (high << 4)).reshape(-1, 256).view(torch.int8)  # 0..31
-    return q, scales, mins, 8, 32, 0
+    q = (low | (high << 4)).reshape(-1, 256)  # 0..31
+    return pack_lowbit(q, 5), scales, mins, 5, 32, 0
 
 
 def _q6_k(b: torch.Tensor) -> Decoded:
@@ -98,8 +102,8 @@ def _q6_k(b: torch.Tensor) -> Decoded:
     d = _f16(b[:, 208:210])
     low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 2, 4, 32)
     high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 3
-    q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(-1, 256)
-    return q, d * sc, None, 8, 16, 0
+    q = (low | (high << 4)).reshape(-1, 256)  # 0..63
+    return pack_lowbit(q, 6), d * sc, None, 6, 16, 32
 
 
 # type name -> (bytes per block, elements per block, decoder)

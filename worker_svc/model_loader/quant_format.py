@@ -6,10 +6,17 @@ worker_svc/models, because the GGUF reader (under model_loader) builds these.
 
     w[n, k] = scales[n, k // group] * (q[n, k] - zero)  (+ mins[n, k // group])
 
-    bits 8: qweight int8 [N, K]      Q8_0 (g32), Q5_K (q 0..31, g32, mins), Q6_K (q-32, g16)
-    bits 4: qweight uint8 [N, K/2]   Q4_0 (g32, zero 8), Q4_1 and Q4_K (g32, mins)
+    bits 8: qweight int8 [N, K]        Q8_0 (g32), int8 at load; any mix of formats (concat)
+    bits 4: qweight uint8 [N, K/2]     Q4_0 (g32, zero 8), Q4_1 and Q4_K (g32, mins)
             (in each group, byte i holds element i in its low nibble, element i + group/2 in its
             high one: the Q4_0 / Q4_1 block layout; Q4_K's 64-element chunks are repacked to it)
+    bits 5: qweight uint8 [N, K*5/8]   Q5_0 (g32, zero 16), Q5_1 and Q5_K (g32, mins)
+    bits 6: qweight uint8 [N, K*6/8]   Q6_K (g16, zero 32)
+            (in blocks of 32 elements whatever the group: 16 bytes of low nibbles, element i low and
+            i + 16 high, then the high bits, little-endian: 4 bytes holding element j's fifth bit at
+            bit j, or 8 bytes holding element j's two top bits at bits 2j, 2j+1. One byte per 5- or
+            6-bit code would cost 1.6 / 1.33x the file; kernels/linear/cpu_quant_linear_lowbit.cpp
+            widens these in registers.)
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ class QuantizedWeight:
 
     def __post_init__(self) -> None:
         if not self.in_features:
-            self.in_features = self.qweight.shape[1] * (2 if self.bits == 4 else 1)
-        if self.in_features % self.group or (self.bits == 4 and self.group % 2):
+            self.in_features = self.qweight.shape[1] * 8 // self.bits
+        if self.in_features % self.group or (self.bits == 4 and self.group % 2) or (
+                self.bits in LOWBIT and (self.in_features % LOWBIT_BLOCK or self.group % 16)):
             raise ValueError(f"group {self.group} does not fit K {self.in_features} ({self.bits} bits)")
 
     @property
@@ -60,9 +68,11 @@ class QuantizedWeight:
                                self.zero, self.in_features)
 
     def unpacked(self) -> torch.Tensor:
-        """int8 [N, K]: q - zero (exact: int4 values fit in int8)."""
+        """int8 [N, K]: q - zero (exact: 4-, 5- and 6-bit values fit in int8)."""
         if self.bits == 8:
             return self.qweight
+        if self.bits in LOWBIT:
+            return (unpack_lowbit(self.qweight, self.bits).to(torch.int16) - self.zero).to(torch.int8)
         n, half = self.qweight.shape[0], self.group // 2
         b = self.qweight.view(n, -1, half)
         q = torch.cat([b & 0x0F, b >> 4], dim=2).to(torch.int16) - self.zero  # [N, K/group, group]
@@ -134,6 +144,33 @@ def quantize(weight: torch.Tensor, method: str, group: int = GROUP) -> Quantized
         q = torch.round((w - lo.unsqueeze(-1)) * inv.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
         return QuantizedWeight(pack_int4(q.reshape(n, k), group), scale.contiguous(), lo.contiguous(), 4, group)
     raise ValueError(f"unknown quantization {method!r}; choose {', '.join(QUANTIZATION_METHODS)}")
+
+
+LOWBIT = (5, 6)
+LOWBIT_BLOCK = 32  # elements per packed block of the 5- and 6-bit storage
+
+
+def pack_lowbit(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [N, K] values 0..2^bits-1 (bits 5 or 6) -> [N, K*bits/8] in the block layout above."""
+    n, k = q.shape
+    blocks = q.reshape(n, k // LOWBIT_BLOCK, LOWBIT_BLOCK)
+    nibbles = pack_int4((blocks & 0x0F).reshape(n, k), LOWBIT_BLOCK).reshape(n, -1, 16)
+    extra = bits - 4  # top bits per element, packed 8 / extra elements to a byte, little-endian
+    top = (blocks >> 4).reshape(n, -1, 4 * extra, 8 // extra)  # element j: byte j // (8/extra)
+    shifts = torch.arange(0, 8, extra, dtype=torch.uint8)
+    plane = (top << shifts).sum(-1, dtype=torch.uint8).reshape(n, -1, 4 * extra)
+    return torch.cat([nibbles, plane], dim=2).reshape(n, -1).contiguous()
+
+
+def unpack_lowbit(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of `pack_lowbit`: uint8 [N, K*bits/8] -> uint8 [N, K] values 0..2^bits-1."""
+    n, extra = packed.shape[0], bits - 4
+    b = packed.reshape(n, -1, 16 + 4 * extra)  # [N, blocks, bytes per block]
+    nib = b[:, :, :16]
+    low = torch.cat([nib & 0x0F, nib >> 4], dim=2)  # [N, blocks, 32]
+    shifts = torch.arange(0, 8, extra, dtype=torch.uint8)
+    top = (b[:, :, 16:].unsqueeze(-1) >> shifts) & ((1 << extra) - 1)  # [N, blocks, 4*extra, 8/extra]
+    return (low | (top.reshape(n, -1, LOWBIT_BLOCK) << 4)).reshape(n, -1)
 
 
 def pack_int4(q: torch.Tensor, group: int) -> torch.Tensor:

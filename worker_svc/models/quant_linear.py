@@ -1,9 +1,10 @@
-"""Weight-only quantized linears on CPU: int8 or packed int4 weights that are never widened in memory.
+"""Weight-only quantized linears on CPU: int8 or packed 6-, 5- and 4-bit codes never widened in memory.
 
 Why: a batch-1 decode step streams every weight from DRAM once, so its time is the weight bytes
 read per step. SmolLM2 in fp32 reads 4 bytes per weight; Q8_0 reads 1.06, Q4_K 0.56. The layer
 keeps exactly what a GGUF stores (docs/quantization.md) and multiplies through the compiled op
-`pagoda_cpu::quant_linear` (kernels/linear/cpu_quant_linear.cpp).
+`pagoda_cpu::quant_linear` (kernels/linear/cpu_quant_linear.cpp; the 5- and 6-bit codes of
+Q5_0 / Q5_1 / Q5_K / Q6_K in cpu_quant_linear_lowbit.cpp).
 
 One format (worker_svc/model_loader/quant_format.py) covers every GGUF type we serve, bit for
 bit: the integers, and fp32 scales computed from the file's fp16 ones with the same operations as
@@ -21,6 +22,7 @@ the activations too (a KleidiAI kernel for Arm; not measured here). Our op reads
 Fused projections (qkv, gate_up) concatenate their parts along N: groups stay within a row, so this
 is exact; parts of different formats (Q4_K_M stores some attn_v in Q6_K) are first widened to the
 common one (int8 storage, the smallest group, mins where any part has them), also exactly.
+Alike parts keep their packed format.
 """
 
 from __future__ import annotations
