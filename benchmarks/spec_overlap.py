@@ -39,8 +39,8 @@ from benchmarks.spec_decode import copy_prompts, timed
 from pagoda.contract import worker_codec as codec
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
-from pagoda.v1 import worker_pb2
 from pagoda.tools.default_model import DEFAULT_OUT
+from pagoda.v1 import worker_pb2
 
 PARTS = ("schedule", "plan_codec", "forward_sample", "rest_of_execute", "result_codec", "update")
 
