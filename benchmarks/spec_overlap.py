@@ -125,18 +125,20 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'B':>3} {'steps':>9} {'':>6}" + "".join(f"{p:>16}" for p in PARTS) + f"{'outside':>10}{'share':>8}")
     for batch in args.batch_sizes:
         parts = in_process(args.model, batch, args.k)
-        served = served_fake(batch, args.k, args.served_steps, logs) if args.served_steps else None
-        results[f"batch{batch}"] = {"in_process_ms": parts, "served_fake_worker_ms_per_step": served}
+        results[f"batch{batch}"] = {"in_process_ms": parts}
         for kind, ms in parts.items():
             outside = ms["schedule"] + ms["plan_codec"] + ms["result_codec"] + ms["update"]
             share = outside / (outside + ms["forward_sample"] + ms["rest_of_execute"])
             print(f"{batch:>3} {ms['steps']:>9} {kind:>6}" + "".join(f"{ms[p]:>16.2f}" for p in PARTS)
-                  + f"{outside:>10.2f}{share:>8.1%}")
+                  + f"{outside:>10.2f}{share:>8.1%}", flush=True)
         if "drafted" in parts:
-            print(f"{batch:>3} drafted steps with every draft accepted: {parts['drafted']['all_accepted']:.0%}")
-        if served is not None:
+            print(f"{batch:>3} drafted steps with every draft accepted: {parts['drafted']['all_accepted']:.0%}",
+                  flush=True)
+        if args.served_steps:  # after the in-process rows: a worker that fails to start loses nothing
+            served = served_fake(batch, args.k, args.served_steps, logs)
+            results[f"batch{batch}"]["served_fake_worker_ms_per_step"] = served
             print(f"{batch:>3} served, fake worker (scheduler + gRPC + worker service, no model): "
-                  f"{served:.2f} ms/step")
+                  f"{served:.2f} ms/step", flush=True)
     return results
 
 
