@@ -42,7 +42,8 @@ def acceptance_rate(accepts: float, tries: float) -> float:
 # Each verified draft run weighs this much less than the next: about the last 1 / (1 - 0.7) = 3 runs
 # count. E.g. 9 runs of 4 drafts all accepted (a copy), then 5 runs whose first draft was rejected
 # (the answer goes on in its own words): the lifetime rate is still (36 + 1.5) / (41 + 2) = 0.87,
-# the decayed one 0.44 (and falling), and at batch 8 the policy then keeps one draft instead of four.
+# the decayed one 0.44 (and falling): where tokens are dear (batch 8) the later positions, worth
+# alpha^j, fall under the bar first.
 RECORD_DECAY = 0.7
 MIN_ALPHA = 0.1
 
