@@ -279,13 +279,12 @@ def main(argv: list[str] | None = None) -> dict:
                                          **acceptance(on, before)}
         rows.append((f"copy-heavy, batch {batch}", off_tps, on_tps, same, results[f"copy_batch{batch}"]))
         rows.append((f"  (batch completion, {batch})", off_batch, on_batch, same, {"acceptance_rate": None}))
-    work = make_workload(WorkloadSpec("sharegpt-like", num_prompts=args.sharegpt_prompts, vocab_size=49152,
-                                      length_scale=args.length_scale, max_model_len=2048, seed=1))
-    prompts = [{"prompt_token_ids": w.prompt_token_ids} for w in work]
-    whole_batch_row(engines, args, prompts, [w.max_tokens for w in work], True, "sharegpt_like",
-                    f"ShareGPT-like, {len(work)} prompts", results, rows)
+        print(f"copy-heavy, batch {batch}: per request {off_tps:.1f} -> {on_tps:.1f} tok/s "
+              f"({on_tps / off_tps:.2f}x), identical {same}", flush=True)  # a long run's figures so far
+    if args.sharegpt_prompts:
+        sharegpt_row(engines, args, results, rows)
     # New text: "explain X" chat answers, where little of the answer is in the prompt or in itself.
-    prompts = chat_prompts(on.tokenizer, args.sharegpt_prompts)
+    prompts = chat_prompts(on.tokenizer, args.chat_prompts)
     whole_batch_row(engines, args, prompts, 64, False, "chat_new_text", f"chat, new text, {len(prompts)}",
                     results, rows)
     print(f"\nn-gram speculative decoding (k={args.k}), {args.model}, {args.dtype}, greedy")
@@ -298,6 +297,14 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
+def sharegpt_row(engines: dict[str, LLM], args: argparse.Namespace, results: dict, rows: list) -> None:
+    work = make_workload(WorkloadSpec("sharegpt-like", num_prompts=args.sharegpt_prompts, vocab_size=49152,
+                                      length_scale=args.length_scale, max_model_len=2048, seed=1))
+    prompts = [{"prompt_token_ids": w.prompt_token_ids} for w in work]
+    whole_batch_row(engines, args, prompts, [w.max_tokens for w in work], True, "sharegpt_like",
+                    f"ShareGPT-like, {len(work)} prompts", results, rows)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.spec_decode", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(DEFAULT_OUT))
@@ -308,7 +315,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true",
                    help="copy-heavy: generate exactly --max-tokens, past the end of the passage")
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
-    p.add_argument("--sharegpt-prompts", type=int, default=16)
+    p.add_argument("--sharegpt-prompts", type=int, default=16, help="0: skip the ShareGPT-like row")
+    p.add_argument("--chat-prompts", type=int, default=16, help="the chat (new text) row's requests")
     p.add_argument("--length-scale", type=float, default=0.25)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--workload", choices=["all", "tool-output"], default="all",

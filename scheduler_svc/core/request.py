@@ -162,8 +162,9 @@ class Sequence:
     generation: int = 0  # +1 on preemption: facts recorded for an older generation are stale
     resident: bool = False  # the worker holds this sequence's state
     pending_fork: bool = False  # n>1 and the children are not forked yet (seq 0 only)
-    spec_accepts: int = 0  # draft positions accepted / tried: its acceptance rate (spec_policy.py)
-    spec_tries: int = 0
+    # draft positions accepted / tried, older outcomes weighing less: its acceptance rate (spec_policy.py)
+    spec_accepts: float = 0.0
+    spec_tries: float = 0.0
     # Swapped out (swap.py): the host blocks holding the KV of its first num_swapped_tokens tokens.
     host_blocks: list[BlockId] = field(default_factory=list)
     num_swapped_tokens: int = 0

@@ -8,7 +8,11 @@ Speculative Decoding for Serving Large Language Models Using Goodput"):
 
 - a step's time is modelled as a + b * tokens, fitted online to the times the worker reports;
 - a sequence's j-th draft is accepted with probability alpha^j, alpha its own per-position
-  acceptance rate so far (a prior for a new sequence), so its expected gain is alpha^j tokens;
+  acceptance rate (a prior for a new sequence), so its expected gain is alpha^j tokens. alpha
+  follows the sequence's recent draft runs, not its whole life (`RECORD_DECAY`): an answer that
+  copies a passage and then goes on in its own words drafts well, then badly, and a lifetime
+  average would keep paying for full drafts long after the copy ended (at batch 8 each missed
+  position costs about as much as a decode token);
 - drafts are added best gain first while the step's expected tokens per second still rises:
   adding a draft of gain g to a step expected to yield G tokens in time c = a + b * M pays
   exactly when g * c > G * b. The gains fall and the bar rises, so the first refusal ends it.
@@ -27,9 +31,33 @@ from dataclasses import dataclass
 PRIOR_ACCEPTS, PRIOR_TRIES = 1.5, 2.0
 
 
-def acceptance_rate(accepts: int, tries: int) -> float:
-    """Per-position acceptance estimate from a sequence's record (see `record_outcome`)."""
-    return (accepts + PRIOR_ACCEPTS) / (tries + PRIOR_TRIES)
+def acceptance_rate(accepts: float, tries: float) -> float:
+    """Per-position acceptance estimate from a sequence's record (see `update_record`), never below
+    MIN_ALPHA: a sequence the policy stops drafting for is never verified again, so its estimate
+    could not recover when its text turns copyable; where drafts are nearly free (batch 1 on CPU)
+    the floor keeps it trying."""
+    return max((accepts + PRIOR_ACCEPTS) / (tries + PRIOR_TRIES), MIN_ALPHA)
+
+
+# Each verified draft run weighs this much less than the next: about the last 1 / (1 - 0.7) = 3 runs
+# count. E.g. 9 runs of 4 drafts all accepted (a copy), then 5 runs whose first draft was rejected
+# (the answer goes on in its own words): the lifetime rate is still (36 + 1.5) / (41 + 2) = 0.87,
+# the decayed one 0.44 (and falling): where tokens are dear (batch 8) the later positions, worth
+# alpha^j, fall under the bar first.
+RECORD_DECAY = 0.7
+MIN_ALPHA = 0.1
+
+
+def update_record(accepts: float, tries: float, num_drafts: int, num_accepted: int) -> tuple[float, float]:
+    """A sequence's record after one more verified run of `num_drafts` drafts of which
+    `num_accepted` were accepted: the older runs and the prior decayed by RECORD_DECAY, this run's
+    outcome added. The record is kept net of the prior (`acceptance_rate` adds it back), so a new
+    sequence's is (0, 0) and the prior fades like any old run: a sequence whose drafts keep
+    missing goes towards 0, not towards the prior."""
+    new_accepts, new_tries = record_outcome(num_drafts, num_accepted)
+    fade = 1.0 - RECORD_DECAY
+    return (accepts * RECORD_DECAY + new_accepts - PRIOR_ACCEPTS * fade,
+            tries * RECORD_DECAY + new_tries - PRIOR_TRIES * fade)
 
 
 def record_outcome(num_drafts: int, num_accepted: int) -> tuple[int, int]:

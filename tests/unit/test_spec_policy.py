@@ -7,10 +7,12 @@ import pytest
 from scheduler_svc.core import SchedulerConfig
 from scheduler_svc.core.config import SpeculativeConfig
 from scheduler_svc.core.spec_policy import (
+    MIN_ALPHA,
     StepCostModel,
     acceptance_rate,
     choose_draft_lengths,
     record_outcome,
+    update_record,
 )
 from tests.unit.test_fake_worker_property import expected
 from tests.unit.test_spec_decode import repeating, small_vocab_run
@@ -35,6 +37,22 @@ def test_record_outcome_counts_tries_up_to_the_first_rejection() -> None:
     assert record_outcome(3, 0) == (0, 1)
     assert acceptance_rate(0, 0) == pytest.approx(0.75)  # the prior
     assert acceptance_rate(9, 10) > acceptance_rate(1, 10)
+
+
+def test_the_record_follows_recent_runs_not_the_whole_life() -> None:
+    accepts = tries = 0.0
+    for _ in range(9):  # a copy: every draft accepted
+        accepts, tries = update_record(accepts, tries, 4, 4)
+    assert acceptance_rate(accepts, tries) > 0.9
+    for _ in range(5):  # then the answer goes on in its own words: the first draft is rejected
+        accepts, tries = update_record(accepts, tries, 4, 0)
+    # lifetime counts would say (36 + 1.5) / (41 + 2) = 0.87; the last runs weigh most
+    assert acceptance_rate(accepts, tries) == pytest.approx(0.44, abs=0.01)
+    recovering = update_record(accepts, tries, 4, 4)  # copying again: it recovers at once
+    assert acceptance_rate(*recovering) > 0.7
+    for _ in range(20):  # drafts that always miss: the prior fades too, down to the floor
+        accepts, tries = update_record(accepts, tries, 4, 0)
+    assert acceptance_rate(accepts, tries) == MIN_ALPHA
 
 
 def test_cheap_tokens_take_every_draft_and_dear_ones_none() -> None:

@@ -34,7 +34,7 @@ from scheduler_svc.core.spec_policy import (
     StepCostModel,
     acceptance_rate,
     choose_draft_lengths,
-    record_outcome,
+    update_record,
 )
 from scheduler_svc.core.step_draft import StepDraft
 
@@ -159,9 +159,7 @@ class Speculator:
             self.num_drafts += 1
             self.num_draft_tokens += num_drafts
             accepted = max(gained[seq.seq_id] - 1, 0)
-            accepts, tries = record_outcome(num_drafts, accepted)
-            seq.spec_accepts += accepts
-            seq.spec_tries += tries
+            seq.spec_accepts, seq.spec_tries = update_record(seq.spec_accepts, seq.spec_tries, num_drafts, accepted)
             self.num_accepted_tokens += accepted
             for pos in range(accepted):
                 self.accepted_per_pos[pos] += 1
