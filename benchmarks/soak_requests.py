@@ -5,6 +5,12 @@
 - bad: a malformed or out-of-range body; must get one 4xx with the OpenAI error shape;
 - quota: a normal request under a tenant key with tight limits; either completes, or gets 429
   with `Retry-After` and OpenAI's `x-ratelimit-*` headers.
+
+A valid request that does not complete is `failed` when the server said so (a status other than
+200, an error chunk, a wrong token count) and `lost` when no final answer came (a timeout, a broken
+connection, a stream without its finish_reason or `[DONE]`). Each request's kind, body and hang-up
+moment come from its own generator, seeded by (seed, index): `plan_request` gives request i the
+same prompt in every run, which is what lets a run with faults be compared to one without.
 """
 
 from __future__ import annotations
@@ -36,10 +42,41 @@ RATE_LIMIT_HEADERS = ("retry-after", "x-ratelimit-limit-requests", "x-ratelimit-
 
 @dataclass(slots=True)
 class Outcome:
-    kind: str  # completed | cancelled | lost | bad_rejected | bad_mishandled | over_quota
+    kind: str  # completed | cancelled | failed | lost | bad_rejected | bad_mishandled | over_quota
     error: str = ""
     e2e_seconds: float | None = None  # completed requests
     ttft_seconds: float | None = None  # completed streamed requests
+    text: str | None = None  # the completion's text: all of it, or what came before a hang-up
+
+
+@dataclass(slots=True)
+class PlannedRequest:
+    """One request of the soak, drawn before anything is sent (so every run sends the same)."""
+    kind: str  # normal | bad | quota
+    body: dict | None = None  # normal and quota requests
+    cancel_early: bool = False  # hang up before the headers, after a random delay
+    hang_up_after: int | None = None  # chunks, then close (streamed)
+    cancel_delay: float = 0.0
+    bad: tuple[str, dict | bytes] | None = None
+
+
+def plan_request(index: int, args) -> PlannedRequest:
+    """Request `index` of a soak with `args` (benchmarks/soak.py's flags); a function of
+    (args.seed, index) only."""
+    rng = random.Random(f"{args.seed}:{index}")
+    if rng.random() < args.bad_fraction:
+        return PlannedRequest("bad", bad=rng.choice(BAD_BODIES))
+    quota = args.quota_api_key is not None and rng.random() < args.quota_fraction
+    body = {"prompt": [rng.randrange(1, args.vocab_size) for _ in range(args.prompt_len)],
+            "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": rng.random() < args.stream_fraction}
+    if body["stream"]:
+        body["stream_options"] = {"include_usage": True}
+    cancel = not quota and rng.random() < args.cancel_fraction
+    early = cancel and (not body["stream"] or rng.random() < 0.5)  # hang up before the headers
+    return PlannedRequest("quota" if quota else "normal", body, cancel_early=early,
+                          hang_up_after=rng.randrange(0, args.max_tokens) if cancel and not early else None,
+                          cancel_delay=rng.uniform(0.0, args.max_cancel_delay) if early else 0.0)
 
 
 def openai_error_shaped(response: httpx.Response) -> bool:
@@ -51,8 +88,8 @@ def openai_error_shaped(response: httpx.Response) -> bool:
 
 
 async def bad_request(client: httpx.AsyncClient, url: str, headers: dict[str, str],
-                      rng: random.Random) -> Outcome:
-    what, body = rng.choice(BAD_BODIES)
+                      bad: tuple[str, dict | bytes]) -> Outcome:
+    what, body = bad
     if isinstance(body, bytes):
         response = await client.post(url, content=body,
                                      headers={**headers, "content-type": "application/json"})
@@ -75,33 +112,38 @@ async def completion(client: httpx.AsyncClient, url: str, body: dict, headers: d
                 missing = [h for h in RATE_LIMIT_HEADERS if h not in response.headers]
                 if not missing and openai_error_shaped(response):
                     return Outcome("over_quota")
-                return Outcome("lost", f"429 without {missing} or the error shape: {text!r}")
-            return Outcome("lost", f"HTTP {response.status_code}: {text!r}")
+                return Outcome("failed", f"429 without {missing} or the error shape: {text!r}")
+            return Outcome("failed", f"HTTP {response.status_code}: {text!r}")
         if not body["stream"]:
-            usage = json.loads(await response.aread()).get("usage", {})
-            tokens = usage.get("completion_tokens")
+            reply = json.loads(await response.aread())
+            tokens = reply.get("usage", {}).get("completion_tokens")
             if tokens != body["max_tokens"]:
-                return Outcome("lost", f"non-streamed: {tokens} tokens")
-            return Outcome("completed", e2e_seconds=time.monotonic() - started)
-        tokens, finished, done, chunks = 0, False, False, 0
+                return Outcome("failed", f"non-streamed: {tokens} tokens")
+            return Outcome("completed", e2e_seconds=time.monotonic() - started,
+                           text=reply["choices"][0]["text"])
+        tokens, finished, done, chunks, pieces = 0, False, False, 0, []
         async for sse in EventSource(response).aiter_sse():
             if sse.data == "[DONE]":
                 done = True
                 break
             chunks += 1
             if hang_up_after is not None and chunks > hang_up_after:
-                return Outcome("cancelled")  # leaving the block closes the connection
+                # leaving the block closes the connection
+                return Outcome("cancelled", text="".join(pieces))
             event = json.loads(sse.data)
             if "error" in event:
-                return Outcome("lost", f"error chunk: {event['error']}")
+                return Outcome("failed", f"error chunk: {event['error']}")
             for choice in event.get("choices", []):
                 if first is None and choice.get("text"):
                     first = time.monotonic()
+                pieces.append(choice.get("text") or "")
                 finished = finished or choice.get("finish_reason") is not None
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-    if not (done and finished and tokens == body["max_tokens"]):
+    if not (done and finished):
         return Outcome("lost", f"incomplete: done={done} finished={finished} tokens={tokens}")
+    if tokens != body["max_tokens"]:
+        return Outcome("failed", f"streamed: {tokens} tokens")
     now = time.monotonic()
     return Outcome("completed", e2e_seconds=now - started,
-                   ttft_seconds=None if first is None else first - started)
+                   ttft_seconds=None if first is None else first - started, text="".join(pieces))

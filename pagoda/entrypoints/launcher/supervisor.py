@@ -141,7 +141,12 @@ def wait_ready(child: Child, stop: threading.Event, deadline_s: float) -> bool:
 
 
 def supervise(children: list[Child], stop: threading.Event, deadline_s: float) -> int:
-    """Restart dead children until stopped; 1 if one keeps dying."""
+    """Restart dead children until stopped; 1 if one keeps dying.
+
+    A restarted child's readiness is awaited on a thread of its own, never by this loop: a
+    scheduler restarted after a drain waits for its worker, and if that worker is being restarted
+    too (a rolling restart stops both) the loop must get to it. Waiting here once held a rolling
+    restart for the whole startup timeout (benchmarks.soak's `drain` fault)."""
     while not stop.wait(0.5):
         for child in children:
             if child.alive():
@@ -154,5 +159,11 @@ def supervise(children: list[Child], stop: threading.Event, deadline_s: float) -
                 return 1
             print(f"[launcher] {child.name} died ({child.proc.returncode}); restarting", file=sys.stderr)
             child.start()
-            wait_ready(child, stop, deadline_s)
+            threading.Thread(target=_say_when_ready, args=(child, child.proc, stop, deadline_s),
+                             name=f"ready-{child.name}", daemon=True).start()
     return 0
+
+
+def _say_when_ready(child: Child, proc: subprocess.Popen, stop: threading.Event, deadline_s: float) -> None:
+    if wait_ready(child, stop, deadline_s) and child.proc is proc:  # not restarted again meanwhile
+        say(f"{child.name} ready again")
