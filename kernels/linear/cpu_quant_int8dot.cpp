@@ -53,84 +53,41 @@ struct QuantAct {
   std::vector<int32_t> g0, g1;  // [chunks]: the weight groups of blocks 2c and 2c + 1 (group >= 32)
 };
 
-// One activation row, portable: x_q, the block scales (plain and as lanes), the accumulators' start.
-void quantize_row(const float* xr, int64_t K, int8_t* sr, int32_t* neg, float* d_out, float* dv) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const float* xb = xr + b * kBlock;
-    float amax = 0.0f;
-    for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    for (int64_t k = 0; k < kBlock; ++k) {
-      // nearbyint: round half to even (the default mode), as torch.round in the tests' reference
-      const int q = std::min(127, std::max(-127, static_cast<int>(std::nearbyint(xb[k] * id))));
-      sr[b * kBlock + k] = static_cast<int8_t>(q);
-      neg[(b * kBlock + k) / 4] -= 128 * q;
-    }
-    d_out[b] = d;
-    for (int i = 0; i < 8; ++i) dv[(b / 2) * 16 + (b % 2) * 8 + i] = d;
-  }
-}
-
-#ifdef PAGODA_I8_X86
-#define PAGODA_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-#define PAGODA_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
-
-// The same in AVX-512 (the same roundings: one product, then the conversion's round half to even,
-// MXCSR's default): 120 calls a SmolLM2 step, so the scalar loop's ~2-5 us each would show.
-PAGODA_VNNI512 void quantize_row512(const float* xr, int64_t K, int64_t chunks, int8_t* sr, int32_t* neg,
-                                    float* d_out, float* dv) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const __m512 v0 = _mm512_loadu_ps(xr + b * kBlock), v1 = _mm512_loadu_ps(xr + b * kBlock + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    const float d = amax / 127.0f;
-    const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-    // |x * id| <= 127 (+ an ulp): the saturating narrowing never clips
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(sr + b * kBlock),
-                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, id))));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(sr + b * kBlock + 16),
-                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, id))));
-    d_out[b] = d;
-    _mm256_storeu_ps(dv + (b / 2) * 16 + (b % 2) * 8, _mm256_set1_ps(d));
-  }
-  // -128 * (sum of each lane's 4 x_q): a vpdpbusd of ones per chunk (the padding is zeros)
-  const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
-  for (int64_t c = 0; c < chunks; ++c) {
-    const __m512i sum4 = _mm512_dpbusd_epi32(zero, ones, _mm512_loadu_si512(sr + c * kChunk));
-    _mm512_storeu_si512(neg + c * 16, _mm512_sub_epi32(zero, _mm512_slli_epi32(sum4, 7)));
-  }
-}
-#endif
-
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, bool sums, bool avx512, QuantAct& a) {
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, bool sums, QuantAct& a) {
   a.M = M, a.K = K, a.chunks = (K + kChunk - 1) / kChunk, a.Kp = a.chunks * kChunk, a.ng = K / group;
-  const int64_t nb = K / kBlock;
-  a.s.assign(M * a.Kp, 0);  // the padding must read as zeros
+  a.s.assign(M * a.Kp, 0);
   a.neg.assign(M * a.chunks * 16, 0);
-  a.d.assign(M * nb, 0.0f);
+  a.d.assign(M * (K / kBlock), 0.0f);
   a.dv.assign(M * a.chunks * 16, 0.0f);
+  if (sums) a.gsum.assign(M * a.ng, 0.0f);
   a.g0.resize(a.chunks), a.g1.resize(a.chunks);  // per call, not per row: no division in the loops
   for (int64_t c = 0; c < a.chunks; ++c) {
     a.g0[c] = static_cast<int32_t>(2 * c * kBlock / group);
     a.g1[c] = static_cast<int32_t>(std::min<int64_t>((2 * c + 1) * kBlock / group, a.ng - 1));
   }
   for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
     int8_t* sr = a.s.data() + m * a.Kp;
     int32_t* neg = a.neg.data() + m * a.chunks * 16;  // lane i of chunk c: elements 4i..4i+3 of it
-    float* dv = a.dv.data() + m * a.chunks * 16;
-#ifdef PAGODA_I8_X86
-    if (avx512) {
-      quantize_row512(x + m * K, K, a.chunks, sr, neg, a.d.data() + m * nb, dv);
-      continue;
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+      const float* xb = xr + b * kBlock;
+      float amax = 0.0f;
+      for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        // nearbyint: round half to even (the default mode), as torch.round in the tests' reference
+        const int v = static_cast<int>(std::nearbyint(xb[k] * id));
+        const int q = std::min(127, std::max(-127, v));
+        sr[b * kBlock + k] = static_cast<int8_t>(q);
+        neg[(b * kBlock + k) / 4] -= 128 * q;
+        if (sums) a.gsum[m * a.ng + (b * kBlock + k) / group] += static_cast<float>(q) * d;
+      }
+      a.d[m * (K / kBlock) + b] = d;
+      float* lanes = a.dv.data() + (m * a.chunks + b / 2) * 16 + (b % 2) * 8;
+      for (int i = 0; i < 8; ++i) lanes[i] = d;
     }
-#endif
-    quantize_row(x + m * K, K, sr, neg, a.d.data() + m * nb, dv);
   }
-  if (!sums) return;
-  a.gsum.assign(M * a.ng, 0.0f);  // mins' term: sum of x_q * d over each group
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k)
-      a.gsum[m * a.ng + k / group] += static_cast<float>(a.s[m * a.Kp + k]) * a.d[m * nb + k / kBlock];
 }
 
 struct Weights {
@@ -150,6 +107,9 @@ inline float group_terms(const Weights& w, const QuantAct& a, int64_t n, int64_t
 }
 
 #ifdef PAGODA_I8_X86
+#define PAGODA_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define PAGODA_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
+
 // Weight groups per 64-byte chunk: the scale of each lane (4 weights) is built per chunk, per row.
 enum Scales { kAny = 0, kG16 = 1, kG32 = 2 };
 
@@ -347,8 +307,8 @@ bool int8_dot_linear(const float* x, int64_t M, int64_t K, const int8_t* q, cons
   const int64_t mode = int8_dot_mode();
   if (mode == kInt8DotOff || K % kBlock != 0 || (group % kBlock != 0 && group != 16)) return false;
 #ifdef PAGODA_I8_X86
-  thread_local QuantAct a;  // the caller's thread's buffers, kept between calls: no allocation per call
-  quantize_rows(x, M, K, group, mins != nullptr, mode == kInt8DotAvx512Vnni, a);
+  QuantAct a;
+  quantize_rows(x, M, K, group, mins != nullptr, a);
   const Weights w{q, scales, mins, N, K, group, K / group};
   // 64 rows per task at least (~37 KB of weights at K = 576); torch splits N evenly over threads.
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { rows(mode, w, a, begin, end, bias, out); });
