@@ -2,6 +2,13 @@
 
     python -m benchmarks.fused_decode [--model models/smollm2-135m-instruct] [--quantization gguf|int8|int4]
         [--dtype float32|bfloat16] [--threads 1] [--batch 1] [--context 256] [--iters 40]
+        [--int8-dot] [--clock wall|thread]
+
+--int8-dot compares, instead, the fused step with the quantized linears' int8 dot-product path
+(kernels/linear/cpu_quant_int8dot.cpp) on and off, in three parts timed separately: the forward
+(embedding + layers + final norm), the logits (the lm_head) and a greedy sampler call.
+--clock thread times with the calling thread's CPU time (with --threads 1: the whole op), which
+a shared machine's other jobs disturb less than the wall clock (they still share caches and DRAM).
 
 The model is loaded and prepared as the CPU worker prepares it (packed and row-bucketed linears,
 or quantized ones), every sequence has `--context` cached tokens (random K/V) and one new token;
@@ -48,6 +55,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--int8-dot", action="store_true", help="int8 dot-product path on vs off (fused step)")
+    p.add_argument("--clock", default="wall", choices=["wall", "thread"])
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -67,20 +76,60 @@ def main() -> None:
               for _ in range(cfg.num_layers)]
     ids = torch.randint(2, cfg.vocab_size, (args.batch,), generator=gen)
     positions = torch.full((args.batch,), args.context)
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    if args.int8_dot:
+        int8_dot_parts(model, fused, ids, positions, attn, caches, args, clock)
+        return
     times: dict[str, list[float]] = {"module loop": [], "fused": []}
     with torch.inference_mode():
         for i in range(args.iters + 3):
             for name, path in (("module loop", None), ("fused", fused)):
                 model.fused_decode = path
-                start = time.perf_counter()
+                start = clock()
                 model(ids, positions, attn, caches)
                 if i >= 3:  # warm-up: oneDNN primitives, first-touch pages
-                    times[name].append((time.perf_counter() - start) * 1e3)
+                    times[name].append((clock() - start) * 1e3)
     print(f"{args.model} quantization={quantization} dtype={args.dtype} threads={torch.get_num_threads()} "
           f"batch={args.batch} context={args.context}")
     for name, values in times.items():
         print(f"  {name:12s} min {min(values):7.2f} ms   median {statistics.median(values):7.2f} ms")
     print(f"  fused / module loop (min): {min(times['fused']) / min(times['module loop']):.2f}")
+
+
+def int8_dot_parts(model, fused, ids, positions, attn, caches, args, clock) -> None:
+    """Forward, logits and a greedy sampler call, with the int8 dot path on and off alternately."""
+    from pagoda.contract.params import SamplingParams
+    from worker_svc.sampler import Sampler, SamplingRow
+
+    ops = fused.ops
+    sampler = Sampler(eos_token_ids=[0], device=torch.device("cpu"))
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [1, 2, 3], 3) for _ in range(args.batch)]
+    model.fused_decode = fused
+    parts = ("forward", "logits", "sampler")
+    times = {(on, part): [] for on in (1, 0) for part in parts}
+    with torch.inference_mode():
+        for i in range(args.iters + 3):
+            for on in (1, 0):
+                ops.quant_int8_dot(on)
+                t0 = clock()
+                hidden = model(ids, positions, attn, caches)
+                t1 = clock()
+                logits = model.compute_logits(hidden)
+                t2 = clock()
+                sampler(logits, rows)
+                t3 = clock()
+                if i >= 3:
+                    for part, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                        times[(on, part)].append(value * 1e3)
+    ops.quant_int8_dot(1)
+    mode, best = ops.quant_int8_dot()
+    print(f"{args.model} dtype={args.dtype} threads={torch.get_num_threads()} batch={args.batch} "
+          f"context={args.context} clock={args.clock} int8 dot kernel={['none', 'avx512_vnni', 'avx_vnni'][best]}")
+    for part in parts:
+        on, off = times[(1, part)], times[(0, part)]
+        print(f"  {part:8s} int8 dot: min {min(on):7.3f} median {statistics.median(on):7.3f} ms   "
+              f"off: min {min(off):7.3f} median {statistics.median(off):7.3f} ms   "
+              f"(median on/off {statistics.median(on) / statistics.median(off):.2f})")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Weight-only quantized linears on CPU (worker_svc/models/quant_linear.py) against our oneDNN-packed
 fp32 linear and what torch ships, on SmolLM2's shapes; and (--model-step) the model's decode step.
 
-    .venv/bin/python -m benchmarks.quant_linear [--rows 1 4 16 128] [--threads N]
+    .venv/bin/python -m benchmarks.quant_linear [--rows 1 4 16 128] [--threads N] [--lm-head]
     .venv/bin/python -m benchmarks.quant_linear --model-step [--model models/smollm2-135m-instruct]
         [--gguf models/.cache/SmolLM2-135M-Instruct.Q4_1.gguf] [--batches 1 16]
     .venv/bin/python -m benchmarks.quant_linear --requantize F32.gguf OUT.gguf Q8_0   # a Q8_0 file
@@ -12,7 +12,9 @@ Layer table, ms per call (lower is better); columns:
                 per-32 scales), fp32 activations
   aten int4/g32 aten._weight_int4pack_mm_for_cpu: w = (q - 8) * scale + zero per group of 32, bf16
                 activations and scales (its fp32 path asks for the same packed layout)
-  ours int8/g32 pagoda_cpu::quant_linear, Q8_0's format (int8, fp32 scale per 32)
+  ours int8/g32 pagoda_cpu::quant_linear, Q8_0's format (int8, fp32 scale per 32): at M <= 32 on a
+                VNNI CPU, int8 dot products over activations quantized to int8 per 32
+  ours no-i8dot the same with that path off (PAGODA_INT8_DOT=0): codes widened to fp32 in registers
   ours int4/g32 pagoda_cpu::quant_linear, Q4_1's format (packed nibbles, scale + min per 32)
 
 Figures from a 2-core AMD EPYC shared with other jobs (noisy; re-measure on a quiet machine),
@@ -56,10 +58,14 @@ def _aten_int4(w: torch.Tensor):
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz)
 
 
-def layer_table(rows: list[int]) -> None:
+def layer_table(rows: list[int], shapes: list[tuple[int, int]]) -> None:
+    from worker_svc.models.quant_linear import _ops, int8_dot_status
+
+    ops = _ops()
+    print(f"int8 dot kernel: {' '.join(int8_dot_status())}")
     print(f"{'shape':>12} {'M':>4} {'packed fp32':>12} {'aten int8/ch':>13} {'aten int4/g32':>14} "
-          f"{'ours int8/g32':>14} {'ours int4/g32':>14}   (ms per call)")
-    for n, k in SHAPES:
+          f"{'ours int8/g32':>14} {'ours no-i8dot':>14} {'ours int4/g32':>14}   (ms per call)")
+    for n, k in shapes:
         w = torch.randn(n, k) * 0.05
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
         scale = w.abs().amax(1) / 127
@@ -73,9 +79,20 @@ def layer_table(rows: list[int]) -> None:
                      lambda x=x, q=q8, s=scale: torch.ops.aten._weight_int8pack_mm(x, q, s),
                      lambda xb=xb, f=int4: f(xb),
                      lambda x=x, w=ours8: quant_matmul(x, w),
+                     lambda x=x, w=ours8: _int8_dot_off(ops, lambda: quant_matmul(x, w)),
                      lambda x=x, w=ours4: quant_matmul(x, w)]
             cols = [time_it(call) for call in calls]
-            print(f"{f'{k}->{n}':>12} {m:>4} " + " ".join(f"{c * 1e3:>{w_}.3f}" for c, w_ in zip(cols, (12, 13, 14, 14, 14), strict=True)))
+            widths = (12, 13, 14, 14, 14, 14)
+            print(f"{f'{k}->{n}':>12} {m:>4} " + " ".join(f"{c * 1e3:>{w_}.3f}" for c, w_ in zip(cols, widths, strict=True)))
+
+
+def _int8_dot_off(ops, call):
+    """`call` with the op's int8 dot-product path switched off (two atomic stores around it)."""
+    ops.quant_int8_dot(0)
+    try:
+        return call()
+    finally:
+        ops.quant_int8_dot(1)
 
 
 def model_step(model_dir: str, gguf: str | None, batches: list[int], context: int) -> None:
@@ -147,6 +164,7 @@ def requantize(src: str, dst: str, type_name: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.quant_linear", description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 128])
+    p.add_argument("--lm-head", action="store_true", help="only the 576->49152 shape (the tied lm_head)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--model-step", action="store_true", help="time the whole model's decode step instead")
     p.add_argument("--model", default="models/smollm2-135m-instruct")
@@ -166,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         model_step(args.model, args.gguf, args.batches, args.context)
     else:
         with torch.inference_mode():
-            layer_table(args.rows)
+            layer_table(args.rows, SHAPES[-1:] if args.lm_head else SHAPES)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from worker_svc.models.batch_invariant_linear import uses_amx as batch_invariant
 from worker_svc.models.fused_decode import Setting as FusedSetting
 from worker_svc.models.fused_decode import fused_decode_for
 from worker_svc.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
+from worker_svc.models.quant_linear import QuantLinear, int8_dot_status
 from worker_svc.models.row_buckets import bucket_linear_rows
 from worker_svc.plan_validation import validate_plan
 from worker_svc.pooling import pool_embeddings
@@ -482,6 +483,9 @@ class ModelRunner:
         if fused is not None:
             self.model.fused_decode = fused
         log.info("fused_decode", enabled=fused is not None, reason=why)
+        if any(getattr(m.weight_q, "bits", 0) == 8 for m in self.model.modules() if isinstance(m, QuantLinear)):
+            kernel, why = int8_dot_status()  # 8-bit codes: int8 dot products, or the fp32 fallback
+            log.info("quant_int8_dot", kernel=kernel, reason=why)
 
     def _make_batch_invariant(self) -> None:
         """fp32 results here do not depend on the batch shape already (oneDNN's fp32 kernels sum

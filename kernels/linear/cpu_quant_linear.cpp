@@ -13,7 +13,8 @@
 // (d * q - dm), so every weight the kernel multiplies is bit-identical to gguf.quants.dequantize.
 //
 // Small M (decode, M <= kMaxDirectRows): rows of W are split over torch's threads and read once per
-// step. On AVX-512 CPUs each group is widened in registers and multiplied straight into the
+// step. 8-bit codes on a CPU with VNNI go through int8 dot products over activations quantized to
+// int8 per 32 (cpu_quant_int8dot.cpp; PAGODA_INT8_DOT=0 turns it off). Otherwise, on AVX-512 CPUs each group is widened in registers and multiplied straight into the
 // activation rows' accumulators (the fused path below); elsewhere each row is dequantised into an L1
 // buffer and dotted with every activation row (4 at a time). Larger M (prefill): blocks of rows are dequantised into a scratch
 // fp32 matrix and multiplied by at::mm (MKL / oneDNN), which is compute bound there anyway.
@@ -25,6 +26,7 @@
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
 
+#include "cpu_quant_int8dot.h"
 #include "cpu_quant_linear.h"
 #include "cpu_quant_linear_lowbit.h"
 
@@ -344,6 +346,10 @@ void rows_avx512(const QuantView& w, const float* x, const float* xs, int64_t M,
 
 void direct(const QuantView& w, const float* x, int64_t M, float* out, const float* bias) {
   const int64_t K = w.K, N = w.N;
+  // 8-bit codes on a VNNI CPU: activations quantized to int8, int8 dot products (cpu_quant_int8dot.cpp)
+  if (w.bits == 8 && pagoda_cpu::int8_dot_linear(x, M, K, reinterpret_cast<const int8_t*>(w.q), w.scales, w.mins,
+                                                 N, w.group, bias, out))
+    return;
 #ifdef PAGODA_QL_AVX512
   if (has_avx512() && fits_avx512(w)) {
     std::vector<float> xs;  // per activation row and group: sum of x (the mins' and zero point's term)

@@ -44,6 +44,24 @@ def _ops() -> object | None:
     return load() if toolchain_available() else None
 
 
+INT8_DOT_SWITCH = "PAGODA_INT8_DOT"  # "0": 8-bit codes keep the fp32 path (the op reads it once)
+INT8_DOT_KERNELS = ("off", "avx512_vnni", "avx_vnni")  # the op's codes (kernels/linear/cpu_quant_int8dot.h)
+
+
+def int8_dot_status() -> tuple[str, str]:
+    """(kernel, why): which int8 dot-product kernel 8-bit weights use at decode, and why that one.
+    The op quantizes the activations to int8 per 32 (as llama.cpp's Q8_0 x Q8_0) on a VNNI CPU."""
+    ops = _ops()
+    if ops is None or not hasattr(ops, "quant_int8_dot"):
+        return "off", "no compiled ops (or a library built before the int8 path: rebuild it)"
+    mode, best = ops.quant_int8_dot()
+    if mode:
+        return INT8_DOT_KERNELS[mode], "the CPU has it"
+    if best:
+        return "off", f"{INT8_DOT_SWITCH}=0"
+    return "off", "the CPU has neither AVX512-VNNI nor AVX-VNNI: 8-bit weights widened to fp32"
+
+
 def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (fp32 / bf16) @ w.T -> [..., N] in x's dtype."""
     lead = x.shape[:-1]

@@ -1,0 +1,27 @@
+// The int8 dot-product path of the quantized linear (cpu_quant_int8dot.cpp), for
+// cpu_quant_linear.cpp's decode rows: 8-bit weight codes times activations quantized to int8.
+#pragma once
+
+#include <cstdint>
+
+namespace pagoda_cpu {
+
+// Which int8 dot-product kernel runs, decided once per process from the CPU and PAGODA_INT8_DOT
+// (and changed by the op `quant_int8_dot`, for tests that compare both paths).
+enum Int8Dot : int64_t { kInt8DotOff = 0, kInt8DotAvx512Vnni = 1, kInt8DotAvxVnni = 2 };
+
+// The CPU's best kernel (kInt8DotOff: no VNNI), ignoring the switch.
+int64_t int8_dot_supported();
+// The kernel in use now (the switch applied).
+int64_t int8_dot_mode();
+
+// x [M, K] fp32 (rows contiguous) against int8 codes q [N, K] with fp32 scales [N, K/group]
+// (mins [N, K/group] or nullptr): w = scales * q (+ mins); 8-bit codes have no zero point. Each
+// activation row is quantized to int8 per 32 elements (d = max|x| / 127, round to nearest even),
+// the products are int32 dot products, scaled per 32-element block:
+// out[m, n] = sum_b s_g(b) d_b sum_{k in b} q x_q (+ mins * sum x_q d over each group) + bias.
+// Returns false (nothing written) where the path does not apply: mode off, group % 32 != 0.
+bool int8_dot_linear(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scales,
+                     const float* mins, int64_t N, int64_t group, const float* bias, float* out);
+
+}  // namespace pagoda_cpu
