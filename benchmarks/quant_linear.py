@@ -14,7 +14,7 @@ Layer table, ms per call (lower is better); columns:
                 activations and scales (its fp32 path asks for the same packed layout)
   ours int8/g32 pagoda_cpu::quant_linear, Q8_0's format (int8, fp32 scale per 32): at M <= 32 on a
                 VNNI CPU, int8 dot products over activations quantized to int8 per 32
-  ours no-i8dot the same with that path off (PAGODA_INT8_DOT=0): codes widened to fp32 in registers
+  ours no-i8dot the same with that path off (the default; PAGODA_INT8_DOT=1 turns it on): codes widened to fp32 in registers
   ours int4/g32 pagoda_cpu::quant_linear, Q4_1's format (packed nibbles, scale + min per 32)
 
 Figures from a 2-core AMD EPYC shared with other jobs (noisy; re-measure on a quiet machine),
@@ -62,6 +62,8 @@ def layer_table(rows: list[int], shapes: list[tuple[int, int]]) -> None:
     from worker_svc.models.quant_linear import _ops, int8_dot_status
 
     ops = _ops()
+    if ops is not None and hasattr(ops, "quant_int8_dot"):
+        ops.quant_int8_dot(1)  # opt-in in a server (PAGODA_INT8_DOT=1); compared on and off here
     print(f"int8 dot kernel: {' '.join(int8_dot_status())}")
     print(f"{'shape':>12} {'M':>4} {'packed fp32':>12} {'aten int8/ch':>13} {'aten int4/g32':>14} "
           f"{'ours int8/g32':>14} {'ours no-i8dot':>14} {'ours int4/g32':>14}   (ms per call)")

@@ -14,7 +14,7 @@
 //
 // Small M (decode, M <= kMaxDirectRows): rows of W are split over torch's threads and read once per
 // step. 8-bit codes on a CPU with VNNI go through int8 dot products over activations quantized to
-// int8 per 32 (cpu_quant_int8dot.cpp; PAGODA_INT8_DOT=0 turns it off). Otherwise, on AVX-512 CPUs each group is widened in registers and multiplied straight into the
+// int8 per 32 (cpu_quant_int8dot.cpp; opt-in, PAGODA_INT8_DOT=1). Otherwise, on AVX-512 CPUs each group is widened in registers and multiplied straight into the
 // activation rows' accumulators (the fused path below); elsewhere each row is dequantised into an L1
 // buffer and dotted with every activation row (4 at a time). Larger M (prefill): blocks of rows are dequantised into a scratch
 // fp32 matrix and multiplied by at::mm (MKL / oneDNN), which is compute bound there anyway.

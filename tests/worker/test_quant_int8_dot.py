@@ -1,7 +1,7 @@
 """The quantized linear's int8 dot-product path (kernels/linear/cpu_quant_int8dot.cpp): 8-bit codes
 times activations rounded to int8 per 32, on a VNNI CPU. It equals dequantise-then-matmul on the
 rounded activations up to fp32 summation, stays within the rounding's own bound of the exact
-product, and PAGODA_INT8_DOT=0 (or the op's switch) gives back the fp32 path."""
+product; the path is opt-in (PAGODA_INT8_DOT=1, or the op's switch), off gives back the fp32 path."""
 
 from __future__ import annotations
 
@@ -22,10 +22,19 @@ SUPPORTED = OPS is not None and hasattr(OPS, "quant_int8_dot") and OPS.quant_int
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="no AVX512-VNNI / AVX-VNNI here: the int8 path never runs")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _int8_path_on():
+    """The path is opt-in (PAGODA_INT8_DOT=1); the op's switch turns it on for this module only."""
+    OPS.quant_int8_dot(1)
+    yield
+    OPS.quant_int8_dot(0)
+
+
 def _weights() -> dict[str, QuantizedWeight]:
     gen = torch.Generator().manual_seed(5)
     return {
-        **{t: decoded(t, 37, 256, seed=i)[0] for i, t in enumerate(("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"))},
+        # 8-bit codes only: Q5_* and Q6_K are held packed at 5 / 6 bits (cpu_quant_linear_lowbit.cpp)
+        "Q8_0": decoded("Q8_0", 37, 256, seed=0)[0],
         "int8_k96": quantize(torch.randn(61, 96, generator=gen) * 0.05, "int8"),  # K % 64 == 32: half a vector
         "int8_n3": quantize(torch.randn(3, 160, generator=gen), "int8"),  # fewer rows than a 4-row tile
         "int8_g64": quantize(torch.randn(19, 192, generator=gen), "int8", group=64),
@@ -101,10 +110,11 @@ def _in_a_fresh_process(env: dict[str, str], script: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def test_env_switch_turns_it_off_for_the_process():
+def test_the_env_switch_is_opt_in():
     script = ("from worker_svc.models.quant_linear import _ops, int8_dot_status\n"
               "print(_ops().quant_int8_dot()[0], *int8_dot_status())\n")
-    assert _in_a_fresh_process({"PAGODA_INT8_DOT": "0"}, script) == "0 off PAGODA_INT8_DOT=0"
+    assert _in_a_fresh_process({"PAGODA_INT8_DOT": "0"}, script).startswith("0 off opt-in")
+    assert _in_a_fresh_process({"PAGODA_INT8_DOT": "1"}, script).split()[1] in ("avx512_vnni", "avx_vnni")
 
 
 def _cpu_flags() -> set[str]:
@@ -131,4 +141,4 @@ def test_the_avx_vnni_kernel_without_avx512():
         "        for dtype in (torch.float32, torch.bfloat16):\n"
         "            tight(name, dtype, m)\n"
         "print('ok')\n")
-    assert _in_a_fresh_process({"PAGODA_CPU_NO_AVX512": "1"}, script) == "ok"
+    assert _in_a_fresh_process({"PAGODA_CPU_NO_AVX512": "1", "PAGODA_INT8_DOT": "1"}, script) == "ok"

@@ -44,7 +44,7 @@ def _ops() -> object | None:
     return load() if toolchain_available() else None
 
 
-INT8_DOT_SWITCH = "PAGODA_INT8_DOT"  # "0": 8-bit codes keep the fp32 path (the op reads it once)
+INT8_DOT_SWITCH = "PAGODA_INT8_DOT"  # "1" turns the int8 path on (opt-in: it costs exactness; the op reads it once)
 INT8_DOT_KERNELS = ("off", "avx512_vnni", "avx_vnni")  # the op's codes (kernels/linear/cpu_quant_int8dot.h)
 
 
@@ -58,7 +58,7 @@ def int8_dot_status() -> tuple[str, str]:
     if mode:
         return INT8_DOT_KERNELS[mode], "the CPU has it"
     if best:
-        return "off", f"{INT8_DOT_SWITCH}=0"
+        return "off", f"opt-in ({INT8_DOT_SWITCH}=1): int8 activations move greedy tokens off the exact path"
     return "off", "the CPU has neither AVX512-VNNI nor AVX-VNNI: 8-bit weights widened to fp32"
 
 
