@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.result_file import write_result
+
 
 async def reference_texts(client: httpx.AsyncClient, url: str, headers: dict[str, str],
                           bodies: dict[int, dict], batch: int = 32, concurrency: int = 4) -> dict[int, str]:
@@ -53,7 +55,7 @@ def load(path: Path | None, key: dict) -> dict[int, str] | None:
 
 def save(path: Path | None, key: dict, texts: dict[int, str]) -> None:
     if path is not None:
-        path.write_text(json.dumps({"key": key, "texts": texts}))
+        write_result(path, {"key": key, "texts": texts})
 
 
 def mismatches(outcomes: list, expected: dict[int, str]) -> list[dict]:
