@@ -20,19 +20,12 @@ from pathlib import Path
 import torch
 import transformers  # noqa: F401 - part of the base: the worker imports it too
 
+from benchmarks.worker_rss import rss_mib
 from kernels.cpu_extension import load
 from worker_svc.config import WorkerConfig
 from worker_svc.tp_worker import create_runner
 
 MIB = 2**20
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 def main() -> None:
