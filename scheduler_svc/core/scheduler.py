@@ -457,7 +457,7 @@ class Scheduler:
             if req.beam is not None:  # the whole group at its first beam (beam_group.py)
                 budget -= self._beams.schedule(draft, seq, budget)
                 if seq.status is not SeqStatus.RUNNING:
-                    i -= 1  # the group preempted itself, whole: what followed it moved up
+                    i = _index_after_leaving(running, i, seq)  # the group preempted itself, whole
                 continue
             if seq.seq_id in drafts:
                 used = spec.schedule(draft, seq, drafts[seq.seq_id], budget)  # type: ignore[union-attr]
@@ -501,7 +501,7 @@ class Scheduler:
                     if seq.status is not SeqStatus.RUNNING:
                         # It preempted itself: the last one, or its tenant's last (tenant-scoped
                         # preemption); another tenant's sequences may follow it in the list.
-                        i -= 1
+                        i = _index_after_leaving(running, i, seq)
                         continue
                     counts[seq.seq_id] = 0
                     continue
@@ -731,3 +731,10 @@ class Scheduler:
         self._next_step_id = 1
         self._leases.reset()  # the leases stay, without blocks
         self._pins.requeue()  # they run again when a worker is back
+
+
+def _index_after_leaving(running: list[Sequence], i: int, seq: Sequence) -> int:
+    """Where the running loop goes on after `seq` (just before index i) preempted itself: one back
+    when it left the list (what followed it moved up), the same when the list is a probe's own
+    ([target], which a preemption does not touch: the sequence must not be scheduled again)."""
+    return i - 1 if i > len(running) or running[i - 1] is not seq else i

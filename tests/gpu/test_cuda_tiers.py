@@ -42,6 +42,9 @@ def test_q8_0_gguf_on_cuda_is_served_dequantised(tmp_path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = {}
     for device, quantization in (("cuda", "auto"), ("cpu", "none")):
-        with LLM(model=str(path), dtype="float32", device=device, quantization=quantization) as llm:
+        # a small cache: the default fraction of the GPU may meet an earlier test's memory still
+        # held by torch's caching allocator (the whole suite in one process)
+        with LLM(model=str(path), dtype="float32", device=device, quantization=quantization,
+                 kv_cache_memory_bytes=64 << 20) as llm:
             outs[device] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["cuda"] == outs["cpu"]

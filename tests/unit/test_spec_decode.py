@@ -131,6 +131,29 @@ def test_random_traces_with_speculation_keep_invariants_and_streams(method, trac
         assert suffix.num_tracked == 0 and suffix.cache.num_tokens <= 40  # type: ignore[union-attr]
 
 
+def test_a_probe_whose_target_preempts_itself_does_not_schedule_it_again() -> None:
+    # Hypothesis found it: after a worker loss the suspects run alone (poison.py); r2#2, probed
+    # alone, found no free block, preempted itself, and the running loop (one step back, as for the
+    # queue's list) met it again in the probe's own one-element list and scheduled it while the
+    # same plan dropped it. The fake worker refuses tokens for a sequence it no longer holds.
+    config = SchedulerConfig(num_blocks=17, block_size=4, max_model_len=40, max_num_seqs=6,
+                             max_num_batched_tokens=12, long_prefill_token_threshold=7,
+                             enable_prefix_caching=False, eos_token_ids=(EOS,),
+                             speculative=SpeculativeConfig(num_speculative_tokens=1, prompt_lookup_max=3,
+                                                           prompt_lookup_min=1))
+    requests = [EngineRequest(RequestId(rid), prompt, SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens))
+                for rid, prompt, n, max_tokens in [("r0", (1, 1), 3, None), ("r1", (1, 1), 1, 1),
+                                                   ("r2", (1, 1, 1, 1), 3, None)]]
+    run = small_vocab_run(config, lambda plan, result: plan.step_id == 6 and not run.failures, 3)
+    run.go([(0, r) for r in requests])
+    assert run.failures == 1
+    for request in requests:
+        for index in range(request.sampling.n):
+            assert run.streams[(request.request_id, index)] == expected(run.sampler, request, index)
+    assert any(plan.preempted_ids for plan, _, _ in run.steps[6:])  # the self-preemption took place
+    assert run.scheduler.stats().num_used_blocks == 0
+
+
 def test_a_tiny_vocabulary_keeps_a_token_to_sample_or_the_trace_is_not_drawn() -> None:
     # The trace that hung: vocab 3 = {EOS=0, 1, 2}, stop ids {1, 2}, min_tokens 1: nothing to sample.
     assert not samplable(SamplingParams(min_tokens=1, stop_token_ids=(1, 2)), 3)
