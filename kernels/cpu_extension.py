@@ -40,7 +40,8 @@ HEADERS = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention_
            Path(__file__).resolve().parent / "paged_attention" / "cpu_attention.h",
            Path(__file__).resolve().parent / "linear" / "cpu_quant_linear.h",
            Path(__file__).resolve().parent / "linear" / "cpu_quant_linear_lowbit.h",
-           Path(__file__).resolve().parent / "linear" / "cpu_quant_int8dot.h"]
+           Path(__file__).resolve().parent / "linear" / "cpu_quant_int8dot.h",
+           Path(__file__).resolve().parent / "linear" / "cpu_quant_blocked.h"]
 BUILD_ROOT = Path(os.environ.get("PAGODA_CPU_EXTENSION_DIR") or ROOT / "build" / "torch_extensions")
 BUILD_DIR = BUILD_ROOT / NAME
 

@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include "cpu_quant_int8dot.h"
+#include "cpu_quant_blocked.h"
 #include "cpu_quant_linear.h"
 #include "cpu_quant_linear_lowbit.h"
 
@@ -373,29 +374,6 @@ void direct(const QuantView& w, const float* x, int64_t M, float* out, const flo
   direct_buffered(w, x, M, out, bias);
 }
 
-void blocked(const QuantView& w, const at::Tensor& x, at::Tensor& out, const float* bias) {
-  const int64_t K = w.K, N = w.N;
-  // ~4 MiB of fp32 rows per block (>= 64 rows): large enough for a GEMM at full speed.
-  const int64_t rows = std::min<int64_t>(N, std::max<int64_t>(64, (int64_t{1} << 20) / std::max<int64_t>(K, 1)));
-  at::Tensor scratch = at::empty({rows, K}, x.options());
-  float* s = scratch.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < N; n0 += rows) {
-    const int64_t r = std::min(rows, N - n0);
-    at::parallel_for(0, r, 8, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) dequant_row(w, n0 + i, s + i * K);
-    });
-    at::Tensor part = at::mm(x, scratch.narrow(0, 0, r).t());  // [M, r]
-    if (bias) {
-      // added here so that both paths round the same way: (x . w) + b
-      float* p = part.data_ptr<float>();
-      const int64_t M = part.size(0);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t i = 0; i < r; ++i) p[m * r + i] += bias[n0 + i];
-    }
-    out.narrow(1, n0, r).copy_(part);
-  }
-}
-
 }  // namespace
 
 // Exported (cpu_quant_linear.h): the fused decode stack (kernels/decode/) calls it directly.
@@ -434,7 +412,8 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const
   if (M <= kMaxDirectRows) {
     direct(w, x.const_data_ptr<float>(), M, out.data_ptr<float>(), has_bias ? b.const_data_ptr<float>() : nullptr);
   } else {
-    blocked(w, x, out, has_bias ? b.const_data_ptr<float>() : nullptr);
+    pagoda_cpu::blocked_quant_matmul(w.N, w.K, x, out, has_bias ? b.const_data_ptr<float>() : nullptr,
+                                     [&w](int64_t n, float* dst) { dequant_row(w, n, dst); });
   }
   return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 }

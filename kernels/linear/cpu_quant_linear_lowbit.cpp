@@ -25,6 +25,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 
+#include "cpu_quant_blocked.h"
 #include "cpu_quant_linear_lowbit.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -255,26 +256,6 @@ void direct(const LowbitView& w, const float* x, int64_t M, float* out, const fl
   direct_buffered(w, x, M, out, bias);
 }
 
-void blocked(const LowbitView& w, const at::Tensor& x, at::Tensor& out, const float* bias) {
-  const int64_t K = w.K, N = w.N;
-  const int64_t rows = std::min<int64_t>(N, std::max<int64_t>(64, (int64_t{1} << 20) / std::max<int64_t>(K, 1)));
-  at::Tensor scratch = at::empty({rows, K}, x.options());
-  float* s = scratch.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < N; n0 += rows) {
-    const int64_t r = std::min(rows, N - n0);
-    at::parallel_for(0, r, 8, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) dequant_row(w, n0 + i, s + i * K);
-    });
-    at::Tensor part = at::mm(x, scratch.narrow(0, 0, r).t());  // [M, r]
-    if (bias) {  // added after the product, as the direct path does: (x . w) + b
-      float* p = part.data_ptr<float>();
-      for (int64_t m = 0; m < part.size(0); ++m)
-        for (int64_t i = 0; i < r; ++i) p[m * r + i] += bias[n0 + i];
-    }
-    out.narrow(1, n0, r).copy_(part);
-  }
-}
-
 LowbitView view(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                 int64_t K, int64_t group, int64_t bits, int64_t zero) {
   TORCH_CHECK(bits == 5 || bits == 6, "pagoda_cpu: low-bit storage is 5 or 6 bits, got ", bits);
@@ -316,7 +297,7 @@ at::Tensor quant_linear_lowbit(const at::Tensor& x_in, const at::Tensor& qweight
   const at::Tensor x = x_in.to(at::kFloat).contiguous();  // bf16: widened once (M x K, small)
   at::Tensor out = at::empty({M, w.N}, x.options());
   if (M <= kMaxDirectRows) direct(w, x.const_data_ptr<float>(), M, out.data_ptr<float>(), bp);
-  else blocked(w, x, out, bp);
+  else pagoda_cpu::blocked_quant_matmul(w.N, w.K, x, out, bp, [&w](int64_t n, float* dst) { dequant_row(w, n, dst); });
   return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 }
 
