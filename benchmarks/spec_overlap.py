@@ -36,11 +36,10 @@ from pathlib import Path
 
 from benchmarks.plan_overhead import served_step_seconds
 from benchmarks.spec_decode import copy_prompts, timed
-from pagoda.contract import worker_codec as codec
+from benchmarks.step_breakdown import timed_step
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
 from pagoda.tools.default_model import DEFAULT_OUT
-from pagoda.v1 import worker_pb2
 
 PARTS = ("schedule", "plan_codec", "forward_sample", "rest_of_execute", "result_codec", "update")
 
@@ -62,22 +61,12 @@ def in_process(model: str, batch: int, k: int, max_tokens: int = 96) -> dict[str
     times: dict[str, dict[str, list[float]]] = {kind: {p: [] for p in PARTS} for kind in ("drafted", "plain")}
     full = 0  # drafted steps in which every sequence's every draft was accepted
     while scheduler.has_unfinished_requests():
-        t0 = clock()
-        plan = scheduler.schedule()
-        t1 = clock()
-        _, plan = codec.plan_from_pb(worker_pb2.StepPlan.FromString(codec.plan_to_pb(plan, 1).SerializeToString()))
-        t2 = clock()
-        result = runner.execute(plan)
-        t3 = clock()
-        result = codec.result_from_pb(worker_pb2.StepResult.FromString(codec.result_to_pb(result).SerializeToString()))
-        t4 = clock()
-        scheduler.update(result)
-        t5 = clock()
+        plan, result, parts = timed_step(scheduler, runner, clock)
         if plan.new_requests:
             continue  # the prefill: not a decode step
         model_s = result.forward_seconds + result.sample_seconds
-        parts = {"schedule": t1 - t0, "plan_codec": t2 - t1, "forward_sample": model_s,
-                 "rest_of_execute": t3 - t2 - model_s, "result_codec": t4 - t3, "update": t5 - t4}
+        parts["forward_sample"] = model_s
+        parts["rest_of_execute"] = parts.pop("execute") - model_s
         kind = "drafted" if plan.draft_token_ids else "plain"
         if plan.draft_token_ids:
             gained = Counter(result.request_ids)

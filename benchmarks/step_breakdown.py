@@ -38,6 +38,24 @@ PARTS = ("schedule", "plan_codec", "build_inputs", "forward", "logits", "sampler
 SERVICES = ("gateway", "scheduler_svc", "worker_svc")
 
 
+def timed_step(scheduler, runner, clock) -> tuple[object, object, dict[str, float]]:
+    """One step through the services' path in one process (plan and result through their protobuf
+    codecs): (plan, result, clock time of schedule / plan_codec / execute / result_codec / update)."""
+    t0 = clock()
+    plan = scheduler.schedule()
+    t1 = clock()
+    _, plan = codec.plan_from_pb(worker_pb2.StepPlan.FromString(codec.plan_to_pb(plan, 1).SerializeToString()))
+    t2 = clock()
+    result = runner.execute(plan)
+    t3 = clock()
+    result = codec.result_from_pb(worker_pb2.StepResult.FromString(codec.result_to_pb(result).SerializeToString()))
+    t4 = clock()
+    scheduler.update(result)
+    t5 = clock()
+    return plan, result, {"schedule": t1 - t0, "plan_codec": t2 - t1, "execute": t3 - t2,
+                          "result_codec": t4 - t3, "update": t5 - t4}
+
+
 def step_parts(model: str, batch: int, steps: int) -> dict[str, float]:
     """Median milliseconds of each part of a decode step with `batch` running requests."""
     from pagoda.entrypoints.llm import LLM
@@ -57,19 +75,9 @@ def step_parts(model: str, batch: int, steps: int) -> dict[str, float]:
     times: dict[str, list[float]] = {part: [] for part in PARTS}
     for _ in range(steps):
         inner.clear()
-        t0 = clock()
-        plan = scheduler.schedule()
-        t1 = clock()
-        _, plan = codec.plan_from_pb(worker_pb2.StepPlan.FromString(codec.plan_to_pb(plan, 1).SerializeToString()))
-        t2 = clock()
-        result = runner.execute(plan)
-        t3 = clock()
-        result = codec.result_from_pb(worker_pb2.StepResult.FromString(codec.result_to_pb(result).SerializeToString()))
-        t4 = clock()
-        scheduler.update(result)
-        t5 = clock()
-        parts = {"schedule": t1 - t0, "plan_codec": t2 - t1, "rest_of_execute": t3 - t2 - sum(inner.values()),
-                 "result_codec": t4 - t3, "update": t5 - t4, **inner}
+        _, _, parts = timed_step(scheduler, runner, clock)
+        parts["rest_of_execute"] = parts.pop("execute") - sum(inner.values())
+        parts.update(inner)
         for part, ns in parts.items():
             times[part].append(ns / 1e6)
     llm.close()
