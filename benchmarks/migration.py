@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from benchmarks.sessions import free_port
+from benchmarks.peer_server import free_port, start_server, stop_server, wait_ready
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
 
 
@@ -65,21 +65,10 @@ def main() -> None:
            "--data-parallel-size", "2", "--kv-migrate-dir", folder, "--gateway-port", str(http),
            "--grpc-port", str(free_port()), "--scheduler-port", str(sched), "--worker-port", str(free_port())]
     log = Path(folder) / "launcher.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    proc = start_server(cmd, dict(os.environ), log)
     url = f"http://127.0.0.1:{http}"
     try:
-        end = time.monotonic() + args.startup_timeout
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError(f"the server did not start; see {log}")
-            time.sleep(0.5)  # poll interval, bounded by the deadline
-        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        _, model = wait_ready(proc, url, args.startup_timeout)
         prompt = [random.Random(0).randrange(100, 40000) for _ in range(args.prompt_tokens)]
         expected, ttft = _stream(url, model, prompt, args.max_tokens)
         schedulers = [f"127.0.0.1:{sched + 10 * i}" for i in range(2)]
@@ -104,11 +93,7 @@ def main() -> None:
                           "target_prefill_tokens_computed": prefill, "tokens_identical": tokens == expected,
                           "undisturbed_ttft_seconds": round(ttft, 3)}, indent=2))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc, 120)
 
 
 if __name__ == "__main__":

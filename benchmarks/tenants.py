@@ -38,9 +38,10 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.peer_server import free_port, start_server, stop_server
 from benchmarks.result_file import write_result
 from benchmarks.serve_client import Endpoint, RequestSpec, send_request, served_model
-from benchmarks.sessions import _ready, free_port, percentile
+from benchmarks.sessions import percentile
 
 KEYS = [{"key": "sk-flood", "tenant": "flood"}, {"key": "sk-light", "tenant": "light"}]
 RUNS = (("alone", False, []), ("flood, policies off", True, []),
@@ -111,16 +112,11 @@ async def run(args: argparse.Namespace, url: str, with_flood: bool) -> dict:
 @contextlib.contextmanager
 def child(module: str, argv: list[str], log: Path) -> Iterator[subprocess.Popen]:
     """`python -m module argv...`, its output in `log`; terminated (then killed) on exit."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdout=out, stderr=subprocess.STDOUT)
+    proc = start_server([sys.executable, "-m", module, *argv], dict(os.environ), log)
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 def wait_for(check: Callable[[], bool], proc: subprocess.Popen, what: str, timeout_s: float) -> None:
@@ -129,6 +125,14 @@ def wait_for(check: Callable[[], bool], proc: subprocess.Popen, what: str, timeo
         if proc.poll() is not None or time.monotonic() > end:
             raise RuntimeError(f"{what} did not start (see its log under $TMPDIR)")
         time.sleep(0.5)  # poll interval, bounded by the deadline
+
+
+def ready(url: str) -> bool:
+    """The gateway's /ready (no API key needed, unlike /v1/models with --api-keys)."""
+    try:
+        return httpx.get(f"{url}/ready", timeout=2.0).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def listening(port: int) -> bool:
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
                     child("gateway", ["--scheduler", f"127.0.0.1:{scheduler_port}", "--port", str(http_port),
                                       "--grpc-port", str(free_port()), "--tokenizer", args.model,
                                       "--api-keys", str(keys)], logs / f"tenants-gateway-{tag}.log") as gateway:
-                wait_for(lambda url=url: _ready(url), gateway, "the gateway", args.startup_timeout)
+                wait_for(lambda url=url: ready(url), gateway, "the gateway", args.startup_timeout)
                 results[name] = asyncio.run(run(args, url, with_flood))
     alone = results["alone"]["light_ttft_p99_ms"]
     print(f"\nlight tenant: {args.light_requests} x {args.light_len}+{args.light_output} tokens, "
