@@ -61,12 +61,13 @@ class Admission:
         self._migrator = migrator  # a migrated continuation's KV is loaded at its first admission
         self._order = CachedFirst() if config.admission_order == "cached-first" else None
 
-    def admit_waiting(self, draft: StepDraft) -> None:
-        """Admit from the head of the waiting queue while everything fits (the policy above)."""
+    def admit_waiting(self, draft: StepDraft, skip_tenants: Iterable[str] = ()) -> None:
+        """Admit from the head of the waiting queue while everything fits (the policy above);
+        `skip_tenants`' requests wait (tenants that preempted their own this step)."""
         cfg, kv, q = self._config, self._kv, self._queues
         waiting = q.waiting
         rank = self._tenants.rank if self._tenants.fair else None
-        skip: set[str] = set()  # tenants at their KV cap this step
+        skip: set[str] = set(skip_tenants)  # tenants at their KV cap this step
         while waiting and draft.budget > 0:
             head = seq = waiting.peek(rank, skip)
             if seq is None:

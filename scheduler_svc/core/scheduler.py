@@ -85,6 +85,8 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._prompt_logprobs_ready: dict[RequestId, Request] = {}  # complete, not handed out yet
         self._counters = SchedulerCounters()
+        self._pool_preempted = False  # this step preempted for want of pool blocks
+        self._capped_preempted: set[str] = set()  # tenants that preempted this step for their own cap
         self._isolator = PoisonIsolator(config.max_step_failures)
         spec = config.speculative
         self._spec = make_speculator(spec, self._kv, self._threshold) if spec is not None else None
@@ -189,9 +191,14 @@ class Scheduler:
         if self._migrator.asked:  # before scheduling: the migrating sequences leave in this plan
             self._detach_migrating(plan)
         draft = StepDraft(plan, brownout.step_budget, self.config.block_size)
+        self._pool_preempted, self._capped_preempted = False, set()
         self._schedule_running(draft)
-        if not plan.preempted_ids and not draft.blocks_short:
-            self._admission.admit_waiting(draft)
+        # After a preemption for want of pool blocks nothing is admitted (it would take them back);
+        # one for a tenant's own cap leaves the pool's room to the other tenants: they are admitted,
+        # that tenant is not (its victim would come straight back).
+        if not draft.blocks_short and not self._pool_preempted \
+                and (not plan.preempted_ids or self._capped_preempted):
+            self._admission.admit_waiting(draft, self._capped_preempted)
         if not (draft.num_scheduled or plan.finished_ids or plan.preempted_ids or plan.beam_updates
                 or self._migrator.holds(plan.step_id)):
             return None
@@ -545,8 +552,12 @@ class Scheduler:
             if self._leases.demote_one(None if pool_short else tenant):
                 need = blocks_needed()
                 continue
-            victim = running[-1] if pool_short else \
-                next(s for s in reversed(running) if s.request.tenant == tenant)
+            if pool_short:
+                victim = running[-1]
+                self._pool_preempted = True
+            else:
+                victim = next(s for s in reversed(running) if s.request.tenant == tenant)
+                self._capped_preempted.add(tenant)
             self._preempt(victim, plan)
             if is_self(victim):
                 return None

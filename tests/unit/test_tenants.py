@@ -112,6 +112,24 @@ def test_a_running_sequence_short_of_its_tenants_cap_preempts_its_tenant_not_oth
     assert preempted and set(preempted) == {"a2"}  # b1 was never touched
 
 
+def test_a_preemption_for_a_tenants_own_cap_does_not_stop_another_tenants_admission():
+    # Two slots: a1 and a2 run, b1 waits for one. When a reaches its cap (4 blocks) a2 is preempted;
+    # the pool still has room, so b1 takes the freed slot in that same plan (a preemption for want
+    # of pool blocks admits nothing), and a2 waits: its tenant is at its cap.
+    sched, worker = setup(num_blocks=16, tenant_kv_share=0.25, max_model_len=16, max_num_seqs=2)
+    sched.add_request(req("a1", range(1, 8), "a", max_tokens=8))
+    sched.add_request(req("a2", range(11, 18), "a", max_tokens=8))
+    sched.add_request(req("b1", range(21, 28), "b", max_tokens=8))
+    plans = []
+    while sched.has_unfinished_requests():
+        plans.append(step(sched, worker)[0])
+    preempting = [i for i, plan in enumerate(plans) if plan.preempted_ids]
+    assert preempting and plans[preempting[0]].preempted_ids == ["a2"]
+    first = plans[preempting[0]]
+    assert [(n.request_id, n.block_ids) for n in first.new_requests] == [("b1", [4, 5])]
+    assert all(n.request_id != "a2" for n in first.new_requests)
+
+
 def test_fair_share_admits_the_tenant_with_the_smallest_virtual_token_counter():
     sched, worker = setup(num_blocks=64, max_num_seqs=1, tenant_fairness="vtc")
     sched.add_request(req("a1", range(1, 9), "a", max_tokens=2))
