@@ -24,8 +24,8 @@ Shape: `Scheduler` declares the whole public API here and runs the per-step path
 running, preempt, fork, apply results, finish). What keeps state is an object it holds and calls,
 each owning its own: the KV manager (kv_cache_manager.py), the run queues (queues.py), admission
 (admission.py), the swap manager (swap.py), the brownout governor (brownout.py), the poison isolator
-(poison.py), the prompt pinner (pinning.py), the session leases (tiers/sessions.py), live
-migration's exports and imports (tiers/migration.py), the host
+(poison.py), the prompt pinner (pinning.py), the session leases (tiers/sessions.py) and their
+saves (tiers/snapshots.py), live migration's exports and imports (tiers/migration.py), the host
 tier (tiers/host_tier.py, in the KV manager), the speculator (spec/), the beam groups
 (beam_group.py), the tenants' caps, fair share and totals (tenants.py) and the counters
 (outputs.py). They get the KV manager, the run queues and callbacks, never the Scheduler. Invariants: check_invariants (block accounting, queues, host pool).
@@ -68,7 +68,8 @@ __all__ = ["Scheduler", "SchedulerStats"]
 
 class Scheduler:
     """The engine's core, driven by one caller thread: add_request / abort / pin_prompt /
-    export_request (live migration; take_migrated_after_loss after a worker loss) in;
+    export_request (live migration; take_migrated_after_loss after a worker loss) /
+    end_session / save_session (take_saved_sessions when their steps reported) in;
     schedule() -> StepPlan out, update(StepResult) -> deltas back (at most max_inflight_steps plans
     out); note_step_failure / reset_after_worker_loss / fail_all when the worker fails; stats(),
     check_invariants() and the read-only properties below for the engine loop and tests."""
