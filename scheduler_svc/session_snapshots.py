@@ -18,7 +18,7 @@ import os
 import time
 import uuid
 
-from pagoda.contract.errors import SessionNotFoundError
+from pagoda.contract.errors import RequestFailedError, SessionNotFoundError
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
 from pagoda.runtime.logging import get_logger
@@ -45,7 +45,13 @@ class SessionSnapshots:
         if future is None:
             raise SessionNotFoundError(f"session {session_id!r} holds no lease here (unknown, expired or ended)")
         save = await future
-        listing = await self._client.read_snapshot(name, verify=False)
+        try:  # the files' sizes, and proof that the worker wrote them (a failed write is only logged there)
+            listing = await self._client.read_snapshot(name, verify=False)
+        except SessionNotFoundError:
+            listing = None
+        if listing is None or listing.num_blocks != save.num_blocks:
+            raise RequestFailedError("the worker could not write the session snapshot (see its log: "
+                                     "session_save_failed)")
         log.info("session_saved", session_id=session_id, snapshot=name, num_tokens=save.num_tokens,
                  num_blocks=save.num_blocks, num_bytes=listing.num_bytes)
         return engine_pb2.SessionSnapshot(session_id=session_id, num_tokens=save.num_tokens,

@@ -39,25 +39,32 @@ class SnapshotStore(MigrationStore):
         self.block_size = block_size
 
     def export(self, cache: torch.Tensor, exports: Sequence[KvExport], tokens: Mapping[str, list[int]]) -> None:
-        """Save each lease's blocks under its snapshot name, replacing an older save whole."""
-        bs = self.block_size
+        """Save each lease's blocks under its snapshot name, replacing an older save whole. A save
+        that fails to write is logged and dropped (the scheduler finds it missing and says so)."""
         for export in exports:
-            final = self.dir / _safe_id(export.migration_id)
-            tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            for index, block in enumerate(export.block_ids):
-                name = index.to_bytes(4, "big")
-                write_block_file(tmp / (name.hex() + SUFFIX), cache[:, :, block].cpu(),
-                                 DiskBlock(name, tuple(export.token_ids[index * bs:(index + 1) * bs])),
-                                 self.fingerprint)
-            old = final.with_name(f".{final.name}.{os.getpid()}.old")
-            if final.exists():
-                final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-            log.info("session_saved", snapshot=export.migration_id, num_blocks=len(export.block_ids),
-                     num_tokens=export.num_tokens)
+            try:
+                self._save(cache, export)
+            except OSError as error:  # a full disk, a racing save: this save fails, not the step
+                log.error("session_save_failed", snapshot=export.migration_id, error=str(error))
+                shutil.rmtree(self.dir / f".{export.migration_id}.{os.getpid()}.tmp", ignore_errors=True)
+
+    def _save(self, cache: torch.Tensor, export: KvExport) -> None:
+        bs = self.block_size
+        final = self.dir / _safe_id(export.migration_id)
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for index, block in enumerate(export.block_ids):
+            name = index.to_bytes(4, "big")
+            write_block_file(tmp / (name.hex() + SUFFIX), cache[:, :, block].cpu(),
+                             DiskBlock(name, tuple(export.token_ids[index * bs:(index + 1) * bs])), self.fingerprint)
+        old = final.with_name(f".{final.name}.{os.getpid()}.old")
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        log.info("session_saved", snapshot=export.migration_id, num_blocks=len(export.block_ids),
+                 num_tokens=export.num_tokens)
 
     def place(self, cache: torch.Tensor, imports: Sequence[KvImport], payloads: Sequence[torch.Tensor]) -> None:
         for block, payload in zip([b for load in imports for b in load.block_ids], payloads, strict=True):
@@ -108,7 +115,10 @@ class KvFiles:
                 yield store, part
 
     def check(self, exports: Sequence[KvExport], imports: Sequence[KvImport]) -> None:
+        """PlanError, before anything changed, for a folder this worker lacks or a name that is unsafe."""
         list(self._split(exports)), list(self._split(imports))
+        for item in (*exports, *imports):
+            _safe_id(item.migration_id)
 
     def export(self, cache: torch.Tensor, exports: Sequence[KvExport], tokens: Mapping[str, list[int]]) -> None:
         for store, part in self._split(exports):
