@@ -100,7 +100,7 @@ class Scheduler:
         self._tenants = Tenants(self._kv.pool, config.tenant_kv_share, config.tenant_fairness,
                                 config.vtc_prompt_weight, config.vtc_output_weight)
         self._migrator = Migrator(bs, config.kv_migration)
-        self._saves = SessionSaves(config.kv_snapshots)
+        self._saves = SessionSaves(bs, config.kv_snapshots)
         self._migrated_after_loss: list[SequenceDelta] = []  # reset_after_worker_loss's, for the loop
         self._admission = Admission(config, self._threshold, self._kv, self._queues, self._swap,
                                     self._brownout, self._counters, preempt=self._preempt,
@@ -174,7 +174,9 @@ class Scheduler:
         """Write the session lease's blocks as snapshot `name` in the next plan (tiers/snapshots.py);
         done when take_saved_sessions() returns it. None: no lease; InvalidRequestError: unsavable."""
         lease = self._leases.get(cache_salt, session_id)
-        return None if lease is None else self._saves.ask(lease, session_id, name)
+        if lease is None or self._kv.index is None:  # (no prefix caching: no lease holds blocks)
+            return None
+        return self._saves.ask(lease, session_id, name, self._kv.index)
 
     def take_saved_sessions(self) -> list[SessionSave]:
         """Saves whose step reported since the last call (and those a worker loss failed: ok False)."""

@@ -98,3 +98,22 @@ def test_save_needs_a_snapshot_folder_a_lease_and_a_live_worker():
     sched.reset_after_worker_loss()  # the export may not have run
     assert sched.take_saved_sessions() == [save] and not save.ok
     assert snapshot_name("t1", "s") != snapshot_name("t2", "s") != NAME
+
+
+def test_a_demoted_lease_saves_its_leading_blocks_still_cached():
+    files: dict = {}
+    sched, worker = replica(files, num_blocks=6)
+    run(sched, worker, req("a", [1, 2, 3, 4, 5], max_tokens=2, session="s"))
+    history = [1, 2, 3, 4, 5, *worker.sampled["a"]]
+    # 4 blocks needed, 3 free: the lease lets go of 0, 1, 2, and block 2 (evicted first) is reused.
+    plans = run(sched, worker, req("b", [20, 21, 22, 23, 24, 25, 26]))
+    assert plans[0][0].new_requests[0].block_ids == [3, 4, 5, 2] and sched.num_session_blocks == 0
+    save = sched.save_session(None, "s", NAME)
+    assert (save.num_tokens, save.num_blocks) == (4, 2)
+    plan = sched.schedule()
+    assert plan.kv_exports == [KvExport(RequestId(""), NAME, [0, 1], 4, snapshot=True, token_ids=tuple(history[:4]))]
+    sched.update(worker.execute(plan))  # the fake worker checks blocks 0, 1 still hold those tokens
+    assert sched.take_saved_sessions() == [save]
+    run(sched, worker, req("c", [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40]))  # evicts 0 and 1 too
+    with pytest.raises(InvalidRequestError, match="no cached blocks"):
+        sched.save_session(None, "s", NAME)

@@ -38,6 +38,9 @@ class Lease:
     # Empty when the lease cannot be saved: its window freed its first blocks, or it ran under a
     # LoRA adapter (a snapshot does not say which: restored, its blocks would key the base model).
     token_ids: tuple[int, ...] = ()
+    # Demoted: the blocks it let go, each with its prefix-index serial then (serials are never reused,
+    # so a block still registered under the same serial still holds those tokens): a save finds them.
+    demoted: list[tuple[BlockId, int]] = field(default_factory=list)
 
 
 def session_key(cache_salt: str | None, session_id: str) -> str:
@@ -106,8 +109,10 @@ class SessionLeases:
         owner = self._kv.pool.owner
         for lease in self._leases.values():
             if lease.blocks and (tenant is None or any(owner(b) == tenant for b in lease.blocks)):
+                index = self._kv.index
+                lease.demoted = [(b, index.serial_of(b)) for b in lease.blocks] if index is not None else []
                 self._kv.release(lease.blocks, None)
-                lease.blocks, lease.token_ids = [], ()
+                lease.blocks = []
                 self.num_demoted += 1
                 return True
         return False
@@ -115,5 +120,5 @@ class SessionLeases:
     def reset(self) -> None:
         """The pool was reset (worker loss): the references are gone, the leases and TTLs stay."""
         for lease in self._leases.values():
-            lease.blocks, lease.token_ids = [], ()
+            lease.blocks, lease.token_ids, lease.demoted = [], (), []
 

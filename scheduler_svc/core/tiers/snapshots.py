@@ -24,7 +24,19 @@ from dataclasses import dataclass
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.contract.ids import BlockId, RequestId
 from pagoda.contract.step import KvExport, StepPlan
+from scheduler_svc.core.prefix_index import PrefixIndex
 from scheduler_svc.core.tiers.sessions import Lease, session_key
+
+
+def _still_cached(demoted: list[tuple[BlockId, int]], index: PrefixIndex) -> list[BlockId]:
+    """The leading blocks a demoted lease let go that still hold its tokens: registered under the
+    serial they had (a block evicted and reused is registered anew, under a new serial)."""
+    blocks: list[BlockId] = []
+    for block, serial in demoted:
+        if not index.is_cached(block) or index.serial_of(block) != serial:
+            break
+        blocks.append(block)
+    return blocks
 
 
 def snapshot_name(cache_salt: str | None, session_id: str) -> str:
@@ -45,7 +57,8 @@ class SessionSave:
 class SessionSaves:
     """The Scheduler holds one: saves asked and not planned yet, saves in flight by step id, done."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, block_size: int, enabled: bool) -> None:
+        self._block_size = block_size
         self.enabled = enabled  # the worker has a snapshot folder (its Init's kv_snapshot_dir)
         self._asked: list[tuple[SessionSave, list[BlockId], tuple[int, ...]]] = []
         self._held: dict[int, list[SessionSave]] = {}
@@ -53,19 +66,22 @@ class SessionSaves:
         self.num_saved = 0
         self.blocks_saved = 0
 
-    def ask(self, lease: Lease, session_id: str, name: str) -> SessionSave:
-        """InvalidRequestError when this worker cannot save, or the lease holds nothing to save."""
+    def ask(self, lease: Lease, session_id: str, name: str, index: PrefixIndex) -> SessionSave:
+        """InvalidRequestError when this worker cannot save, or the lease holds nothing to save. A
+        lease demoted under pressure saves the leading blocks it let go that are still cached."""
         if not self.enabled:
             raise InvalidRequestError("no session snapshot folder: start the worker with --kv-snapshot-dir")
-        if lease.blocks and not lease.token_ids:
+        blocks = lease.blocks or _still_cached(lease.demoted, index)
+        if blocks and not lease.token_ids:
             raise InvalidRequestError(f"session {session_id!r} cannot be saved: it runs under a LoRA adapter "
                                       "or a sliding window freed its first blocks")
-        if not lease.blocks:
+        if not blocks:
             raise InvalidRequestError(f"session {session_id!r} holds no cached blocks now (its history is "
-                                      "shorter than a block, or memory pressure demoted them): save it "
-                                      "after its next turn")
-        save = SessionSave(session_id, name, len(lease.token_ids), len(lease.blocks))
-        self._asked.append((save, list(lease.blocks), lease.token_ids))
+                                      "shorter than a block, or other traffic evicted them): save it after "
+                                      "its next turn")
+        tokens = lease.token_ids[:len(blocks) * self._block_size]
+        save = SessionSave(session_id, name, len(tokens), len(blocks))
+        self._asked.append((save, list(blocks), tokens))
         return save
 
     def plan(self, plan: StepPlan) -> None:
