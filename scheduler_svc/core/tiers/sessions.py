@@ -110,7 +110,9 @@ class SessionLeases:
         for lease in self._leases.values():
             if lease.blocks and (tenant is None or any(owner(b) == tenant for b in lease.blocks)):
                 index = self._kv.index
-                lease.demoted = [(b, index.serial_of(b)) for b in lease.blocks] if index is not None else []
+                # (a block whose content another block had registered first is not in the index: -1)
+                lease.demoted = [(b, index.serial_of(b) if index.is_cached(b) else -1) for b in lease.blocks] \
+                    if index is not None else []
                 self._kv.release(lease.blocks, None)
                 lease.blocks = []
                 self.num_demoted += 1
