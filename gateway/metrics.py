@@ -306,7 +306,7 @@ TENANT_IN_FLIGHT = Gauge("pagoda:tenant_requests_in_flight", "Admitted generatio
 # Data-parallel replicas (gateway/upstream/replica_set.py), labelled by replica index (the position of its
 # scheduler in --scheduler: bounded) and by routing decision (gateway/upstream/routing.py DECISIONS).
 ROUTER_REQUESTS = Counter("pagoda:router_requests", "Generation requests sent to a replica, by replica and "
-                          "routing decision (prefix, overloaded, no_prefix, least_loaded, round_robin, "
+                          "routing decision (prefix, overloaded, no_prefix, least_loaded, round_robin, session, "
                           "failover).", ["replica", "decision"], registry=METRICS.registry)
 ROUTER_RESUBMITTED = Counter("pagoda:router_resubmitted", "Requests re-submitted to another replica after "
                              "this one failed them before their first token.", ["replica"],

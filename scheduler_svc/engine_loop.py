@@ -39,6 +39,7 @@ from pagoda.v1 import common_pb2
 from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.request import EngineRequest
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.tiers.snapshots import SessionSave
 from scheduler_svc.engine_tracing import engine_tracing
 from scheduler_svc.request_stream import RequestStream, StreamUpdate
 from scheduler_svc.worker_client import PlanRejectedError, StepStream, WorkerClient, WorkerLostError
@@ -68,6 +69,7 @@ class EngineLoop:
         self._tracing = engine_tracing()  # no-op hooks unless tracing is on
         self._timeline = StepTimeline("scheduler")
         self._plan_marks: dict[int, tuple[float, float, float]] = {}  # only with the timeline on
+        self._saves: dict[SessionSave, asyncio.Future] = {}  # session saves until their step reports
 
     # -- requests (called by the servicer) --------------------------------------------------------
 
@@ -121,6 +123,30 @@ class EngineLoop:
         log.info("session_ended", session_id=session_id, found=found)
         return found
 
+    def save_session(self, cache_salt: str | None, session_id: str, name: str) -> asyncio.Future | None:
+        """Save a session lease's blocks as snapshot `name` (core/tiers/snapshots.py): a future of the
+        SessionSave, set when its step reported (WorkerUnavailableError if the worker was lost
+        first). None: the session holds no lease here."""
+        if self._failed or self._stopping:
+            raise WorkerUnavailableError("no worker is connected")
+        save = self.scheduler.save_session(cache_salt, session_id, name)
+        if save is None:
+            return None
+        future = asyncio.get_running_loop().create_future()
+        self._saves[save] = future
+        self._wake.set()
+        return future
+
+    def _settle_saves(self) -> None:
+        for save in self.scheduler.take_saved_sessions():
+            future = self._saves.pop(save, None)
+            if future is None or future.done():
+                continue
+            if save.ok:
+                future.set_result(save)
+            else:
+                future.set_exception(WorkerUnavailableError("the worker was lost before the session was saved"))
+
     @property
     def idle(self) -> bool:
         return not self.scheduler.has_unfinished_requests() and self.scheduler.num_inflight_steps == 0
@@ -157,6 +183,7 @@ class EngineLoop:
             self._set_connected(False)
             self.scheduler.reset_after_worker_loss()
             self._dispatch(self.scheduler.take_migrated_after_loss())  # they recompute on their target
+            self._settle_saves()  # the loss failed the saves in flight
             self._sent_at.clear()
             self._plan_marks.clear()
             self._tracing.worker_lost()
@@ -201,6 +228,8 @@ class EngineLoop:
             self._last_result_at = now
             self.num_steps += 1
             self._dispatch(self.scheduler.update(result))
+            if self._saves:
+                self._settle_saves()
             if self.scheduler.brownout_active and self.idle:
                 self.scheduler.brownout_idle()  # no more steps will come to recover with
             if self.scheduler.brownout_changes:
@@ -269,6 +298,7 @@ class EngineLoop:
     def _fail_all(self, error: Exception) -> None:
         self._failed = True
         self._dispatch(self.scheduler.fail_all(str(error)))
+        self._settle_saves()
         for stream in list(self._streams.values()):  # sequences the core did not report
             self._streams.pop(stream.request_id)
             stream.done = True

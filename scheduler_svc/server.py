@@ -86,7 +86,8 @@ def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> Scheduler
         num_offload_blocks=info.num_offload_blocks if config.enable_prefix_caching else 0,
         num_disk_blocks=info.num_disk_blocks if config.enable_prefix_caching else 0,
         sliding_window=info.sliding_window, tenant_kv_share=config.tenant_kv_share,
-        tenant_fairness=config.tenant_fairness, kv_migration=info.kv_migration)
+        tenant_fairness=config.tenant_fairness, kv_migration=info.kv_migration,
+        kv_snapshots=bool(info.kv_snapshot_dir))
 
 
 @dataclass(slots=True)
@@ -145,7 +146,7 @@ async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
         raise
     engine = EngineLoop(scheduler, client, worker_timeout_s=config.worker_timeout_s,
                         on_health=health.set_serving)
-    servicer.attach(engine, info)
+    servicer.attach(engine, info, client)
     loop_task = asyncio.create_task(engine.run(), name="engine-loop")
     await health.set_serving(True)
     log.info("scheduler_serving", address=f"{config.host}:{port}", num_blocks=sched_config.num_blocks,

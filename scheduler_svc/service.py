@@ -1,4 +1,5 @@
-"""The Engine servicer: Generate / Abort / EndSession / GetInfo / GetStats, thin over the engine loop.
+"""The Engine servicer: Generate / Abort / EndSession / Migrate / SaveSession / RestoreSession / GetInfo /
+GetStats, thin over the engine loop.
 
 Each method: validate -> convert -> call the engine -> convert back. Domain errors become gRPC
 statuses through the one table in pagoda/errors.py. A Generate call that ends before its request
@@ -20,6 +21,8 @@ from pagoda.runtime.telemetry import context_from_grpc_metadata
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
 from scheduler_svc import convert
 from scheduler_svc.engine_loop import EngineLoop
+from scheduler_svc.session_snapshots import SessionSnapshots
+from scheduler_svc.worker_client import WorkerClient
 
 log = get_logger(__name__)
 
@@ -38,9 +41,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self) -> None:
         self._engine_or_none: EngineLoop | None = None
         self._info: WorkerInfo | None = None
+        self._snapshots: SessionSnapshots | None = None
 
-    def attach(self, engine: EngineLoop, info: WorkerInfo) -> None:
+    def attach(self, engine: EngineLoop, info: WorkerInfo, client: WorkerClient | None = None) -> None:
         self._engine_or_none, self._info = engine, info
+        self._snapshots = SessionSnapshots(engine, client) if client is not None else None
 
     @property
     def _engine(self) -> EngineLoop:
@@ -91,6 +96,27 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         except Exception as error:  # noqa: BLE001 - mapped by the error table
             await abort_with(context, error)
         return engine_pb2.MigrateResponse(accepted=accepted)
+
+    async def SaveSession(self, request: engine_pb2.SessionRequest, context) -> engine_pb2.SessionSnapshot:
+        """Write the session lease's blocks as a snapshot (session_snapshots.py)."""
+        try:
+            return await self._session_snapshots.save(request.cache_salt or None, request.session_id)
+        except Exception as error:  # noqa: BLE001 - mapped by the error table
+            await abort_with(context, error)
+
+    async def RestoreSession(self, request: engine_pb2.SessionRequest, context) -> engine_pb2.SessionSnapshot:
+        """Load a session snapshot into this replica's prefix cache, leased again for ttl_s."""
+        try:
+            return await self._session_snapshots.restore(request.cache_salt or None, request.session_id,
+                                                         request.ttl_s, request.tenant)
+        except Exception as error:  # noqa: BLE001 - mapped by the error table
+            await abort_with(context, error)
+
+    @property
+    def _session_snapshots(self) -> SessionSnapshots:
+        if self._snapshots is None:
+            raise WorkerUnavailableError("the scheduler is waiting for its worker")
+        return self._snapshots
 
     async def GetInfo(self, request, context) -> engine_pb2.EngineInfo:
         if self._info is None:

@@ -14,7 +14,12 @@ import time
 import grpc
 
 from pagoda.contract import worker_codec as convert
-from pagoda.contract.errors import WorkerUnavailableError
+from pagoda.contract.errors import (
+    InvalidRequestError,
+    SessionNotFoundError,
+    SnapshotRefusedError,
+    WorkerUnavailableError,
+)
 from pagoda.contract.step import StepPlan, StepResult, WorkerInfo
 from pagoda.runtime.logging import get_logger
 from pagoda.runtime.tls import aio_channel
@@ -30,6 +35,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_SNAPSHOT_ERRORS = {grpc.StatusCode.NOT_FOUND: SessionNotFoundError,
+                    grpc.StatusCode.FAILED_PRECONDITION: SnapshotRefusedError,
+                    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError}
 
 
 class WorkerLostError(Exception):
@@ -110,6 +118,16 @@ class WorkerClient:
         log.info("worker_connected", worker=self.target, epoch=self.epoch,
                  num_blocks=self.info.num_blocks, model=self.info.model_name)
         return self.info
+
+    async def read_snapshot(self, name: str, verify: bool = True, timeout_s: float = 60.0
+                            ) -> worker_pb2.SnapshotListing:
+        """What session snapshot `name` holds (Worker.ReadSnapshot); its refusals as domain errors."""
+        try:
+            return await self._stub.ReadSnapshot(worker_pb2.ReadSnapshotRequest(name=name, verify=verify),
+                                                 timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            mapped = _SNAPSHOT_ERRORS.get(error.code(), WorkerUnavailableError)
+            raise mapped(error.details() or error.code().name) from None
 
     def open_stream(self) -> StepStream:
         assert self.epoch is not None, "connect() first"

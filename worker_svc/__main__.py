@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="live migration: where migrated requests' KV blocks go between replicas; give every "
                         "replica's worker the same folder (one host or a shared volume). Default: none "
                         "(a migrated request recomputes on its target)")
+    p.add_argument("--kv-snapshot-dir", default=None, metavar="DIR",
+                   help="session save / restore (POST /v1/sessions/{id}/save|restore): where session "
+                        "snapshots are written and read; give the replicas that may restore a session the "
+                        "same folder. Default: none (save and restore answer 400)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cupy"])
     p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU: pre-pack linear weights for oneDNN at load (faster GEMMs; see "
@@ -99,6 +103,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         max_cpu_loras=args.max_cpu_loras, swap_space=args.swap_space, pooling_type=args.pooling_type,
         kv_offloading_size=args.kv_offloading_size, kv_offload_dir=args.kv_offload_dir,
         kv_offload_dir_size=args.kv_offload_dir_size, kv_migrate_dir=args.kv_migrate_dir,
+        kv_snapshot_dir=args.kv_snapshot_dir,
         normalize_embeddings=args.normalize_embeddings)
 
 

@@ -58,6 +58,9 @@ class WorkerConfig:
     # where a migrated request's KV blocks go from the source to the target. None: no migration
     # of KV (a migrated request recomputes on its target).
     kv_migrate_dir: str | None = None
+    # Session save / restore (worker_svc/disk_tier/snapshots.py): the folder of session snapshots,
+    # shared by the replicas that may restore them (llama.cpp's --slot-save-path). None: no save.
+    kv_snapshot_dir: str | None = None
     # Embeddings (worker_svc/pooling.py): vLLM's --pooling-type (last | mean) and normalisation
     pooling_type: str = "last"
     normalize_embeddings: bool = True

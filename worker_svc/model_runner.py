@@ -29,6 +29,7 @@ from worker_svc import fault_injection
 from worker_svc.config import WorkerConfig
 from worker_svc.disk_tier.block_file import BlockFileRefused, model_fingerprint
 from worker_svc.disk_tier.migration import MigrationStore
+from worker_svc.disk_tier.snapshots import KvFiles, SnapshotStore
 from worker_svc.disk_tier.store import DiskStore, num_disk_blocks
 from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.input_batch import (
@@ -180,15 +181,24 @@ class ModelRunner:
                           sliding_window=self.model_config.kv_window,
                           num_disk_blocks=self.disk.capacity if self.disk else 0,
                           disk_blocks=self.disk.listing() if self.disk else (),
-                          kv_migration=self.migration is not None)
+                          kv_migration=self.migration is not None and self.migration.migration is not None,
+                          kv_snapshot_dir=str(self.snapshots.dir) if self.snapshots else "")
 
-    def _migration_store(self, shape: CacheShape) -> MigrationStore | None:
-        """Live migration's folder (--kv-migrate-dir); not with TP yet (each rank holds some heads)."""
-        if not self.config.kv_migrate_dir or self.tp.size > 1:
+    @property
+    def snapshots(self) -> SnapshotStore | None:
+        return self.migration.snapshots if self.migration is not None else None
+
+    def _migration_store(self, shape: CacheShape) -> KvFiles | None:
+        """Live migration's folder (--kv-migrate-dir) and the session snapshots' (--kv-snapshot-dir);
+        not with TP yet (each rank holds some heads)."""
+        config = self.config
+        if not (config.kv_migrate_dir or config.kv_snapshot_dir) or self.tp.size > 1:
             return None
-        fingerprint = model_fingerprint(self.config.model, self.dtype, self.cache_dtype, str(self.quantization),
+        fingerprint = model_fingerprint(config.model, self.dtype, self.cache_dtype, str(self.quantization),
                                         shape.block_size, shape.num_layers, shape.num_kv_heads, shape.head_dim)
-        return MigrationStore(self.config.kv_migrate_dir, fingerprint, shape.block_size)
+        return KvFiles(
+            MigrationStore(config.kv_migrate_dir, fingerprint, shape.block_size) if config.kv_migrate_dir else None,
+            SnapshotStore(config.kv_snapshot_dir, fingerprint, shape.block_size) if config.kv_snapshot_dir else None)
 
     def _disk_store(self, shape: CacheShape, num_offload_blocks: int) -> DiskStore | None:
         """The disk tier's directory (--kv-offload-dir), under the host tier, whose drops it keeps."""
@@ -247,9 +257,14 @@ class ModelRunner:
     def _validate_migration(self, plan: StepPlan) -> None:
         """Exports name resident requests; imports are read and verified now (PlanError before
         anything changed, as disk loads)."""
-        if self.migration is None:
-            raise PlanError("a KV export or import but this worker has no --kv-migrate-dir")
+        (self.migration or KvFiles(None, None)).check(plan.kv_exports, plan.kv_imports)  # each its folder
+        assert self.migration is not None
         for export in plan.kv_exports:
+            if export.snapshot:  # a session save: a lease's blocks, its tokens with it
+                if len(export.token_ids) != export.num_tokens:
+                    raise PlanError(f"session save {export.migration_id}: {len(export.token_ids)} token ids "
+                                    f"for {export.num_tokens} tokens")
+                continue
             state = self.requests.get(export.request_id)
             if state is None or export.num_tokens > len(state.token_ids):
                 raise PlanError(f"KV export of {export.request_id!r}, not resident with {export.num_tokens} tokens")
@@ -330,7 +345,8 @@ class ModelRunner:
         if plan.kv_exports:  # first of all: the finished ids below drop these requests' tokens
             assert self.migration is not None and self.kv_cache is not None  # _validate_migration checked
             self.migration.export(raw_view(self.kv_cache.storage), plan.kv_exports,
-                                  {e.request_id: self.requests[e.request_id].token_ids for e in plan.kv_exports})
+                                  {e.request_id: self.requests[e.request_id].token_ids for e in plan.kv_exports
+                                   if not e.snapshot})
         if plan.beam_updates:  # first: a beam the plan drops may still be another one's parent
             apply_beam_updates(self.requests, plan.beam_updates)
         for request_id in (*plan.finished_ids, *plan.preempted_ids):

@@ -18,8 +18,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+import grpc
+
 from pagoda.contract import worker_codec as convert
-from pagoda.contract.errors import InvalidRequestError, PlanError
+from pagoda.contract.errors import InvalidRequestError, PlanError, SessionNotFoundError, SnapshotRefusedError
 from pagoda.contract.step import StepPlan, StepResult, WorkerInfo
 from pagoda.runtime.gc_tuning import freeze_long_lived_objects
 from pagoda.runtime.grpc_health import HealthState
@@ -80,6 +82,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._info = self._runner.initialize()
         else:
             self._runner.reset()
+
+    async def ReadSnapshot(self, request: worker_pb2.ReadSnapshotRequest, context) -> worker_pb2.SnapshotListing:
+        """What a session snapshot holds (worker_svc/disk_tier/snapshots.py), for the scheduler's
+        restore. Reads files only, on a helper thread, beside the steps."""
+        store = getattr(self._runner, "snapshots", None)
+        if store is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this worker has no --kv-snapshot-dir")
+        try:
+            tokens, num_blocks, num_bytes = await asyncio.to_thread(store.listing, request.name, request.verify)
+        except SessionNotFoundError as error:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+        except SnapshotRefusedError as error:
+            log.warning("session_snapshot_refused", snapshot=request.name, reason=str(error))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"session snapshot refused: {error}")
+        return worker_pb2.SnapshotListing(token_ids=tokens, num_blocks=num_blocks, num_bytes=num_bytes)
 
     async def Steps(self, request_iterator, context) -> None:
         plans: asyncio.Queue = asyncio.Queue()

@@ -73,6 +73,17 @@ class EngineClient:
             session_id=session_id, cache_salt=cache_salt))
         return reply.found
 
+    async def save_session(self, session_id: str, cache_salt: str, timeout_s: float = 120.0
+                           ) -> engine_pb2.SessionSnapshot:
+        """Session save (docs/kv_tiers.md): the lease's blocks written as a snapshot by the worker."""
+        return await self._unary(self._stub.SaveSession, engine_pb2.SessionRequest(
+            session_id=session_id, cache_salt=cache_salt), timeout_s)
+
+    async def restore_session(self, session_id: str, cache_salt: str, ttl_s: float, tenant: str = "",
+                              timeout_s: float = 120.0) -> engine_pb2.SessionSnapshot:
+        return await self._unary(self._stub.RestoreSession, engine_pb2.SessionRequest(
+            session_id=session_id, cache_salt=cache_salt, ttl_s=ttl_s, tenant=tenant), timeout_s)
+
     async def get_info(self) -> engine_pb2.EngineInfo:
         return await self._unary(self._stub.GetInfo, engine_pb2.GetInfoRequest())
 
@@ -96,8 +107,8 @@ class EngineClient:
         except grpc.aio.AioRpcError as error:
             raise _upstream(error) from None
 
-    async def _unary(self, method, request):
+    async def _unary(self, method, request, timeout_s: float | None = None):
         try:
-            return await method(request, timeout=self._timeout_s)
+            return await method(request, timeout=timeout_s or self._timeout_s)
         except grpc.aio.AioRpcError as error:
             raise _upstream(error) from None

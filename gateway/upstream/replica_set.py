@@ -34,6 +34,7 @@ from gateway.errors import UpstreamError
 from gateway.upstream.engine_client import EngineClient
 from gateway.upstream.migration import Moves, migrated_handoff
 from gateway.upstream.routing import BreakerState, CircuitBreaker, Router, RoutingConfig, routing_key
+from gateway.upstream.session_homes import SessionHomes
 from pagoda.contract.common_codec import lora_from_pb
 from pagoda.runtime.logging import get_logger
 from pagoda.v1 import engine_pb2
@@ -108,6 +109,7 @@ class ReplicaSet:
         self._holders: dict[str, Replica] = {}  # request id -> the replica streaming it
         self._moves = Moves()  # live migrations asked and not complete yet
         self.drained: set[int] = set()  # out of rotation (drain): new requests go elsewhere
+        self.sessions = SessionHomes()  # session -> the replica holding its lease (session_homes.py)
         self._refreshers: list[asyncio.Task] = []
         for replica in self.replicas:
             metrics.REPLICA_UP.labels(replica.label).set(1)
@@ -195,6 +197,9 @@ class ReplicaSet:
                 chosen, reason, moved_to = moved_to, "migration", None
             elif tried:  # failover: the least-loaded of the rest, whatever the policy
                 chosen, reason = self.router.least_loaded(candidates), "failover"
+            elif (home := self.sessions.get(request.cache_salt, request.session_id)) in candidates:
+                chosen, reason = home, "session"  # its lease (a restore's too) is there
+                self.router.loads[home].routed_since_stats += 1
             else:
                 chosen, reason = self.router.choose(key, candidates)
             replica = self.replicas[chosen]
@@ -212,6 +217,8 @@ class ReplicaSet:
                         if not started and any(d.token_ids or d.finish_reason for d in response.sequences):
                             started = True
                             self._succeeded(replica)  # it serves (the caller may stop reading early)
+                            if request.session_id:  # its next turn finds its lease here
+                                self.sessions.set(request.cache_salt, request.session_id, replica.index)
                             if attempt.HasField("kv_import"):
                                 self._moves.resumed(request.request_id)
                         if attempt is not request:
@@ -298,9 +305,35 @@ class ReplicaSet:
 
     async def end_session(self, session_id: str, cache_salt: str) -> bool:
         """On every replica: the session's turns may have been routed to any of them."""
+        self.sessions.drop(cache_salt, session_id)
         found = await asyncio.gather(*(r.client.end_session(session_id, cache_salt) for r in self.replicas),
                                      return_exceptions=True)
         return any(f is True for f in found)
+
+    async def save_session(self, session_id: str, cache_salt: str) -> engine_pb2.SessionSnapshot:
+        """Saved by the replica holding its lease: its home first, then the others in turn (one at
+        a time: they write one snapshot folder). NOT_FOUND when none holds it."""
+        home = self.sessions.get(cache_salt, session_id)
+        order = sorted(self.replicas, key=lambda r: r.index != home)
+        error: UpstreamError | None = None
+        for replica in order:
+            try:
+                return await replica.client.save_session(session_id, cache_salt)
+            except UpstreamError as failure:
+                if failure.grpc_code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+                    raise
+                error = error if error is not None and error.grpc_code == grpc.StatusCode.NOT_FOUND else failure
+        assert error is not None
+        raise error
+
+    async def restore_session(self, session_id: str, cache_salt: str, ttl_s: float, tenant: str = "",
+                              replica: int | None = None) -> tuple[engine_pb2.SessionSnapshot, int]:
+        """Load the snapshot into `replica` (None: the least loaded in rotation), which becomes the
+        session's home: its next turn is routed there. The answer and the replica's index."""
+        index = self.router.least_loaded(self.available()) if replica is None else replica
+        restored = await self.replicas[index].client.restore_session(session_id, cache_salt, ttl_s, tenant)
+        self.sessions.set(cache_salt, session_id, index)
+        return restored, index
 
     async def get_info(self) -> engine_pb2.EngineInfo:
         return await self._first(lambda r: r.client.get_info())

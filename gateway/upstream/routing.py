@@ -31,7 +31,7 @@ from pagoda.contract.prefix_hash import prefix_hash
 
 POLICIES = ("prefix", "round-robin", "least-loaded")
 # Why a request went where it went; the values of the metric's `decision` label.
-DECISIONS = ("prefix", "overloaded", "no_prefix", "least_loaded", "round_robin")
+DECISIONS = ("prefix", "overloaded", "no_prefix", "least_loaded", "round_robin", "session")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,9 @@ from pagoda.contract.errors import (
     QueueFullError,
     RequestFailedError,
     RequestNotFoundError,
+    SessionNotFoundError,
     ShuttingDownError,
+    SnapshotRefusedError,
     WorkerUnavailableError,
 )
 
@@ -36,6 +38,8 @@ ERROR_TABLE: dict[type[BaseException], ErrorMapping] = {
     QueueFullError: ErrorMapping(grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
     DuplicateRequestError: ErrorMapping(grpc.StatusCode.ALREADY_EXISTS, 409),
     RequestNotFoundError: ErrorMapping(grpc.StatusCode.NOT_FOUND, 404),
+    SessionNotFoundError: ErrorMapping(grpc.StatusCode.NOT_FOUND, 404),
+    SnapshotRefusedError: ErrorMapping(grpc.StatusCode.FAILED_PRECONDITION, 409),
     WorkerUnavailableError: ErrorMapping(grpc.StatusCode.UNAVAILABLE, 503),
     ShuttingDownError: ErrorMapping(grpc.StatusCode.UNAVAILABLE, 503),
     NotInitializedError: ErrorMapping(grpc.StatusCode.UNAVAILABLE, 503),

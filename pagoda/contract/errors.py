@@ -52,5 +52,14 @@ class RequestNotFoundError(PagodaServiceError):
     """A request id that is not (or no longer) known."""
 
 
+class SessionNotFoundError(PagodaServiceError):
+    """Session save / restore: no lease to save, or no snapshot to restore (NOT_FOUND / HTTP 404)."""
+
+
+class SnapshotRefusedError(PagodaServiceError):
+    """A session snapshot that must not be served: a file corrupt (checksum) or another model's
+    (fingerprint). Maps to FAILED_PRECONDITION / HTTP 409."""
+
+
 class ShuttingDownError(PagodaServiceError):
     """The service is draining and accepts no new work."""

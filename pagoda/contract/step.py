@@ -97,6 +97,10 @@ class KvExport:
     migration_id: str
     block_ids: list[BlockId]
     num_tokens: int
+    # A session save: `migration_id` names the snapshot in --kv-snapshot-dir, `request_id` is ""
+    # (the blocks are a session lease's, not a resident request's) and `token_ids` are their tokens.
+    snapshot: bool = False
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -110,6 +114,7 @@ class KvImport:
     first_block: int
     block_ids: list[BlockId]
     num_tokens: int
+    snapshot: bool = False  # a session restore: read from --kv-snapshot-dir (the files stay)
 
 
 @dataclass(slots=True)
@@ -255,3 +260,4 @@ class WorkerInfo:
     num_disk_blocks: int = 0
     disk_blocks: tuple[DiskBlock, ...] = ()
     kv_migration: bool = False  # it exports and imports migrated KV (--kv-migrate-dir)
+    kv_snapshot_dir: str = ""  # session snapshots' folder (--kv-snapshot-dir); "": no save / restore

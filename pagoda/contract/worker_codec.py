@@ -58,10 +58,11 @@ def plan_to_pb(plan: StepPlan, epoch: int) -> worker_pb2.StepPlan:
                                                  from_device=w.from_device) for w in plan.disk_writes],
         disk_loads=[worker_pb2.DiskLoad(block_hash=d.block_hash, dst=d.dst) for d in plan.disk_loads],
         kv_exports=[worker_pb2.KvExport(request_id=e.request_id, migration_id=e.migration_id,
-                                        block_ids=e.block_ids, num_tokens=e.num_tokens) for e in plan.kv_exports],
+                                        block_ids=e.block_ids, num_tokens=e.num_tokens, snapshot=e.snapshot,
+                                        token_ids=e.token_ids) for e in plan.kv_exports],
         kv_imports=[worker_pb2.KvImport(request_id=i.request_id, migration_id=i.migration_id,
                                         first_block=i.first_block, block_ids=i.block_ids,
-                                        num_tokens=i.num_tokens) for i in plan.kv_imports])
+                                        num_tokens=i.num_tokens, snapshot=i.snapshot) for i in plan.kv_imports])
 
 
 def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
@@ -85,9 +86,9 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
         disk_writes=[DiskWrite(w.src, disk_block_from_pb(w.block), w.from_device) for w in pb.disk_writes],
         disk_loads=[DiskLoad(d.block_hash, BlockId(d.dst)) for d in pb.disk_loads],
         kv_exports=[KvExport(RequestId(e.request_id), e.migration_id, [BlockId(b) for b in e.block_ids],
-                             e.num_tokens) for e in pb.kv_exports],
+                             e.num_tokens, e.snapshot, tuple(e.token_ids)) for e in pb.kv_exports],
         kv_imports=[KvImport(RequestId(i.request_id), i.migration_id, i.first_block,
-                             [BlockId(b) for b in i.block_ids], i.num_tokens) for i in pb.kv_imports])
+                             [BlockId(b) for b in i.block_ids], i.num_tokens, i.snapshot) for i in pb.kv_imports])
     return pb.epoch, plan
 
 
@@ -166,7 +167,8 @@ def info_to_pb(info: WorkerInfo, epoch: int) -> worker_pb2.InitResponse:
         model_name=info.model_name, max_loras=info.max_loras, max_lora_rank=info.max_lora_rank,
         num_cpu_blocks=info.num_cpu_blocks, sliding_window=info.sliding_window,
         num_offload_blocks=info.num_offload_blocks, num_disk_blocks=info.num_disk_blocks,
-        disk_blocks=[disk_block_to_pb(b) for b in info.disk_blocks], kv_migration=info.kv_migration)
+        disk_blocks=[disk_block_to_pb(b) for b in info.disk_blocks], kv_migration=info.kv_migration,
+        kv_snapshot_dir=info.kv_snapshot_dir)
 
 
 def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
@@ -177,4 +179,4 @@ def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
         max_loras=pb.max_loras, max_lora_rank=pb.max_lora_rank, num_cpu_blocks=pb.num_cpu_blocks,
         sliding_window=pb.sliding_window, num_offload_blocks=pb.num_offload_blocks,
         num_disk_blocks=pb.num_disk_blocks, disk_blocks=tuple(disk_block_from_pb(b) for b in pb.disk_blocks),
-        kv_migration=pb.kv_migration)
+        kv_migration=pb.kv_migration, kv_snapshot_dir=pb.kv_snapshot_dir)

@@ -101,6 +101,7 @@ class LLM:
                  normalize_embeddings: bool = True, batch_invariant: bool = False,
                  kv_offloading_size: float = 0.0, kv_offload_dir: str | None = None,
                  kv_offload_dir_size: float = 8.0, kv_migrate_dir: str | None = None,
+                 kv_snapshot_dir: str | None = None,
                  quantization: str | None = None) -> None:
         # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
         # "prompt_lookup_min": 2}, or {"method": "suffix", ...} (scheduler_svc/core/spec/). Checked
@@ -123,7 +124,7 @@ class LLM:
             swap_space=swap_space, pooling_type=pooling_type, normalize_embeddings=normalize_embeddings,
             batch_invariant=batch_invariant, kv_offloading_size=kv_offloading_size,
             kv_offload_dir=kv_offload_dir, kv_offload_dir_size=kv_offload_dir_size,
-            kv_migrate_dir=kv_migrate_dir, quantization=quantization or "auto")
+            kv_migrate_dir=kv_migrate_dir, kv_snapshot_dir=kv_snapshot_dir, quantization=quantization or "auto")
         self.runner = create_runner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
         # Runs close()'s work when the LLM is garbage-collected (vLLM's users `del` their engine);
         # it holds the runner's bound close, never `self`, so it does not keep the LLM alive.
@@ -140,7 +141,7 @@ class LLM:
                 preemption_mode=preemption_mode, sliding_window=info.sliding_window,
                 num_offload_blocks=info.num_offload_blocks if enable_prefix_caching else 0,
                 num_disk_blocks=info.num_disk_blocks if enable_prefix_caching else 0,
-                kv_migration=info.kv_migration)
+                kv_migration=info.kv_migration, kv_snapshots=bool(info.kv_snapshot_dir))
         except BaseException:
             self.close()
             raise

@@ -121,6 +121,7 @@ class SchedulerConfig:
     vtc_output_weight: float = 2.0
     # The worker exports and imports migrated requests' KV (its Init; core/tiers/migration.py).
     kv_migration: bool = False
+    kv_snapshots: bool = False  # the worker saves and restores session snapshots (--kv-snapshot-dir)
 
     def __post_init__(self) -> None:
         check_preemption_mode(self.preemption_mode, has_host_pool=self.num_cpu_blocks >= 1)

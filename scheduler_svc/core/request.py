@@ -38,6 +38,7 @@ class KvHandoff:
     migration_id: str
     num_tokens: int
     num_blocks: int
+    snapshot: bool = False  # a session restore: `migration_id` names a session snapshot (tiers/snapshots.py)
 
 
 @dataclass(frozen=True, slots=True)

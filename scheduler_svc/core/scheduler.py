@@ -24,8 +24,8 @@ Shape: `Scheduler` declares the whole public API here and runs the per-step path
 running, preempt, fork, apply results, finish). What keeps state is an object it holds and calls,
 each owning its own: the KV manager (kv_cache_manager.py), the run queues (queues.py), admission
 (admission.py), the swap manager (swap.py), the brownout governor (brownout.py), the poison isolator
-(poison.py), the prompt pinner (pinning.py), the session leases (tiers/sessions.py), live
-migration's exports and imports (tiers/migration.py), the host
+(poison.py), the prompt pinner (pinning.py), the session leases (tiers/sessions.py) and their
+saves (tiers/snapshots.py), live migration's exports and imports (tiers/migration.py), the host
 tier (tiers/host_tier.py, in the KV manager), the speculator (spec/), the beam groups
 (beam_group.py), the tenants' caps, fair share and totals (tenants.py) and the counters
 (outputs.py). They get the KV manager, the run queues and callbacks, never the Scheduler. Invariants: check_invariants (block accounting, queues, host pool).
@@ -61,13 +61,15 @@ from scheduler_svc.core.tiers.disk_tier import disk_tier_stats
 from scheduler_svc.core.tiers.host_tier import tier_stats
 from scheduler_svc.core.tiers.migration import Migrator
 from scheduler_svc.core.tiers.sessions import SessionLeases
+from scheduler_svc.core.tiers.snapshots import SessionSave, SessionSaves
 
 __all__ = ["Scheduler", "SchedulerStats"]
 
 
 class Scheduler:
     """The engine's core, driven by one caller thread: add_request / abort / pin_prompt /
-    export_request (live migration; take_migrated_after_loss after a worker loss) in;
+    export_request (live migration; take_migrated_after_loss after a worker loss) /
+    end_session / save_session (take_saved_sessions when their steps reported) in;
     schedule() -> StepPlan out, update(StepResult) -> deltas back (at most max_inflight_steps plans
     out); note_step_failure / reset_after_worker_loss / fail_all when the worker fails; stats(),
     check_invariants() and the read-only properties below for the engine loop and tests."""
@@ -100,6 +102,7 @@ class Scheduler:
         self._tenants = Tenants(self._kv.pool, config.tenant_kv_share, config.tenant_fairness,
                                 config.vtc_prompt_weight, config.vtc_output_weight)
         self._migrator = Migrator(bs, config.kv_migration)
+        self._saves = SessionSaves(bs, config.kv_snapshots)
         self._migrated_after_loss: list[SequenceDelta] = []  # reset_after_worker_loss's, for the loop
         self._admission = Admission(config, self._threshold, self._kv, self._queues, self._swap,
                                     self._brownout, self._counters, preempt=self._preempt,
@@ -169,6 +172,18 @@ class Scheduler:
         """End a session's lease now (its blocks become ordinary cached blocks); False if it has none."""
         return self._leases.end(cache_salt, session_id)
 
+    def save_session(self, cache_salt: str | None, session_id: str, name: str) -> SessionSave | None:
+        """Write the session lease's blocks as snapshot `name` in the next plan (tiers/snapshots.py);
+        done when take_saved_sessions() returns it. None: no lease; InvalidRequestError: unsavable."""
+        lease = self._leases.get(cache_salt, session_id)
+        if lease is None or self._kv.index is None:  # (no prefix caching: no lease holds blocks)
+            return None
+        return self._saves.ask(lease, session_id, name, self._kv.index)
+
+    def take_saved_sessions(self) -> list[SessionSave]:
+        """Saves whose step reported since the last call (and those a worker loss failed: ok False)."""
+        return self._saves.take_done()
+
     def abort(self, request_id: RequestId) -> list[SequenceDelta]:
         """ABORT deltas for the request's unfinished sequences; [] if unknown or already ended."""
         req = self._queues.requests.get(request_id)
@@ -200,7 +215,7 @@ class Scheduler:
                 and (not plan.preempted_ids or self._capped_preempted):
             self._admission.admit_waiting(draft, self._capped_preempted)
         if not (draft.num_scheduled or plan.finished_ids or plan.preempted_ids or plan.beam_updates
-                or self._migrator.holds(plan.step_id)):
+                or plan.kv_exports):
             return None
         return self._seal(plan, draft)
 
@@ -226,6 +241,7 @@ class Scheduler:
         if self._isolator.probe is not None:
             self._isolator.reported(step.step_id, result.request_ids)
         kv.step_reported(step.step_id)
+        self._saves.reported(step.step_id)
         return deltas + self._migrator.reported(step.step_id)
 
     # -- failures -----------------------------------------------------------------------------
@@ -250,6 +266,7 @@ class Scheduler:
         self._isolator.probe = None  # discarded with the other in-flight steps; its suspect stays one
         asked = self._migrator.asked  # not detached yet: they move now, to recompute on their target
         self._migrated_after_loss += self._migrator.reset()
+        self._saves.reset()
         for seq, migration_id in asked.items():
             if seq.status is not SeqStatus.FINISHED:
                 self._migrated_after_loss += self._end_migrated(seq.request, KvHandoff(migration_id, 0, 0))
@@ -270,6 +287,7 @@ class Scheduler:
             deltas += self._end_request(req, FinishReason.ERROR)
         self._isolator.reset()
         self._migrator.reset()  # their requests ended already: the engine loop fails their streams
+        self._saves.reset()
         self._reset_worker_state()
         return deltas
 
@@ -392,6 +410,7 @@ class Scheduler:
         plan = StepPlan(step_id=self._next_step_id, finished_ids=self._finished_resident,
                         beam_updates=self._beams.take_updates())
         self._finished_resident = []
+        self._saves.plan(plan)  # first: before this plan's allocations may reuse a block
         return plan
 
     def _seal(self, plan: StepPlan, draft: StepDraft) -> StepPlan:
@@ -429,7 +448,8 @@ class Scheduler:
     def _checked_import(self, request: EngineRequest) -> KvHandoff | None:
         """A continuation's KV import, or None when this worker cannot import (it recomputes)."""
         handoff = request.kv_import
-        if handoff is None or not handoff.num_blocks or not self.config.kv_migration:
+        if handoff is None or not handoff.num_blocks or \
+                not (self.config.kv_snapshots if handoff.snapshot else self.config.kv_migration):
             return None
         bs = self.config.block_size
         if not 0 < handoff.num_tokens <= len(request.prompt_token_ids) or \
@@ -630,7 +650,7 @@ class Scheduler:
             self._isolator.probe = (plan.step_id, target)
         else:  # it cannot run alone either (nothing is in flight to wait for): stop suspecting it
             self._isolator.suspects.discard(target.seq_id)
-            if not plan.finished_ids and not plan.preempted_ids:
+            if not plan.finished_ids and not plan.preempted_ids and not plan.kv_exports:
                 return self.schedule()
         return self._seal(plan, draft)
 

@@ -39,6 +39,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     cancelled: list[str] = field(default_factory=list)  # request ids whose caller left early
     responses_sent: int = 0
     ended_sessions: list[tuple[str, str]] = field(default_factory=list)  # EndSession calls
+    # Session save / restore: the calls as (session id, salt), and the status they fail with (None: OK)
+    saved_sessions: list[tuple[str, str]] = field(default_factory=list)
+    restored_sessions: list[tuple[str, str, float, str]] = field(default_factory=list)
+    snapshot_error: tuple[grpc.StatusCode, str] | None = None
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -111,6 +115,24 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         found = key in live and key not in self.ended_sessions
         self.ended_sessions.append(key)
         return engine_pb2.EndSessionResponse(found=found)
+
+    async def SaveSession(self, request, context):
+        """Saved when a request of that session (and salt) came through here; else NOT_FOUND."""
+        self.saved_sessions.append((request.session_id, request.cache_salt))
+        if self.snapshot_error is not None:
+            await context.abort(*self.snapshot_error)
+        if (request.session_id, request.cache_salt) not in {(r.session_id, r.cache_salt) for r in self.requests}:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"session {request.session_id!r} holds no lease here")
+        return engine_pb2.SessionSnapshot(session_id=request.session_id, num_tokens=32, num_blocks=2,
+                                          num_bytes=4096, path=f"/snapshots/{request.session_id}")
+
+    async def RestoreSession(self, request, context):
+        self.restored_sessions.append((request.session_id, request.cache_salt, request.ttl_s, request.tenant))
+        if self.snapshot_error is not None:
+            await context.abort(*self.snapshot_error)
+        return engine_pb2.SessionSnapshot(session_id=request.session_id, num_tokens=32, num_blocks=2,
+                                          num_bytes=4096, path=f"/snapshots/{request.session_id}",
+                                          num_cached_tokens=16)
 
     async def GetInfo(self, request, context):
         return engine_pb2.EngineInfo(model_name=self.model_name, max_model_len=self.max_model_len,

@@ -99,3 +99,31 @@ def test_the_offloading_flags_reach_the_worker():
     info = build_runner(worker_args(["--fake", "--kv-offloading-size", "0.5", "--kv-offload-dir", "/unused",
                                      "--kv-offload-dir-size", "2"])).initialize()
     assert (info.num_offload_blocks, info.num_disk_blocks, info.disk_blocks) == (512, 2048, ())
+
+
+async def test_session_save_and_restore_answer_grpc_statuses_without_a_snapshot_folder():
+    """A worker without --kv-snapshot-dir (the fake): NOT_FOUND for a session with no lease,
+    INVALID_ARGUMENT for saving one that has a lease and for any restore (the worker says so)."""
+    runner = FakeStepRunner(num_blocks=12, block_size=4, max_model_len=64)
+    worker, _, worker_port = await start_worker_server(runner, "127.0.0.1", 0)
+    running = await start_engine_server(EngineServiceConfig(workers=(f"127.0.0.1:{worker_port}",), port=0))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            codes = []
+            for call in (stub.SaveSession, None, stub.SaveSession, stub.RestoreSession):
+                if call is None:  # a turn of session "chat": it now holds a lease
+                    session = generate_request("s", [5] * 9, 2)
+                    session.session_id, session.session_ttl_s = "chat", 60.0
+                    await collect(stub, session)
+                    continue
+                try:
+                    await call(engine_pb2.SessionRequest(session_id="chat", ttl_s=60.0))
+                except grpc.aio.AioRpcError as error:
+                    codes.append((error.code(), error.details()))
+    finally:
+        await running.stop(0)
+        await worker.stop(0)
+    assert [code for code, _ in codes] == [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+                                           grpc.StatusCode.INVALID_ARGUMENT]
+    assert all("--kv-snapshot-dir" in details for _, details in codes[1:])

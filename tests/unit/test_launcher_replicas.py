@@ -128,3 +128,10 @@ def test_every_replica_shares_the_one_migration_folder():
     workers = [c for c in children if "--kv-migrate-dir" in c.argv]
     assert len(workers) == 2 and all(c.argv[c.argv.index("--kv-migrate-dir") + 1] == "/var/mig" for c in workers)
     assert not any("--kv-migrate-dir" in c.argv for c in build_children(parse_args(["--fake"])))
+
+
+def test_every_replica_shares_the_one_session_snapshot_folder():
+    children = build_children(parse_args(["--fake", "--data-parallel-size", "2", "--kv-snapshot-dir", "/var/snap"]))
+    workers = [c for c in children if "--kv-snapshot-dir" in c.argv]
+    assert len(workers) == 2 and all(c.argv[c.argv.index("--kv-snapshot-dir") + 1] == "/var/snap" for c in workers)
+    assert not any("--kv-snapshot-dir" in c.argv for c in build_children(parse_args(["--fake"])))

@@ -133,9 +133,12 @@ class FakeWorker:
         self.next_step_id += 1
         bs = self.block_size
         for export in plan.kv_exports:  # first of all, as the real worker: the drops come next
-            assert export.request_id in self.resident, f"export of {export.request_id!r}, not resident"
+            assert export.snapshot or export.request_id in self.resident, f"export of {export.request_id!r}"
             self._check_blocks(export.block_ids)
             self.migrations[export.migration_id] = [self.kv[b * bs:(b + 1) * bs] for b in export.block_ids]
+            if export.snapshot:  # a session save: the blocks hold exactly the tokens it names
+                saved = [t for block in self.migrations[export.migration_id] for t in block]
+                assert saved == list(export.token_ids), f"session save {export.migration_id}: KV of other tokens"
         self._apply_beam_updates(plan)  # before the drops, as the real worker: parents may go
         self._drop(plan)
         self._add_new(plan)
@@ -217,7 +220,8 @@ class FakeWorker:
             self.disk.move_to_end(load.block_hash)
             self.kv[load.dst * bs:(load.dst + 1) * bs] = self.disk[load.block_hash][0]
         for load in plan.kv_imports:  # with the disk loads, as the real worker
-            files = self.migrations.pop(load.migration_id)
+            # A snapshot stays (it may be restored again); a migration's folder is read once.
+            files = self.migrations[load.migration_id] if load.snapshot else self.migrations.pop(load.migration_id)
             self._check_blocks(load.block_ids)
             for k, block in enumerate(load.block_ids):
                 self.kv[block * bs:(block + 1) * bs] = files[load.first_block + k]

@@ -81,7 +81,7 @@ class Migrator:
         if first >= end:
             return
         plan.kv_imports.append(KvImport(seq.seq_id, handoff.migration_id, first,
-                                        list(seq.block_table[first:end]), handoff.num_tokens))
+                                        list(seq.block_table[first:end]), handoff.num_tokens, handoff.snapshot))
         self.num_imported += 1
         self.blocks_imported += end - first
 

@@ -34,6 +34,13 @@ from scheduler_svc.core.request import Sequence
 class Lease:
     expires_at: float
     blocks: list[BlockId] = field(default_factory=list)  # one reference each
+    # What a save (snapshots.py) writes: the tokens of `blocks`, from the history's first block.
+    # Empty when the lease cannot be saved: its window freed its first blocks, or it ran under a
+    # LoRA adapter (a snapshot does not say which: restored, its blocks would key the base model).
+    token_ids: tuple[int, ...] = ()
+    # Demoted: the blocks it let go, each with its prefix-index serial then (serials are never reused,
+    # so a block still registered under the same serial still holds those tokens): a save finds them.
+    demoted: list[tuple[BlockId, int]] = field(default_factory=list)
 
 
 def session_key(cache_salt: str | None, session_id: str) -> str:
@@ -70,7 +77,12 @@ class SessionLeases:
         lease = self._leases.pop(key, None)
         if lease is not None:
             self._kv.release(lease.blocks, None)
-        self._leases[key] = Lease(self._clock() + req.session_ttl, blocks)
+        savable = not seq.num_window_freed and req.lora is None
+        tokens = tuple(seq.token_ids[:len(blocks) * self._kv.block_size]) if savable else ()
+        self._leases[key] = Lease(self._clock() + req.session_ttl, blocks, tokens)
+
+    def get(self, cache_salt: str | None, session_id: str) -> Lease | None:
+        return self._leases.get(session_key(cache_salt, session_id))
 
     def expire(self) -> None:
         """End the leases whose TTL has passed (every schedule(): O(1) when none has)."""
@@ -97,6 +109,10 @@ class SessionLeases:
         owner = self._kv.pool.owner
         for lease in self._leases.values():
             if lease.blocks and (tenant is None or any(owner(b) == tenant for b in lease.blocks)):
+                index = self._kv.index
+                # (a block whose content another block had registered first is not in the index: -1)
+                lease.demoted = [(b, index.serial_of(b) if index.is_cached(b) else -1) for b in lease.blocks] \
+                    if index is not None else []
                 self._kv.release(lease.blocks, None)
                 lease.blocks = []
                 self.num_demoted += 1
@@ -106,5 +122,5 @@ class SessionLeases:
     def reset(self) -> None:
         """The pool was reset (worker loss): the references are gone, the leases and TTLs stay."""
         for lease in self._leases.values():
-            lease.blocks = []
+            lease.blocks, lease.token_ids, lease.demoted = [], (), []
 
