@@ -4,9 +4,10 @@
         [--dtype float32|bfloat16] [--threads 1] [--batch 1] [--context 256] [--iters 40]
         [--int8-dot] [--clock wall|thread]
 
---int8-dot compares, instead, the fused step with the quantized linears' int8 dot-product path
-(kernels/linear/cpu_quant_int8dot.cpp) on and off, in three parts timed separately: the forward
-(embedding + layers + final norm), the logits (the lm_head) and a greedy sampler call.
+--int8-dot compares, instead, the fused step with the quantized linears' integer dot-product path
+for 8-bit codes (kernels/linear/cpu_quant_int8dot.cpp) at int16 activations (the default), int8
+ones and off (fp32 activations), in three parts timed separately: the forward (embedding + layers
++ final norm), the logits (the lm_head) and a greedy sampler call.
 --clock thread times with the calling thread's CPU time (with --threads 1: the whole op), which
 a shared machine's other jobs disturb less than the wall clock (they still share caches and DRAM).
 
@@ -55,7 +56,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--iters", type=int, default=40)
-    p.add_argument("--int8-dot", action="store_true", help="int8 dot-product path on vs off (fused step)")
+    p.add_argument("--int8-dot", action="store_true", help="integer dot-product path: int16 / int8 / off (fused step)")
     p.add_argument("--clock", default="wall", choices=["wall", "thread"])
     args = p.parse_args()
     if args.threads:
@@ -96,21 +97,26 @@ def main() -> None:
     print(f"  fused / module loop (min): {min(times['fused']) / min(times['module loop']):.2f}")
 
 
+ACTS = {16: "int16", 8: "int8", 32: "off"}  # the op's activation precisions, the default first
+
+
 def int8_dot_parts(model, fused, ids, positions, attn, caches, args, clock) -> None:
-    """Forward, logits and a greedy sampler call, with the int8 dot path on and off alternately."""
+    """Forward, logits and a greedy sampler call, with the integer dot path at int16 and int8
+    activations and off (fp32 activations), alternately."""
     from pagoda.contract.params import SamplingParams
     from worker_svc.sampler import Sampler, SamplingRow
 
     ops = fused.ops
+    mode, best, default = ops.quant_int8_dot()
     sampler = Sampler(eos_token_ids=[0], device=torch.device("cpu"))
     rows = [SamplingRow(SamplingParams(temperature=0.0), [1, 2, 3], 3) for _ in range(args.batch)]
     model.fused_decode = fused
     parts = ("forward", "logits", "sampler")
-    times = {(on, part): [] for on in (1, 0) for part in parts}
+    times = {(act, part): [] for act in ACTS for part in parts}
     with torch.inference_mode():
         for i in range(args.iters + 3):
-            for on in (1, 0):
-                ops.quant_int8_dot(on)
+            for act in ACTS:
+                ops.quant_int8_dot(1, act)  # act 32: on, but every call takes the fp32 path
                 t0 = clock()
                 hidden = model(ids, positions, attn, caches)
                 t1 = clock()
@@ -120,16 +126,16 @@ def int8_dot_parts(model, fused, ids, positions, attn, caches, args, clock) -> N
                 t3 = clock()
                 if i >= 3:
                     for part, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-                        times[(on, part)].append(value * 1e3)
-    ops.quant_int8_dot(1)
-    mode, best = ops.quant_int8_dot()
+                        times[(act, part)].append(value * 1e3)
+    ops.quant_int8_dot(int(mode != 0), default)
     print(f"{args.model} dtype={args.dtype} threads={torch.get_num_threads()} batch={args.batch} "
-          f"context={args.context} clock={args.clock} int8 dot kernel={['none', 'avx512_vnni', 'avx_vnni'][best]}")
+          f"context={args.context} clock={args.clock} kernel={['none', 'avx512_vnni', 'avx_vnni'][best]}")
     for part in parts:
-        on, off = times[(1, part)], times[(0, part)]
-        print(f"  {part:8s} int8 dot: min {min(on):7.3f} median {statistics.median(on):7.3f} ms   "
-              f"off: min {min(off):7.3f} median {statistics.median(off):7.3f} ms   "
-              f"(median on/off {statistics.median(on) / statistics.median(off):.2f})")
+        off = statistics.median(times[(32, part)])
+        print(f"  {part:8s} " + "   ".join(
+            f"{ACTS[act]}: min {min(times[(act, part)]):7.3f} median {statistics.median(times[(act, part)]):7.3f} ms"
+            for act in ACTS) + "   (median / off: " + " ".join(
+            f"{ACTS[act]} {statistics.median(times[(act, part)]) / off:.2f}" for act in (16, 8)) + ")")
 
 
 if __name__ == "__main__":

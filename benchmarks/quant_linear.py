@@ -12,9 +12,10 @@ Layer table, ms per call (lower is better); columns:
                 per-32 scales), fp32 activations
   aten int4/g32 aten._weight_int4pack_mm_for_cpu: w = (q - 8) * scale + zero per group of 32, bf16
                 activations and scales (its fp32 path asks for the same packed layout)
-  ours int8/g32 pagoda_cpu::quant_linear, Q8_0's format (int8, fp32 scale per 32): at M <= 32 on a
-                VNNI CPU, int8 dot products over activations quantized to int8 per 32
-  ours no-i8dot the same with that path off (the default; PAGODA_INT8_DOT=1 turns it on): codes widened to fp32 in registers
+  ours i16/g32  pagoda_cpu::quant_linear, Q8_0's format (int8, fp32 scale per 32): at M <= 32 on a
+                VNNI CPU (the default), int16 dot products over activations quantized to int16 per 32
+  ours i8/g32   the same with activations quantized to int8 per 32 (act 8, PAGODA_INT8_DOT=8)
+  ours fp32act  the same with fp32 activations (act 32, PAGODA_INT8_DOT=0): codes widened to fp32 in registers
   ours int4/g32 pagoda_cpu::quant_linear, Q4_1's format (packed nibbles, scale + min per 32)
 
 Figures from a 2-core AMD EPYC shared with other jobs (noisy; re-measure on a quiet machine),
@@ -63,10 +64,10 @@ def layer_table(rows: list[int], shapes: list[tuple[int, int]]) -> None:
 
     ops = _ops()
     if ops is not None and hasattr(ops, "quant_int8_dot"):
-        ops.quant_int8_dot(1)  # opt-in in a server (PAGODA_INT8_DOT=1); compared on and off here
+        ops.quant_int8_dot(1)  # on (a server's default unless PAGODA_INT8_DOT=0); each call picks its act
     print(f"int8 dot kernel: {' '.join(int8_dot_status())}")
     print(f"{'shape':>12} {'M':>4} {'packed fp32':>12} {'aten int8/ch':>13} {'aten int4/g32':>14} "
-          f"{'ours int8/g32':>14} {'ours no-i8dot':>14} {'ours int4/g32':>14}   (ms per call)")
+          f"{'ours i16/g32':>13} {'ours i8/g32':>12} {'ours fp32act':>13} {'ours int4/g32':>14}   (ms per call)")
     for n, k in shapes:
         w = torch.randn(n, k) * 0.05
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
@@ -80,21 +81,13 @@ def layer_table(rows: list[int], shapes: list[tuple[int, int]]) -> None:
             calls = [lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
                      lambda x=x, q=q8, s=scale: torch.ops.aten._weight_int8pack_mm(x, q, s),
                      lambda xb=xb, f=int4: f(xb),
-                     lambda x=x, w=ours8: quant_matmul(x, w),
-                     lambda x=x, w=ours8: _int8_dot_off(ops, lambda: quant_matmul(x, w)),
+                     lambda x=x, w=ours8: quant_matmul(x, w, None, 16),
+                     lambda x=x, w=ours8: quant_matmul(x, w, None, 8),
+                     lambda x=x, w=ours8: quant_matmul(x, w, None, 32),
                      lambda x=x, w=ours4: quant_matmul(x, w)]
             cols = [time_it(call) for call in calls]
-            widths = (12, 13, 14, 14, 14, 14)
+            widths = (12, 13, 14, 13, 12, 13, 14)
             print(f"{f'{k}->{n}':>12} {m:>4} " + " ".join(f"{c * 1e3:>{w_}.3f}" for c, w_ in zip(cols, widths, strict=True)))
-
-
-def _int8_dot_off(ops, call):
-    """`call` with the op's int8 dot-product path switched off (two atomic stores around it)."""
-    ops.quant_int8_dot(0)
-    try:
-        return call()
-    finally:
-        ops.quant_int8_dot(1)
 
 
 def model_step(model_dir: str, gguf: str | None, batches: list[int], context: int) -> None:

@@ -35,6 +35,7 @@ SOURCES = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention.
            Path(__file__).resolve().parent / "linear" / "cpu_quant_linear.cpp",  # weight-only int8/int4
            Path(__file__).resolve().parent / "linear" / "cpu_quant_linear_lowbit.cpp",  # 5/6-bit codes
            Path(__file__).resolve().parent / "linear" / "cpu_quant_int8dot.cpp",  # its VNNI int8 x int8 path
+           Path(__file__).resolve().parent / "linear" / "cpu_quant_int16dot.cpp",  # ... and int8 x int16
            Path(__file__).resolve().parent / "decode" / "cpu_decode_stack.cpp"]  # fused decode step
 HEADERS = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention_kernel.h",
            Path(__file__).resolve().parent / "paged_attention" / "cpu_attention.h",
@@ -130,7 +131,7 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake("pagoda_cpu::quant_linear")
-    def _(x, qweight, scales, mins, bias, group, bits, zero):
+    def _(x, qweight, scales, mins, bias, group, bits, zero, act=0):
         return x.new_empty((x.shape[0], qweight.shape[0]))  # [M, N] in the activation dtype
 
     @torch.library.register_fake("pagoda_cpu::decode_stack")

@@ -10,6 +10,11 @@ namespace pagoda_cpu {
 // (and changed by the op `quant_int8_dot`, for tests that compare both paths).
 enum Int8Dot : int64_t { kInt8DotOff = 0, kInt8DotAvx512Vnni = 1, kInt8DotAvxVnni = 2 };
 
+// The activations' precision on that path, per call (the op quant_linear's `act`): kActDefault takes
+// the process default (PAGODA_INT8_DOT, or the op `quant_int8_dot`); kActFp32 the exact fp32 path.
+enum Act : int64_t { kActDefault = 0, kActInt8 = 8, kActInt16 = 16, kActFp32 = 32 };
+int64_t act_default();
+
 // The CPU's best kernel (kInt8DotOff: no VNNI), ignoring the switch.
 int64_t int8_dot_supported();
 // The kernel in use now (the switch applied).
@@ -20,8 +25,15 @@ int64_t int8_dot_mode();
 // activation row is quantized to int8 per 32 elements (d = max|x| / 127, round to nearest even),
 // the products are int32 dot products, scaled per 32-element block:
 // out[m, n] = sum_b s_g(b) d_b sum_{k in b} q x_q (+ mins * sum x_q d over each group) + bias.
-// Returns false (nothing written) where the path does not apply: mode off, group % 32 != 0.
+// Returns false (nothing written) where the path does not apply: mode off, act kActFp32 (or a
+// default of fp32), group % 32 != 0 and not 16. act kActInt16: int16_dot_linear.
 bool int8_dot_linear(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scales,
-                     const float* mins, int64_t N, int64_t group, const float* bias, float* out);
+                     const float* mins, int64_t N, int64_t group, const float* bias, float* out,
+                     int64_t act = kActDefault);
+
+// The same with activations quantized to int16 per 32 (d = max|x| / 32767) and vpdpwssd
+// (cpu_quant_int16dot.cpp), with the kernel family `mode` (kInt8DotAvx512Vnni / kInt8DotAvxVnni).
+bool int16_dot_linear(int64_t mode, const float* x, int64_t M, int64_t K, const int8_t* q, const float* scales,
+                      const float* mins, int64_t N, int64_t group, const float* bias, float* out);
 
 }  // namespace pagoda_cpu

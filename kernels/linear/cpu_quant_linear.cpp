@@ -14,7 +14,7 @@
 //
 // Small M (decode, M <= kMaxDirectRows): rows of W are split over torch's threads and read once per
 // step. 8-bit codes on a CPU with VNNI go through int8 dot products over activations quantized to
-// int8 per 32 (cpu_quant_int8dot.cpp; opt-in, PAGODA_INT8_DOT=1). Otherwise, on AVX-512 CPUs each group is widened in registers and multiplied straight into the
+// int16 (the default) or int8 per 32 (cpu_quant_int8dot.cpp; `act` per call, PAGODA_INT8_DOT). Otherwise, on AVX-512 CPUs each group is widened in registers and multiplied straight into the
 // activation rows' accumulators (the fused path below); elsewhere each row is dequantised into an L1
 // buffer and dotted with every activation row (4 at a time). Larger M (prefill): blocks of rows are dequantised into a scratch
 // fp32 matrix and multiplied by at::mm (MKL / oneDNN), which is compute bound there anyway.
@@ -345,11 +345,12 @@ void rows_avx512(const QuantView& w, const float* x, const float* xs, int64_t M,
 }
 #endif
 
-void direct(const QuantView& w, const float* x, int64_t M, float* out, const float* bias) {
+void direct(const QuantView& w, const float* x, int64_t M, float* out, const float* bias, int64_t act) {
   const int64_t K = w.K, N = w.N;
-  // 8-bit codes on a VNNI CPU: activations quantized to int8, int8 dot products (cpu_quant_int8dot.cpp)
+  // 8-bit codes on a VNNI CPU: activations quantized to int16 or int8, integer dot products
+  // (cpu_quant_int8dot.cpp), unless this call asks for fp32 activations (act 32)
   if (w.bits == 8 && pagoda_cpu::int8_dot_linear(x, M, K, reinterpret_cast<const int8_t*>(w.q), w.scales, w.mins,
-                                                 N, w.group, bias, out))
+                                                 N, w.group, bias, out, act))
     return;
 #ifdef PAGODA_QL_AVX512
   if (has_avx512() && fits_avx512(w)) {
@@ -381,7 +382,8 @@ namespace pagoda_cpu {
 
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
-                        int64_t group, int64_t bits, int64_t zero) {
+                        int64_t group, int64_t bits, int64_t zero, int64_t act) {
+  TORCH_CHECK(act == 0 || act == 8 || act == 16 || act == 32, "pagoda_cpu.quant_linear: act must be 0, 8, 16 or 32, got ", act);
   if (bits == 5 || bits == 6) return quant_linear_lowbit(x_in, qweight, scales, mins, bias, group, bits, zero);
   TORCH_CHECK(bits == 8 || bits == 4, "pagoda_cpu.quant_linear: bits must be 8, 6, 5 or 4, got ", bits);
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
@@ -410,7 +412,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const
               has_min ? mins->const_data_ptr<float>() : nullptr, N, K, group, bits, zero};
   at::Tensor out = at::empty({M, N}, x.options());
   if (M <= kMaxDirectRows) {
-    direct(w, x.const_data_ptr<float>(), M, out.data_ptr<float>(), has_bias ? b.const_data_ptr<float>() : nullptr);
+    direct(w, x.const_data_ptr<float>(), M, out.data_ptr<float>(), has_bias ? b.const_data_ptr<float>() : nullptr, act);
   } else {
     pagoda_cpu::blocked_quant_matmul(w.N, w.K, x, out, has_bias ? b.const_data_ptr<float>() : nullptr,
                                      [&w](int64_t n, float* dst) { dequant_row(w, n, dst); });
@@ -442,7 +444,7 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int group, int bits, "
-        "int zero) -> Tensor");
+        "int zero, int act=0) -> Tensor");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor? mins, int K, int group, int bits, int zero) -> Tensor");
 }
 

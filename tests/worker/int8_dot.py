@@ -1,6 +1,6 @@
-"""What the quantized linear's int8 dot-product path (kernels/linear/cpu_quant_int8dot.cpp) does to
-activations, restated in torch for the tests: where it applies, how it rounds, and the error bound
-that rounding implies."""
+"""What the quantized linear's integer dot-product path (kernels/linear/cpu_quant_int8dot.cpp,
+cpu_quant_int16dot.cpp) does to activations, restated in torch for the tests: where it applies,
+how it rounds (int8 or int16 per 32), and the error bound that rounding implies."""
 
 from __future__ import annotations
 
@@ -10,32 +10,38 @@ from worker_svc.model_loader.quant_format import QuantizedWeight
 from worker_svc.models.quant_linear import _ops
 
 BLOCK = 32  # activations are quantized per 32 elements
+LEVELS = {8: 127, 16: 32767}  # activation bits -> the largest code (d = max|x| / LEVELS)
 
 
-def int8_dot_applies(weight: QuantizedWeight, m: int) -> bool:
-    """The op takes the int8 path: a VNNI kernel on, 8-bit codes, decode rows (M <= 32), K a
-    multiple of 32 and groups of 16 or a multiple of 32."""
+def activation_bits(weight: QuantizedWeight, m: int, act: int = 0) -> int:
+    """The bits the op rounds activations to for this call (act 0: the process default), or 32
+    where it keeps them fp32: no VNNI kernel on, not 8-bit codes, not decode rows (M <= 32), K not
+    a multiple of 32, groups neither 16 nor a multiple of 32, or a call / default asking for fp32."""
     ops = _ops()
-    mode = ops.quant_int8_dot()[0] if ops is not None and hasattr(ops, "quant_int8_dot") else 0
+    mode, _, default = ops.quant_int8_dot() if ops is not None and hasattr(ops, "quant_int8_dot") else (0, 0, 32)
     k, group = weight.shape[1], weight.group
-    return bool(mode) and weight.bits == 8 and m <= 32 and k % BLOCK == 0 and (group % BLOCK == 0 or group == 16)
+    applies = bool(mode) and weight.bits == 8 and m <= 32 and k % BLOCK == 0 and (group % BLOCK == 0 or group == 16)
+    return (act or default) if applies else 32
 
 
-def quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> the values the op multiplies, in float64: per block of 32, d = max|x| / 127 and
-    round-half-even(x / d) * d, computed in fp32 exactly as the op computes them."""
+def quantized_activations(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """x [M, K] -> the values the op multiplies, in float64: per block of 32, d = max|x| / 127
+    (int8) or / 32767 (int16) and round-half-even(x / d) * d, computed in fp32 as the op computes them."""
     m, k = x.shape
     blocks = x.float().reshape(m, k // BLOCK, BLOCK)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
+    d = blocks.abs().amax(-1, keepdim=True) / LEVELS[bits]
     inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    q = torch.round(blocks * inv).clamp(-127, 127)
+    q = torch.round(blocks * inv).clamp(-LEVELS[bits], LEVELS[bits])
     return (q.double() * d.double()).reshape(m, k)
 
 
-def activation_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """[M, N] bound on |x W^T - x_q W^T| from rounding x to int8: each element moves by at most
-    half a step, max|x| / 254 of its block, so the error is <= sum_b (max_b |x| / 254) sum_{k in b} |w_k|."""
+def activation_rounding_bound(x: torch.Tensor, w: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """[M, N] bound on |x W^T - x_q W^T| from rounding x per 32: each element moves by at most half
+    a step, max|x| / (2 * LEVELS) of its block, so the error is <= sum_b half_step_b sum_{k in b} |w_k|
+    (0 for bits 32: nothing rounded)."""
     m, k = x.shape
-    half_step = x.double().abs().reshape(m, k // BLOCK, BLOCK).amax(-1) / 254  # [M, K/32]
+    if bits == 32:
+        return torch.zeros(m, w.shape[0], dtype=torch.float64)
+    half_step = x.double().abs().reshape(m, k // BLOCK, BLOCK).amax(-1) / (2 * LEVELS[bits])  # [M, K/32]
     w_abs = w.double().abs().reshape(w.shape[0], k // BLOCK, BLOCK).sum(-1)  # [N, K/32]
     return half_step @ w_abs.T * (1 + 1e-6)

@@ -1,7 +1,9 @@
-"""The quantized linear's int8 dot-product path (kernels/linear/cpu_quant_int8dot.cpp): 8-bit codes
-times activations rounded to int8 per 32, on a VNNI CPU. It equals dequantise-then-matmul on the
-rounded activations up to fp32 summation, stays within the rounding's own bound of the exact
-product; the path is opt-in (PAGODA_INT8_DOT=1, or the op's switch), off gives back the fp32 path."""
+"""The quantized linear's integer dot-product path for 8-bit codes at decode, on a VNNI CPU:
+activations rounded per 32 to int16 (the default, cpu_quant_int16dot.cpp: vpdpwssd) or int8
+(cpu_quant_int8dot.cpp, llama.cpp's Q8_0 x Q8_0: vpdpbusd), chosen per call (the op's `act`, a
+QuantLinear's `act`) or per process (PAGODA_INT8_DOT=0|8|16). Each equals dequantise-then-matmul on
+the rounded activations up to fp32 summation and stays within the rounding's own bound of the
+exact product; act 32 (or PAGODA_INT8_DOT=0) gives back the fp32 path."""
 
 from __future__ import annotations
 
@@ -12,22 +14,31 @@ import sys
 import pytest
 import torch
 
-from tests.worker.int8_dot import activation_rounding_bound, int8_dot_applies, quantized_activations
+from tests.worker.int8_dot import activation_bits, activation_rounding_bound, quantized_activations
 from tests.worker.test_quant_linear import decoded
 from worker_svc.model_loader.quant_format import QuantizedWeight, quantize
-from worker_svc.models.quant_linear import _ops, int8_dot_status, quant_matmul
+from worker_svc.models.quant_linear import QuantLinear, _ops, int8_dot_status, quant_matmul
 
 OPS = _ops()
 SUPPORTED = OPS is not None and hasattr(OPS, "quant_int8_dot") and OPS.quant_int8_dot()[1] != 0
-pytestmark = pytest.mark.skipif(not SUPPORTED, reason="no AVX512-VNNI / AVX-VNNI here: the int8 path never runs")
+pytestmark = pytest.mark.skipif(not SUPPORTED, reason="no AVX512-VNNI / AVX-VNNI here: the integer path never runs")
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _int8_path_on():
-    """The path is opt-in (PAGODA_INT8_DOT=1); the op's switch turns it on for this module only."""
-    OPS.quant_int8_dot(1)
+def _integer_path_on():
+    """On with int16 by default whatever PAGODA_INT8_DOT says, restored after this module."""
+    mode, _, act = OPS.quant_int8_dot()
+    OPS.quant_int8_dot(1, 16)
     yield
-    OPS.quant_int8_dot(0)
+    OPS.quant_int8_dot(int(mode != 0), act)
+
+
+def _with_mins(n: int, k: int, group: int, seed: int) -> QuantizedWeight:
+    """8-bit codes with mins: the common format parts of different K-quants fuse into (group 16)."""
+    gen = torch.Generator().manual_seed(seed)
+    return QuantizedWeight(qweight=torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8),
+                           scales=torch.rand(n, k // group, generator=gen) * 0.01,
+                           mins=torch.randn(n, k // group, generator=gen) * 0.01, bits=8, group=group)
 
 
 def _weights() -> dict[str, QuantizedWeight]:
@@ -38,11 +49,15 @@ def _weights() -> dict[str, QuantizedWeight]:
         "int8_k96": quantize(torch.randn(61, 96, generator=gen) * 0.05, "int8"),  # K % 64 == 32: half a vector
         "int8_n3": quantize(torch.randn(3, 160, generator=gen), "int8"),  # fewer rows than a 4-row tile
         "int8_g64": quantize(torch.randn(19, 192, generator=gen), "int8", group=64),
+        "int8_k544": quantize(torch.randn(7, 544, generator=gen), "int8"),  # 17 blocks: past one window of 16
+        "mins_g16": _with_mins(13, 96, 16, seed=1),  # two weight scales per block of 32
+        "mins_g32": _with_mins(5, 224, 32, seed=2),
     }
 
 
 WEIGHTS = _weights()
 ROWS = [1, 2, 3, 4, 5, 17]
+ACTS = [16, 8]
 
 
 def _case(name: str, dtype: torch.dtype, m: int):
@@ -53,18 +68,19 @@ def _case(name: str, dtype: torch.dtype, m: int):
     return weight, x, torch.randn(weight.shape[0], generator=gen)
 
 
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(WEIGHTS))
-def test_matches_dequantise_then_matmul_on_the_rounded_activations(name, dtype, m):
+def test_matches_dequantise_then_matmul_on_the_rounded_activations(name, dtype, m, act):
     weight, x, bias = _case(name, dtype, m)
-    assert int8_dot_applies(weight, m)
-    out = quant_matmul(x, weight, bias)
+    assert activation_bits(weight, m, act) == act
+    out = quant_matmul(x, weight, bias, act)
     assert out.dtype == dtype and out.shape == (m, weight.shape[0])
     w = weight.dequantize().double()
-    xq = quantized_activations(x)
+    xq = quantized_activations(x, act)
     ref = xq @ w.T + bias.double()
-    # int32 products are exact; what is left is fp32 scaling and summation over K / 32 blocks
+    # integer products are exact; what is left is fp32 scaling and summation over K / 32 blocks
     bound = 1e-5 * (xq.abs() @ w.abs().T) + 1e-30
     if dtype == torch.bfloat16:
         bound = bound + ref.abs() * 2.0**-8
@@ -72,35 +88,65 @@ def test_matches_dequantise_then_matmul_on_the_rounded_activations(name, dtype, 
     assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
 
 
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("name", list(WEIGHTS))
-def test_within_the_rounding_bound_of_the_exact_product(name, m):
+def test_within_the_rounding_bound_of_the_exact_product(name, m, act):
     weight, x, bias = _case(name, torch.float32, m)
     w = weight.dequantize().double()
     ref = x.double() @ w.T + bias.double()
-    err = (quant_matmul(x, weight, bias).double() - ref).abs()
-    bound = activation_rounding_bound(x, w) + 1e-5 * (x.double().abs() @ w.abs().T)
+    err = (quant_matmul(x, weight, bias, act).double() - ref).abs()
+    scale = x.double().abs() @ w.abs().T
+    bound = activation_rounding_bound(x, w, act) + 1e-5 * scale
     assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
-    # typically far inside it: K rounding errors of random sign, each ~0.7% of its term, cancel to
-    # ~0.007 / sqrt(K) of sum |x w| (0.1% at K = 64)
-    relative = err / (x.double().abs() @ w.abs().T + 1e-30)
-    assert relative.median() < 0.02 / (x.shape[1] - 32 * (x[0, :32] == 0).all().item()) ** 0.5
+    # typically far inside it: K rounding errors of random sign, each ~0.7% (int8) or ~0.003%
+    # (int16) of its term, cancel to that / sqrt(K) of sum |x w|
+    step = 0.02 if act == 8 else 0.02 / 256 + 2e-6  # int16: down to fp32 summation's own ~1e-7
+    relative = err / (scale + 1e-30)
+    assert relative.median() < step / (x.shape[1] - 32 * (x[0, :32] == 0).all().item()) ** 0.5
 
 
-def test_the_switch_gives_back_the_fp32_path():
+def test_int16_is_within_fp32_reach_of_the_exact_product():
+    """What makes int16 the default: 258x finer steps than int8 leave it ~1e-5 of sum |x w| from
+    the exact product (int8: ~1e-3), on SmolLM2's lm_head shape (K = 576)."""
+    weight = quantize(torch.randn(256, 576, generator=torch.Generator().manual_seed(3)) * 0.02, "int8")
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(4))
+    w = weight.dequantize().double()
+    scale = x.double().abs() @ w.abs().T
+    rel = {act: ((quant_matmul(x, weight, None, act).double() - x.double() @ w.T).abs() / scale).max().item()
+           for act in (8, 16, 32)}
+    assert rel[32] < 1e-6 and rel[16] < 2e-5 and rel[8] > 50 * rel[16], rel
+
+
+def test_act_32_per_call_and_the_switch_give_back_the_fp32_path():
     weight, x, bias = _case("Q8_0", torch.float32, 1)
     w = weight.dequantize().double()
     ref = x.double() @ w.T + bias.double()
     fp32_bound = 1e-5 * (x.double().abs() @ w.abs().T)
-    on = quant_matmul(x, weight, bias)
+    on = quant_matmul(x, weight, bias, 8)
+    per_call = quant_matmul(x, weight, bias, 32)  # the path stays on for every other call
+    assert OPS.quant_int8_dot()[0] != 0
     try:
         assert OPS.quant_int8_dot(0)[0] == 0 and int8_dot_status()[0] == "off"
-        off = quant_matmul(x, weight, bias)
+        off = quant_matmul(x, weight, bias, 8)  # switched off: the per-call choice no longer applies
     finally:
         OPS.quant_int8_dot(1)
+    assert torch.equal(per_call, off)
     assert ((off.double() - ref).abs() <= fp32_bound).all()  # the fp32 path's bound...
-    assert ((on.double() - ref).abs() > fp32_bound).any()  # ...which rounded activations exceed
+    assert ((on.double() - ref).abs() > fp32_bound).any()  # ...which int8 activations exceed
     assert int8_dot_status()[0] in ("avx512_vnni", "avx_vnni")
+
+
+def test_a_module_carries_its_own_precision():
+    weight, x, bias = _case("Q8_0", torch.float32, 3)
+    module = QuantLinear(weight.shape[1], weight.shape[0])
+    module.set_weight(weight)
+    default = module(x)  # act 0: the process default, int16 here
+    module.act = 8
+    assert torch.equal(default, quant_matmul(x, weight, None, 16))
+    assert torch.equal(module(x), quant_matmul(x, weight, None, 8))
+    with pytest.raises(RuntimeError, match="act must be"):
+        quant_matmul(x, weight, None, 12)
 
 
 def _in_a_fresh_process(env: dict[str, str], script: str) -> str:
@@ -110,11 +156,17 @@ def _in_a_fresh_process(env: dict[str, str], script: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def test_the_env_switch_is_opt_in():
+def test_the_env_switch_int16_by_default():
     script = ("from worker_svc.models.quant_linear import _ops, int8_dot_status\n"
-              "print(_ops().quant_int8_dot()[0], *int8_dot_status())\n")
-    assert _in_a_fresh_process({"PAGODA_INT8_DOT": "0"}, script).startswith("0 off opt-in")
-    assert _in_a_fresh_process({"PAGODA_INT8_DOT": "1"}, script).split()[1] in ("avx512_vnni", "avx_vnni")
+              "print(*_ops().quant_int8_dot(), *int8_dot_status())\n")
+    environ = {k: v for k, v in os.environ.items() if k != "PAGODA_INT8_DOT"}
+    done = subprocess.run([sys.executable, "-c", script], env=environ, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    mode, best, act, kernel, *_ = done.stdout.split()
+    assert (mode, act, kernel) == (best, "16", ("avx512_vnni", "avx_vnni")[int(best) - 1])
+    assert _in_a_fresh_process({"PAGODA_INT8_DOT": "0"}, script).split()[:4] == ["0", best, "32", "off"]
+    assert _in_a_fresh_process({"PAGODA_INT8_DOT": "8"}, script).split()[2] == "8"
+    assert _in_a_fresh_process({"PAGODA_INT8_DOT": "16"}, script).split()[2] == "16"
 
 
 def _cpu_flags() -> set[str]:
@@ -125,20 +177,21 @@ def _cpu_flags() -> set[str]:
 
 
 @pytest.mark.skipif("avx_vnni" not in _cpu_flags(), reason="no AVX-VNNI on this CPU")
-def test_the_avx_vnni_kernel_without_avx512():
-    """The 256-bit kernel a CPU without AVX-512 takes (Alder Lake and later), forced here in a
+def test_the_avx_vnni_kernels_without_avx512():
+    """The 256-bit kernels a CPU without AVX-512 takes (Alder Lake and later), forced here in a
     fresh process (the choice is made once per process): same cases, same bounds."""
     script = (
         "import torch\n"
         "from worker_svc.models.quant_linear import int8_dot_status\n"
-        "from tests.worker.test_quant_int8_dot import WEIGHTS, ROWS, "
+        "from tests.worker.test_quant_int8_dot import WEIGHTS, ROWS, ACTS, "
         "test_matches_dequantise_then_matmul_on_the_rounded_activations as tight, "
         "test_within_the_rounding_bound_of_the_exact_product as loose\n"
         "assert int8_dot_status()[0] == 'avx_vnni', int8_dot_status()\n"
-        "for name in WEIGHTS:\n"
-        "    for m in ROWS:\n"
-        "        loose(name, m)\n"
-        "        for dtype in (torch.float32, torch.bfloat16):\n"
-        "            tight(name, dtype, m)\n"
+        "for act in ACTS:\n"
+        "    for name in WEIGHTS:\n"
+        "        for m in ROWS:\n"
+        "            loose(name, m, act)\n"
+        "            for dtype in (torch.float32, torch.bfloat16):\n"
+        "                tight(name, dtype, m, act)\n"
         "print('ok')\n")
-    assert _in_a_fresh_process({"PAGODA_CPU_NO_AVX512": "1", "PAGODA_INT8_DOT": "1"}, script) == "ok"
+    assert _in_a_fresh_process({"PAGODA_CPU_NO_AVX512": "1", "PAGODA_INT8_DOT": "16"}, script) == "ok"

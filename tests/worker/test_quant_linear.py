@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.worker.gguf_files import gguf_blocks
-from tests.worker.int8_dot import activation_rounding_bound, int8_dot_applies
+from tests.worker.int8_dot import activation_bits, activation_rounding_bound
 from worker_svc.model_loader import gguf_quants
 from worker_svc.model_loader.quant_format import QuantizedWeight, concat, quantize
 from worker_svc.models.quant_linear import QuantLinear, _ops, quant_matmul
@@ -84,8 +84,9 @@ def test_product_matches_dequantise_then_matmul(name, dtype, m):
     # Bound: fp32 accumulation over K terms, |error| <= 1e-5 * sum_k |x_k w_k| (observed ~1e-7);
     # bf16 output adds its own rounding, 2^-8 of the value.
     bound = 1e-5 * (xd.abs() @ w.abs().T) + 1e-30
-    if int8_dot_applies(weight, m):  # activations rounded to int8 per 32: tests/worker/test_quant_int8_dot.py
-        bound = bound + activation_rounding_bound(xd, w)
+    # 8-bit codes at decode on a VNNI CPU: activations rounded to int16 (or int8) per 32,
+    # tests/worker/test_quant_int8_dot.py
+    bound = bound + activation_rounding_bound(xd, w, activation_bits(weight, m))
     if dtype == torch.bfloat16:
         bound = bound + ref.abs() * 2.0**-8
     err = (out.double() - ref).abs()

@@ -163,6 +163,19 @@ def test_smollm2_gguf_as_stored_matches_hf_on_the_same_file(smollm2_gguf, chats,
 
 
 Q4_K_M = REPO / "models" / "gguf" / "smollm2-135m-instruct-Q4_K_M.gguf"  # benchmarks.vs_llamacpp makes it
+Q8_0 = REPO / "models" / "gguf" / "smollm2-135m-instruct-Q8_0.gguf"  # and this one
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Q8_0.exists(), reason="no Q8_0 file (python -m benchmarks.vs_llamacpp makes it)")
+def test_smollm2_q8_0_as_stored_matches_hf_on_the_same_file(chats):
+    """Every linear 8-bit: at decode on a VNNI CPU they take int16 activations (the default;
+    int8 ones matched 79%), elsewhere the fp32 path."""
+    with LLM(model=str(Q8_0), dtype="float32", kv_cache_memory_bytes=64 << 20) as llm:
+        assert {layer.mlp.down_proj.weight_q.bits for layer in llm.runner.model.model.layers} == {8}
+        ours = _greedy(llm, chats)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(Q8_0.parent, gguf_file=Q8_0.name, dtype=torch.float32)
+    assert _match_rate(ours, _hf_greedy(hf.eval(), chats)) >= 0.9
 
 
 @pytest.mark.slow

@@ -44,33 +44,35 @@ def _ops() -> object | None:
     return load() if toolchain_available() else None
 
 
-INT8_DOT_SWITCH = "PAGODA_INT8_DOT"  # "1" turns the int8 path on (opt-in: it costs exactness; the op reads it once)
+INT8_DOT_SWITCH = "PAGODA_INT8_DOT"  # "0" off, "8" / "16" that default precision (the op reads it once)
 INT8_DOT_KERNELS = ("off", "avx512_vnni", "avx_vnni")  # the op's codes (kernels/linear/cpu_quant_int8dot.h)
+ACT_BITS = (8, 16, 32)  # `act`: int8 / int16 activations on the integer path, or fp32 (the exact path)
 
 
 def int8_dot_status() -> tuple[str, str]:
-    """(kernel, why): which int8 dot-product kernel 8-bit weights use at decode, and why that one.
-    The op quantizes the activations to int8 per 32 (as llama.cpp's Q8_0 x Q8_0) on a VNNI CPU."""
+    """(kernel, why): which integer dot-product kernel 8-bit weights use at decode, and why that one.
+    On a VNNI CPU the op quantizes the activations per 32 to int16 (the default) or int8."""
     ops = _ops()
     if ops is None or not hasattr(ops, "quant_int8_dot"):
         return "off", "no compiled ops (or a library built before the int8 path: rebuild it)"
-    mode, best = ops.quant_int8_dot()
-    if mode:
-        return INT8_DOT_KERNELS[mode], "the CPU has it"
+    mode, best, act = ops.quant_int8_dot()
+    if mode and act != 32:
+        return INT8_DOT_KERNELS[mode], f"the CPU has it; int{act} activations by default ({INT8_DOT_SWITCH}=0|8|16)"
     if best:
-        return "off", f"opt-in ({INT8_DOT_SWITCH}=1): int8 activations move greedy tokens off the exact path"
+        return "off", f"turned off ({INT8_DOT_SWITCH}=0): 8-bit weights widened to fp32"
     return "off", "the CPU has neither AVX512-VNNI nor AVX-VNNI: 8-bit weights widened to fp32"
 
 
-def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (fp32 / bf16) @ w.T -> [..., N] in x's dtype."""
+def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None, act: int = 0) -> torch.Tensor:
+    """x [..., K] (fp32 / bf16) @ w.T -> [..., N] in x's dtype. `act`: the activations' precision
+    on the integer dot-product path of 8-bit codes (ACT_BITS; 0 the process default)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     ops = _ops() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
     if ops is None:
         out = nn.functional.linear(x2.float(), w.dequantize(), None if bias is None else bias.float()).to(x.dtype)
     else:
-        out = ops.quant_linear(x2, w.qweight, w.scales, w.mins, bias, w.group, w.bits, w.zero)
+        out = ops.quant_linear(x2, w.qweight, w.scales, w.mins, bias, w.group, w.bits, w.zero, act)
     return out.reshape(*lead, out.shape[-1])
 
 
@@ -85,6 +87,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.weight_q: QuantizedWeight | None = None
+        self.act = 0  # activation bits on the integer dot-product path (ACT_BITS); 0: the process default
         self._parts: dict[int, QuantizedWeight] = {}
 
     @classmethod
@@ -115,7 +118,7 @@ class QuantLinear(nn.Module):
         return self.weight_q.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_matmul(x, self.weight_q, self.bias)
+        return quant_matmul(x, self.weight_q, self.bias, self.act)
 
     def extra_repr(self) -> str:
         w = self.weight_q

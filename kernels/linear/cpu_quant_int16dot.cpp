@@ -1,0 +1,234 @@
+// Int16 dot products for the quantized linear's decode rows (cpu_quant_int8dot.cpp dispatches here
+// where a call asks for 16-bit activations): 8-bit weight codes sign-extended to int16 in
+// registers times activations quantized to int16 per 32 elements.
+//
+// Why: int8 activations (llama.cpp's Q8_0 x Q8_0) round each element by up to max|x| / 254 of its
+// block, enough to move SmolLM2's greedy tokens off HF's on the same weights; int16 rounds by
+// max|x| / 65534, 258x less, while still multiplying in integers: per 32 weights and activation
+// row one vpdpwssd (32 int16 pairs into 16 int32 sums), a conversion and an FMA, where the fp32
+// path converts and FMAs every 16 weights.
+//
+// Activations: per row and block of 32, d = max|x| / 32767, x_q = round_half_even(x / d) in
+// [-32767, 32767]. Bounds: each int32 lane of one block holds 2 products (512-bit) or 4 (256-bit,
+// two vpdpwssd), |q x_q| <= 128 * 32767, so |lane| <= 4 * 128 * 32767 < 2^24: exact in int32 and
+// in its fp32 conversion. Then out += (s_w(g) * d) * lane sum, per block, in fp32.
+// Mins (group sums of the quantized x, as the int8 path) and group 16 (two weight scales per
+// block: lanes 0-7 hold elements 0-15) as in cpu_quant_int8dot.cpp.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_quant_int8dot.h"
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define PAGODA_I16_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+
+struct Act16 {
+  int64_t M = 0, K = 0, nb = 0, ng = 0;
+  std::vector<int16_t> s;    // [M, K] x_q
+  std::vector<float> d;      // [M, K/32] the blocks' scales
+  std::vector<float> gsum;   // [M, ng] sum of x_q * d over each weight group (mins only)
+  std::vector<int32_t> gof;  // [K/32] the weight group of each block (group >= 32)
+};
+
+void quantize16(const float* x, int64_t M, int64_t K, int64_t group, bool sums, Act16& a) {
+  a.M = M, a.K = K, a.nb = K / kBlock, a.ng = K / group;
+  a.s.resize(M * K);
+  a.d.resize(M * a.nb);
+  if (sums) a.gsum.assign(M * a.ng, 0.0f);
+  a.gof.resize(a.nb);
+  for (int64_t b = 0; b < a.nb; ++b) a.gof[b] = static_cast<int32_t>(b * kBlock / group);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const float* xb = x + m * K + b * kBlock;
+      float amax = 0.0f;
+      for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float d = amax / 32767.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      int16_t* sb = a.s.data() + m * K + b * kBlock;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        // nearbyint: round half to even, as torch.round in the tests' reference
+        const int q = std::min(32767, std::max(-32767, static_cast<int>(std::nearbyint(xb[k] * id))));
+        sb[k] = static_cast<int16_t>(q);
+        if (sums) a.gsum[m * a.ng + (b * kBlock + k) / group] += static_cast<float>(q) * d;
+      }
+      a.d[m * a.nb + b] = d;
+    }
+}
+
+struct W16 {
+  const int8_t* q;
+  const float* scales;
+  const float* mins;  // nullptr: none
+  int64_t N, K, group, ng;
+};
+
+#ifdef PAGODA_I16_X86
+#define PAGODA_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define PAGODA_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
+
+// R weight rows from n against MT activation rows from m0: res[r * MT + j]. Per 32 weights and
+// activation row: one vpdpwssd, a conversion and an FMA by the block's (weight scale * activation
+// scale). SC kG32 (Q8_0, --quantization int8): those products for 16 blocks at a time, one vector
+// multiply, stored and broadcast by the FMA's memory operand (no shuffle); kG16: two weight scales per block (lanes 0-7, 8-15);
+// kAny: the block's group (a.gof).
+enum Scales { kAny = 0, kG16 = 1, kG32 = 2 };
+
+template <int R, int MT, int SC>
+PAGODA_VNNI512 void tile512(const W16& w, const Act16& a, int64_t n, int64_t m0, float* res) {
+  __m512 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < MT; ++j) acc[r][j] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t b0 = 0; b0 < a.nb; b0 += 16) {  // windows of 16 blocks
+    // kG32: s_w(b) * d_x(b) for the window's blocks, in memory: the FMA broadcasts it as its operand
+    alignas(64) float prod[R][MT][16];
+    if (SC == kG32) {
+      const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, a.nb - b0)) - 1);
+      for (int j = 0; j < MT; ++j) {
+        const __m512 dx = _mm512_maskz_loadu_ps(live, a.d.data() + (m0 + j) * a.nb + b0);
+        for (int r = 0; r < R; ++r)
+          _mm512_store_ps(prod[r][j], _mm512_mul_ps(_mm512_maskz_loadu_ps(live, w.scales + (n + r) * w.ng + b0), dx));
+      }
+    }
+    for (int64_t b = b0; b < std::min<int64_t>(b0 + 16, a.nb); ++b) {
+      __m512i xs[MT];
+      for (int j = 0; j < MT; ++j) xs[j] = _mm512_loadu_si512(a.s.data() + (m0 + j) * a.K + b * kBlock);
+      for (int r = 0; r < R; ++r) {
+        const __m512i wq = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + (n + r) * w.K + b * kBlock)));
+        const float* sc = w.scales + (n + r) * w.ng;
+        for (int j = 0; j < MT; ++j) {
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(zero, wq, xs[j]));
+          const float dx = a.d[(m0 + j) * a.nb + b];
+          const __m512 scale = SC == kG32   ? _mm512_set1_ps(prod[r][j][b - b0])
+                               : SC == kG16 ? _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sc[2 * b] * dx),
+                                                                   _mm512_set1_ps(sc[2 * b + 1] * dx))
+                                            : _mm512_set1_ps(sc[a.gof[b]] * dx);
+          acc[r][j] = _mm512_fmadd_ps(dot, scale, acc[r][j]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < MT; ++j) res[r * MT + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+// The same with 256-bit AVX-VNNI: two vectors of 16 per block; for G16 each is its own group.
+template <int R, int MT, bool G16>
+PAGODA_AVXVNNI void tile256(const W16& w, const Act16& a, int64_t n, int64_t m0, float* res) {
+  __m256 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < MT; ++j) acc[r][j] = _mm256_setzero_ps();
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    __m256i lo[MT], hi[MT];
+    float dx[MT];
+    for (int j = 0; j < MT; ++j) {
+      const int16_t* xb = a.s.data() + (m0 + j) * a.K + b * kBlock;
+      lo[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+      hi[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16));
+      dx[j] = a.d[(m0 + j) * a.nb + b];
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* qb = w.q + (n + r) * w.K + b * kBlock;
+      const __m256i wlo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
+      const __m256i whi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)));
+      const float* sc = w.scales + (n + r) * w.ng;
+      for (int j = 0; j < MT; ++j) {
+        if (G16) {
+          const __m256 d0 = _mm256_cvtepi32_ps(_mm256_dpwssd_avx_epi32(zero, wlo, lo[j]));
+          const __m256 d1 = _mm256_cvtepi32_ps(_mm256_dpwssd_avx_epi32(zero, whi, hi[j]));
+          acc[r][j] = _mm256_fmadd_ps(d0, _mm256_set1_ps(sc[2 * b] * dx[j]), acc[r][j]);
+          acc[r][j] = _mm256_fmadd_ps(d1, _mm256_set1_ps(sc[2 * b + 1] * dx[j]), acc[r][j]);
+        } else {
+          const __m256i dot = _mm256_dpwssd_avx_epi32(_mm256_dpwssd_avx_epi32(zero, wlo, lo[j]), whi, hi[j]);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sc[a.gof[b]] * dx[j]), acc[r][j]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < MT; ++j) {
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][j]), _mm256_extractf128_ps(acc[r][j], 1));
+      s = _mm_hadd_ps(s, s);
+      s = _mm_hadd_ps(s, s);
+      res[r * MT + j] = _mm_cvtss_f32(s);
+    }
+}
+
+template <int R, int MT>
+void emit(int64_t mode, const W16& w, const Act16& a, int64_t n, int64_t m0, const float* bias, float* out) {
+  float res[R * MT];
+  const bool g16 = w.group == 16;
+  if (mode == pagoda_cpu::kInt8DotAvx512Vnni) {
+    if (w.group == 32) tile512<R, MT, kG32>(w, a, n, m0, res);
+    else if (g16) tile512<R, MT, kG16>(w, a, n, m0, res);
+    else tile512<R, MT, kAny>(w, a, n, m0, res);
+  } else {
+    if (g16) tile256<R, MT, true>(w, a, n, m0, res);
+    else tile256<R, MT, false>(w, a, n, m0, res);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < MT; ++j) {
+      float extra = bias ? bias[n + r] : 0.0f;
+      if (w.mins != nullptr) {  // mins * sum(x_q d) over each group
+        float m = 0.0f;
+        for (int64_t g = 0; g < w.ng; ++g) m += w.mins[(n + r) * w.ng + g] * a.gsum[(m0 + j) * w.ng + g];
+        extra += m;
+      }
+      out[(m0 + j) * w.N + n + r] = res[r * MT + j] + extra;
+    }
+}
+
+// R weight rows from n against every activation row, in tiles of up to 4 (the rows stay in L1).
+template <int R>
+void block(int64_t mode, const W16& w, const Act16& a, int64_t n, const float* bias, float* out) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= a.M; m0 += 4) emit<R, 4>(mode, w, a, n, m0, bias, out);
+  switch (a.M - m0) {
+    case 3: emit<R, 3>(mode, w, a, n, m0, bias, out); break;
+    case 2: emit<R, 2>(mode, w, a, n, m0, bias, out); break;
+    case 1: emit<R, 1>(mode, w, a, n, m0, bias, out); break;
+    default: break;
+  }
+}
+#endif
+
+}  // namespace
+
+namespace pagoda_cpu {
+
+bool int16_dot_linear(int64_t mode, const float* x, int64_t M, int64_t K, const int8_t* q, const float* scales,
+                      const float* mins, int64_t N, int64_t group, const float* bias, float* out) {
+  if (mode == kInt8DotOff || K % kBlock != 0 || (group % kBlock != 0 && group != 16)) return false;
+#ifdef PAGODA_I16_X86
+  Act16 a;
+  quantize16(x, M, K, group, mins != nullptr, a);
+  const W16 w{q, scales, mins, N, K, group, K / group};
+  // 4 weight rows at a time at M = 1 (sharing each activation load), 2 above, then one at a time
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    int64_t n = begin;
+    if (M == 1)
+      for (; n + 4 <= end; n += 4) block<4>(mode, w, a, n, bias, out);
+    else
+      for (; n + 2 <= end; n += 2) block<2>(mode, w, a, n, bias, out);
+    for (; n < end; ++n) block<1>(mode, w, a, n, bias, out);
+  });
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace pagoda_cpu
