@@ -2,7 +2,7 @@
 
     python -m benchmarks.fused_decode [--model models/smollm2-135m-instruct] [--quantization gguf|int8|int4]
         [--dtype float32|bfloat16] [--threads 1] [--batch 1] [--context 256] [--iters 40]
-        [--int8-dot] [--clock wall|thread]
+        [--int8-dot] [--clock wall|thread] [--prefill N]
 
 --int8-dot compares, instead, the fused step with the quantized linears' integer dot-product path
 for 8-bit codes (kernels/linear/cpu_quant_int8dot.cpp) at int16 activations (the default), int8
@@ -13,7 +13,9 @@ a shared machine's other jobs disturb less than the wall clock (they still share
 
 The model is loaded and prepared as the CPU worker prepares it (packed and row-bucketed linears,
 or quantized ones), every sequence has `--context` cached tokens (random K/V) and one new token;
-the two paths run alternately, so a busy machine disturbs both alike. Prints min and median ms
+the two paths run alternately, so a busy machine disturbs both alike. `--prefill N` times, instead,
+one prompt of N tokens over an empty cache (the fused op runs every step since issue 32, prefills
+included: what that costs against the module loop's multi-threaded element-wise ops). Prints min and median ms
 of `model(...)` (embedding + layers + final norm; logits excluded) and the ratio of the minima.
 `--threads 1` is the steadier figure on a shared machine: two OpenMP threads spin against other
 jobs' processes, and every one of the ~120 parallel regions of a step waits for the slower one.
@@ -47,6 +49,15 @@ def decode_metadata(batch: int, context: int) -> AttentionMetadata:
                              max_query_len=1, max_seq_len=context + 1, backend=get_backend("cpu"))
 
 
+def prefill_metadata(rows: int) -> AttentionMetadata:
+    """One sequence whose `rows` tokens are all new (a whole prompt over an empty cache)."""
+    tables = torch.arange(rows // BLOCK + 1, dtype=torch.int32).view(1, -1)
+    return AttentionMetadata(slot_mapping=torch.arange(rows, dtype=torch.int64), block_tables=tables,
+                             seq_lens=torch.tensor([rows], dtype=torch.int32),
+                             query_start_loc=torch.tensor([0, rows], dtype=torch.int32),
+                             max_query_len=rows, max_seq_len=rows, backend=get_backend("cpu"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")
@@ -58,6 +69,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--int8-dot", action="store_true", help="integer dot-product path: int16 / int8 / off (fused step)")
     p.add_argument("--clock", default="wall", choices=["wall", "thread"])
+    p.add_argument("--prefill", type=int, default=0, help="time a prompt of N tokens instead of a decode step")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,13 +82,15 @@ def main() -> None:
     fused, why = fused_decode_for(model, Setting(cpu, dtype, dtype, "cpu"))
     if fused is None:
         raise SystemExit(f"the fused path does not run this model: {why}")
-    attn = decode_metadata(args.batch, args.context)
-    shape = (args.batch * (args.context // BLOCK + 1), BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    attn = prefill_metadata(args.prefill) if args.prefill else decode_metadata(args.batch, args.context)
+    num_blocks = args.prefill // BLOCK + 1 if args.prefill else args.batch * (args.context // BLOCK + 1)
+    shape = (num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
     gen = torch.Generator().manual_seed(0)
     caches = [(torch.randn(shape, generator=gen).to(dtype) * 0.1, torch.randn(shape, generator=gen).to(dtype) * 0.1)
               for _ in range(cfg.num_layers)]
-    ids = torch.randint(2, cfg.vocab_size, (args.batch,), generator=gen)
-    positions = torch.full((args.batch,), args.context)
+    rows = args.prefill or args.batch
+    ids = torch.randint(2, cfg.vocab_size, (rows,), generator=gen)
+    positions = torch.arange(rows) if args.prefill else torch.full((rows,), args.context)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     if args.int8_dot:
         int8_dot_parts(model, fused, ids, positions, attn, caches, args, clock)
@@ -91,7 +105,7 @@ def main() -> None:
                 if i >= 3:  # warm-up: oneDNN primitives, first-touch pages
                     times[name].append((clock() - start) * 1e3)
     print(f"{args.model} quantization={quantization} dtype={args.dtype} threads={torch.get_num_threads()} "
-          f"batch={args.batch} context={args.context}")
+          + (f"prefill={args.prefill}" if args.prefill else f"batch={args.batch} context={args.context}"))
     for name, values in times.items():
         print(f"  {name:12s} min {min(values):7.2f} ms   median {statistics.median(values):7.2f} ms")
     print(f"  fused / module loop (min): {min(times['fused']) / min(times['module loop']):.2f}")

@@ -7,11 +7,19 @@ ops and ~15 module calls per layer) took about as long again. `pagoda_cpu::decod
 same linear and attention functions as the module path; the embedding and the logits stay here.
 
 `fused_decode_for` decides once, after loading / packing, whether the model qualifies and then
-collects the per-layer weights into the flat lists the op takes; `LlamaForCausalLM.forward` calls
-the result on steps where every sequence has exactly one query token (`max_query_len == 1`) or
-that have at most SMALL_STEP_ROWS rows (speculative verification, short chunks), and runs the
-module loop otherwise. `PAGODA_FUSED_DECODE=0` keeps the module loop on every step (to
-measure before/after, and for the tests that compare the two).
+collects the per-layer weights into the flat lists the op takes; `LlamaForCausalLM.forward` then
+calls the result on EVERY step, prefills included. `PAGODA_FUSED_DECODE=0` keeps the module loop
+on every step (to measure before/after, and for the tests that compare the two).
+
+Why every step (issue 32, docs/reliability.md "Faults during the soak"): a token's logits must not
+depend on the step it was computed in. The op computes each row by itself (plain loops per row,
+the row-invariant packed linears and paged attention), so a row's bits are the same whatever the
+other rows of the step; the module loop's element-wise aten ops are not (torch splits them across
+threads by element count, and the row that holds a split point is computed partly by the scalar
+tail: ~1 ulp), and they differ from the op's loops in the last bits anyway. With large prefills on
+the module loop and decode steps on the op, a failover continuation (prompt + streamed tokens
+prefilled in one chunk) or a prompt prefilled beside others got logits ~1e-6 off the undisturbed
+stream's, and greedy decoding flipped on a near-tie (request 4,098 of the 10k fault soak: gap 6e-7).
 """
 
 from __future__ import annotations
@@ -90,20 +98,11 @@ def _refusal(model: nn.Module, s: Setting) -> str | None:
     return None
 
 
-# A step of at most this many rows runs fused whatever its query lengths: speculative verification
-# (K + 1 rows a sequence: 48 at batch 8, K = 5) and short prefill chunks pay the same per-op
-# overhead as decode. Larger prefills keep the module loop, whose element-wise aten ops use every
-# thread where the op's loops run on one.
-SMALL_STEP_ROWS = 64
-
-
 class FusedDecode:
-    """`forward` of LlamaForCausalLM after the embedding, for a decode or small step: x [T, hidden]
+    """`forward` of LlamaForCausalLM after the embedding, for any step: x [T, hidden]
     -> final-normed hidden [T, hidden]. Holds the flat weight lists the op reads. The op's
     attention is the compiled paged attention with its causal mask, so a sequence may bring
     several query rows."""
-
-    max_rows = SMALL_STEP_ROWS
 
     def __init__(self, model: LlamaForCausalLM, ops: object, linears: list[list], bucketed: bool) -> None:
         inner, cfg = model.model, model.config
@@ -121,8 +120,9 @@ class FusedDecode:
         self._caches: tuple[list, list, list] | None = None  # (kv_caches, ks, vs): split once per cache
 
     def takes(self, attn: AttentionMetadata, rows: int) -> bool:
-        # every sequence one token (any batch), or a small step of any shape
-        return attn.max_query_len == 1 or rows <= self.max_rows
+        # Every step: one path for all rows is what keeps a token's logits independent of the
+        # step's shape (the module docstring). Kept as a method: llama.py asks it.
+        return True
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
