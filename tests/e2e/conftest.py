@@ -83,6 +83,8 @@ class ServiceProcess:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) before {what}:\n"
                                    f"{self.log_tail()}")
             if time.monotonic() > end:
+                self.proc.kill()  # never came up: no fixture holds it to stop it later
+                self.proc.wait()
                 raise TimeoutError(f"{self.name} not {what} after {deadline_s}s:\n{self.log_tail()}")
             time.sleep(0.05)  # poll interval; the deadline bounds the wait
 
