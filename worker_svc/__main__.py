@@ -25,7 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="the KV cache's byte budget on any device (default: 1 GiB on CPU, --gpu-memory-utilization on CUDA)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto: the model's dtype; fp8 (e4m3) / fp8_e5m2: one byte per value, 2x the "
                         "blocks of bf16 in the same memory (CPU backends; see kernels/kv_cache_dtype.py)")

@@ -26,7 +26,7 @@ class WorkerConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the worker may use
     num_gpu_blocks_override: int | None = None  # exact block count (tests, CPU)
-    kv_cache_memory_bytes: int | None = None  # CPU: byte budget for the cache (default 1 GiB)
+    kv_cache_memory_bytes: int | None = None  # byte budget for the cache, any device (CPU default 1 GiB)
     kv_cache_dtype: KVCacheDType = "auto"  # vLLM's names: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2
     attention_backend: Literal["auto", "torch", "cpu", "cupy"] = "auto"  # auto: cupy on CUDA, cpu on CPU
     seed: int = 0

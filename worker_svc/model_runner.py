@@ -39,7 +39,15 @@ from worker_svc.input_batch import (
     apply_beam_updates,
     build_model_inputs,
 )
-from worker_svc.kv_cache import CacheShape, HostKVPool, KVCache, cpu_num_blocks, cuda_num_blocks, raw_view
+from worker_svc.kv_cache import (
+    CacheShape,
+    HostKVPool,
+    KVCache,
+    cpu_num_blocks,
+    cuda_num_blocks,
+    num_blocks_for_budget,
+    raw_view,
+)
 from worker_svc.kv_cache import num_cpu_blocks as num_host_blocks_for
 from worker_svc.lora.manager import LoRAManager
 from worker_svc.model_loader import gguf_loader
@@ -147,6 +155,8 @@ class ModelRunner:
                            self.model_config.head_dim, self.cache_dtype)
         if self.config.num_gpu_blocks_override is not None:
             num_blocks = self.config.num_gpu_blocks_override
+        elif self.config.kv_cache_memory_bytes is not None:  # a byte budget on any device (as vLLM's)
+            num_blocks = num_blocks_for_budget(self.config.kv_cache_memory_bytes, shape)
         elif self.device.type == "cuda":
             peak = self._profile_peak_memory(shape)
             num_blocks = cuda_num_blocks(self.device, self.config.gpu_memory_utilization, shape, peak)

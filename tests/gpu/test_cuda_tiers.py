@@ -12,6 +12,7 @@ from tests.worker.gguf_files import Q, write_gguf
 from tests.worker.test_disk_tier_worker import DISK_2_MIB, HOST_4_BLOCKS, restart_and_hit_the_disk_tier
 from tests.worker.test_host_tier_worker import run_sessions
 from tests.worker.test_quantized_loading import _hf_dir, _types
+from tests.worker.test_session_snapshots_llm import restore_and_hit, save_two_turns
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,11 @@ def test_disk_tier_on_cuda(tiny_model_dir: str, tmp_path) -> None:
 
 def test_disk_tier_survives_a_restart_on_cuda(tiny_model_dir: str, tmp_path) -> None:
     restart_and_hit_the_disk_tier(tiny_model_dir, tmp_path, device="cuda")
+
+
+def test_a_session_saved_on_cuda_restores_after_a_restart(tiny_model_dir: str, tmp_path) -> None:
+    turn2, expected = save_two_turns(tiny_model_dir, str(tmp_path), device="cuda")
+    restore_and_hit(tiny_model_dir, str(tmp_path), turn2, expected, device="cuda")
 
 
 def test_q8_0_gguf_on_cuda_is_served_dequantised(tmp_path) -> None:

@@ -25,8 +25,8 @@ MAX_TOKENS = 12
 NAME = snapshot_name(None, "chat")
 
 
-def _engine(model: str, folder: str) -> LLM:
-    return LLM(model=model, dtype="float32", device="cpu", num_gpu_blocks_override=64, kv_snapshot_dir=folder)
+def _engine(model: str, folder: str, device: str = "cpu") -> LLM:
+    return LLM(model=model, dtype="float32", device=device, num_gpu_blocks_override=64, kv_snapshot_dir=folder)
 
 
 def _run(llm: LLM, request: EngineRequest) -> tuple[list[int], int]:
@@ -48,11 +48,9 @@ def _turn(rid: str, prompt, max_tokens: int = MAX_TOKENS) -> EngineRequest:
                          session_id="chat", session_ttl=600.0)
 
 
-@pytest.fixture(scope="module")
-def saved(tiny_model_dir: str, tmp_path_factory):
-    """The first engine's two turns, and the snapshot it saved between them."""
-    folder = str(tmp_path_factory.mktemp("snapshots"))
-    with _engine(tiny_model_dir, folder) as llm:
+def save_two_turns(model: str, folder: str, device: str = "cpu") -> tuple[tuple[int, ...], list[int]]:
+    """Turn 1, its save, turn 2 on one engine: (turn 2's prompt, turn 2's tokens)."""
+    with _engine(model, folder, device) as llm:
         out1, _ = _run(llm, _turn("t1", TURN1))
         save = llm.scheduler.save_session(None, "chat", NAME)
         plan = llm.scheduler.schedule()
@@ -63,12 +61,12 @@ def saved(tiny_model_dir: str, tmp_path_factory):
         turn2 = TURN1 + tuple(out1) + (7, 8, 9)
         expected, cached = _run(llm, _turn("t2", turn2))
         assert cached == 80
-    return folder, turn2, expected
+    return turn2, expected
 
 
-def test_a_restored_session_hits_its_saved_prefix_after_a_restart(saved, tiny_model_dir):
-    folder, turn2, expected = saved
-    with _engine(tiny_model_dir, folder) as llm:
+def restore_and_hit(model: str, folder: str, turn2, expected, device: str = "cpu") -> None:
+    """A new engine on the folder restores the snapshot; turn 2 hits its 80 tokens, same tokens."""
+    with _engine(model, folder, device) as llm:
         tokens, num_blocks, num_bytes = llm.runner.snapshots.listing(NAME)
         assert (len(tokens), num_blocks) == (80, 5) and tuple(tokens) == turn2[:80] and num_bytes > 0
         before = llm.scheduler.stats().prefill_tokens_computed
@@ -79,6 +77,18 @@ def test_a_restored_session_hits_its_saved_prefix_after_a_restart(saved, tiny_mo
         assert (llm.scheduler.num_sessions, llm.scheduler.num_session_blocks) == (1, 5)
         out2, cached = _run(llm, _turn("t2", turn2))
     assert cached == 80 and out2 == expected
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_model_dir: str, tmp_path_factory):
+    """The first engine's two turns, and the snapshot it saved between them."""
+    folder = str(tmp_path_factory.mktemp("snapshots"))
+    return (folder, *save_two_turns(tiny_model_dir, folder))
+
+
+def test_a_restored_session_hits_its_saved_prefix_after_a_restart(saved, tiny_model_dir):
+    folder, turn2, expected = saved
+    restore_and_hit(tiny_model_dir, folder, turn2, expected)
 
 
 def test_a_corrupt_or_foreign_snapshot_is_refused(saved, tiny_model_dir, tmp_path):
