@@ -71,8 +71,15 @@ def prometheus(gateway, tmp_path):
         log.close()
 
 
+class _NotReady(Exception):
+    """Prometheus answered, but not yet with its API (503 "Service Unavailable" while it starts)."""
+
+
 def _api(url: str, path: str) -> dict:
-    reply = httpx.get(f"{url}/api/v1/{path}", timeout=5).json()
+    response = httpx.get(f"{url}/api/v1/{path}", timeout=5)
+    if response.status_code == 503:
+        raise _NotReady(response.text)
+    reply = response.json()
     assert reply["status"] == "success", reply
     return reply["data"]
 
@@ -84,7 +91,7 @@ def _until(predicate, what: str, proc: subprocess.Popen, deadline_s: float = 30.
         try:
             if predicate():
                 return
-        except (httpx.TransportError, IndexError, KeyError):
+        except (httpx.TransportError, _NotReady, IndexError, KeyError):
             pass  # not answering yet
         assert time.monotonic() < end, f"not {what} after {deadline_s}s"
         time.sleep(0.25)  # poll; bounded by the deadline
