@@ -194,14 +194,7 @@ void emit(int64_t mode, const W16& w, const Act16& a, int64_t n, int64_t m0, con
 // R weight rows from n against every activation row, in tiles of up to 4 (the rows stay in L1).
 template <int R>
 void block(int64_t mode, const W16& w, const Act16& a, int64_t n, const float* bias, float* out) {
-  int64_t m0 = 0;
-  for (; m0 + 4 <= a.M; m0 += 4) emit<R, 4>(mode, w, a, n, m0, bias, out);
-  switch (a.M - m0) {
-    case 3: emit<R, 3>(mode, w, a, n, m0, bias, out); break;
-    case 2: emit<R, 2>(mode, w, a, n, m0, bias, out); break;
-    case 1: emit<R, 1>(mode, w, a, n, m0, bias, out); break;
-    default: break;
-  }
+  pagoda_cpu::for_row_tiles(a.M, [&](auto mt, int64_t m0) { emit<R, decltype(mt)::value>(mode, w, a, n, m0, bias, out); });
 }
 #endif
 

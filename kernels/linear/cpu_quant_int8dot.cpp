@@ -246,14 +246,7 @@ void emit(int64_t mode, const Weights& w, const QuantAct& a, int64_t n, int64_t 
 
 template <int R>
 void block(int64_t mode, const Weights& w, const QuantAct& a, int64_t n, const float* bias, float* out) {
-  int64_t m0 = 0;
-  for (; m0 + 4 <= a.M; m0 += 4) emit<R, 4>(mode, w, a, n, m0, bias, out);
-  switch (a.M - m0) {
-    case 3: emit<R, 3>(mode, w, a, n, m0, bias, out); break;
-    case 2: emit<R, 2>(mode, w, a, n, m0, bias, out); break;
-    case 1: emit<R, 1>(mode, w, a, n, m0, bias, out); break;
-    default: break;
-  }
+  pagoda_cpu::for_row_tiles(a.M, [&](auto mt, int64_t m0) { emit<R, decltype(mt)::value>(mode, w, a, n, m0, bias, out); });
 }
 
 // Output rows [begin, end): 4 weight rows at a time at M = 1 (sharing each activation load), 2

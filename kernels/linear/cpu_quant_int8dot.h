@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace pagoda_cpu {
 
@@ -35,5 +36,19 @@ bool int8_dot_linear(const float* x, int64_t M, int64_t K, const int8_t* q, cons
 // (cpu_quant_int16dot.cpp), with the kernel family `mode` (kInt8DotAvx512Vnni / kInt8DotAvxVnni).
 bool int16_dot_linear(int64_t mode, const float* x, int64_t M, int64_t K, const int8_t* q, const float* scales,
                       const float* mins, int64_t N, int64_t group, const float* bias, float* out);
+
+// The activation rows of one block of weight rows, in tiles of 4 then the remainder (the weight rows
+// stay in L1 across the tiles): emit(std::integral_constant<int, MT>, m0) for each tile of MT rows.
+template <typename Emit>
+inline void for_row_tiles(int64_t M, Emit&& emit) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= M; m0 += 4) emit(std::integral_constant<int, 4>{}, m0);
+  switch (M - m0) {
+    case 3: emit(std::integral_constant<int, 3>{}, m0); break;
+    case 2: emit(std::integral_constant<int, 2>{}, m0); break;
+    case 1: emit(std::integral_constant<int, 1>{}, m0); break;
+    default: break;
+  }
+}
 
 }  // namespace pagoda_cpu
