@@ -119,11 +119,6 @@ class FusedDecode:
         self.scale, self.eps = first.scale, cfg.rms_norm_eps
         self._caches: tuple[list, list, list] | None = None  # (kv_caches, ks, vs): split once per cache
 
-    def takes(self, attn: AttentionMetadata, rows: int) -> bool:
-        # Every step: one path for all rows is what keeps a token's logits independent of the
-        # step's shape (the module docstring). Kept as a method: llama.py asks it.
-        return True
-
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # x: [T, hidden] (embedded); positions: [T] int64 -> [T, hidden]

@@ -151,9 +151,8 @@ class LlamaForCausalLM(nn.Module):
 
     decoder_layer: type[nn.Module] = DecoderLayer
     final_norm: type[nn.Module] = RMSNorm
-    # Set by the worker where the whole stack may run as one compiled op on decode and other small
-    # steps (worker_svc/models/fused_decode.py): .takes(attn, rows), callable(x, positions, attn,
-    # kv_caches) -> hidden.
+    # Set by the worker where the whole stack runs as one compiled op, on every step
+    # (worker_svc/models/fused_decode.py): callable(x, positions, attn, kv_caches) -> hidden.
     fused_decode: Any = None
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
@@ -179,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.config.embedding_multiplier != 1.0:  # Granite
             x = x * self.config.embedding_multiplier
-        if self.fused_decode is not None and self.fused_decode.takes(attn, x.shape[0]):
+        if self.fused_decode is not None:
             return self.fused_decode(x, positions, attn, kv_caches)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, positions, self.model.rotary, attn, kv_cache)
