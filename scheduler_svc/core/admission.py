@@ -11,6 +11,12 @@
   the disk tier's, tiers/host_tier.py and disk_tier.py: only at ordinary admission, not a beam group's nor a suspect's), or after its
   swapped KV (swap.py), and computes at most one prefill chunk (`long_prefill_token_threshold`)
   in its first step.
+- Room for the whole prompt, not only its first chunk: a sequence is admitted only when the pool
+  can still hold the rest of its known tokens after what the running sequences' unfinished
+  prefills will take (`_prefill_reserve`). Why: a long prompt admitted for one chunk takes the
+  blocks another running prompt needs for its next chunk; one of them is then preempted and its
+  chunks computed again. A 32-session, 1-2k-token agent workload through a pool of ~4 sessions
+  spent 43% of its prefill that way (255 preemptions; docs/kv_tiers.md, "Benchmark").
 - When the pool is short, idle sessions' leases are demoted first (tiers/sessions.py), oldest first.
 - A beam group (beam_group.py) enters whole, or waits whole.
 - The LoRA rule: at most `max_loras` distinct adapters among the running sequences. Why: the worker
@@ -68,6 +74,7 @@ class Admission:
         waiting = q.waiting
         rank = self._tenants.rank if self._tenants.fair else None
         skip: set[str] = set(skip_tenants)  # tenants at their KV cap this step
+        reserve = self._prefill_reserve()
         while waiting and draft.budget > 0:
             head = seq = waiting.peek(rank, skip)
             if seq is None:
@@ -90,6 +97,8 @@ class Admission:
             num_new = min(len(seq.token_ids) - start, self._threshold, draft.budget)
             tenant = seq.request.tenant
             short = kv.admit_short(tenant, hits, start + num_new)
+            if short is None and not self._fits_whole(seq, hits, reserve):
+                short = "pool"  # its first chunk fits, its whole prompt not beside the running ones'
             if short is not None:
                 # idle sessions' blocks make room (to the LRU, then the host tier): any tenant's
                 # when the pool is short, the tenant's own when its cap is
@@ -101,6 +110,24 @@ class Admission:
                 continue
             waiting.remove(seq)
             self.admit(draft, seq, hits, last_serial, num_hit, num_new, host)
+            reserve += self._blocks_to_finish(seq)
+
+    def _fits_whole(self, seq: Sequence, hits: list[BlockId], reserve: int) -> bool:
+        """Whether the pool holds all of `seq`'s known tokens beside `reserve`. With a sliding
+        window a sequence holds about a window's blocks, not its context's, so the rule is off."""
+        if self._config.sliding_window:
+            return True
+        return self._kv.pool.can_allocate(self._kv.blocks_to_admit(hits, len(seq.token_ids)) + reserve)
+
+    def _prefill_reserve(self) -> int:
+        """Blocks the running sequences still need to hold their known tokens (prompts not yet
+        fully prefilled; 0 for a decoding one, whose table already covers them)."""
+        return sum(self._blocks_to_finish(seq) for seq in self._queues.running)
+
+    def _blocks_to_finish(self, seq: Sequence) -> int:
+        if self._config.sliding_window:
+            return 0
+        return max(0, -(-len(seq.token_ids) // self._config.block_size) - len(seq.block_table))
 
     def _uncached(self, seq: Sequence) -> int:
         """Tokens `seq` would compute if admitted now (past its hit on every tier, or its swapped

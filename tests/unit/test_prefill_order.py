@@ -94,6 +94,19 @@ def test_the_head_is_overtaken_at_most_max_overtakes_times(max_overtakes):
 
 
 
+def test_a_sequence_behind_the_head_keeps_its_overtakes_when_it_becomes_the_head():
+    """Shorter turns keep arriving behind a long head and a middling turn: both are overtaken; when
+    the head goes (its bound reached) the middling one is due at once, not after a bound of its own."""
+    head, mid, short, short2 = Seq(), Seq(), Seq(), Seq()
+    uncached = {head: 100, mid: 50, short: 5, short2: 5}.__getitem__
+    order = CachedFirst(window=8, max_overtakes=2)
+    assert [order.pick([head, mid, short], head, uncached) for _ in range(2)] == [short, short]
+    assert order.pick([head, mid, short], head, uncached) is head  # its bound
+    assert order.pick([mid, short, short2], mid, uncached) is mid  # overtaken twice already
+    fresh = CachedFirst(window=8, max_overtakes=2)
+    assert fresh.pick([mid, short, short2], mid, uncached) is short  # no history: the short one first
+
+
 def test_the_flag_reaches_the_scheduler_config_and_the_launcher_passes_it_on():
     from pagoda.contract.step import WorkerInfo
     from pagoda.entrypoints.launcher.cli import parse_args as launcher_args

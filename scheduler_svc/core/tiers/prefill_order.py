@@ -6,8 +6,9 @@
   next turn is mostly cached (a hit of its whole history, a few hundred new tokens), and under
   FCFS it waits behind other sessions' first turns, each a full prompt to prefill; run first, it
   costs those a step's share and answers in one step. What a production server wants for agents
-  (docs/kv_tiers.md, "Benchmark"). Starvation is bounded: the head that another sequence
-  overtook `max_overtakes` times is taken next whatever its length. With tenant fair share on
+  (docs/kv_tiers.md, "Benchmark"); SGLang's "lpm" policy orders by the same hit. Starvation is
+  bounded for every waiting sequence: one that shorter sequences behind it overtook
+  `max_overtakes` times is taken next whatever its length. With tenant fair share on
   (tenants.py) it chooses only among the waiting sequences of the tenant whose turn it is.
 
 Lookups only (the prefix index and the tiers are read, nothing is touched): admission then looks
@@ -25,25 +26,38 @@ ADMISSION_ORDERS = ("fcfs", "cached-first")
 
 
 class CachedFirst:
-    """The "cached-first" choice, with the overtake count of the current head."""
+    """The "cached-first" choice, with the overtake counts of the sequences in its window."""
 
-    __slots__ = ("window", "max_overtakes", "_head", "_overtaken")
+    __slots__ = ("window", "max_overtakes", "_overtaken")
 
     def __init__(self, window: int = 32, max_overtakes: int = 16) -> None:
         self.window = window
         self.max_overtakes = max_overtakes
-        self._head: Sequence | None = None
-        self._overtaken = 0  # how many times another sequence went before `_head`
+        # id(seq) -> (seq, times a shorter sequence behind it went first); only the last window's
+        # sequences are kept (the reference pins each one, so its id cannot be reused meanwhile)
+        self._overtaken: dict[int, tuple[Sequence, int]] = {}
 
     def pick(self, waiting: Iterable[Sequence], head: Sequence, uncached: Callable[[Sequence], int]) -> Sequence:
         """The sequence to try next; `head` is the queue's own next, `uncached(seq)` the tokens
         `seq` would compute if admitted now."""
-        if head is not self._head:
-            self._head, self._overtaken = head, 0
-        if self._overtaken >= self.max_overtakes:
+        window = list(islice(waiting, self.window))
+        if not any(s is head for s in window):  # by identity: a dataclass' == compares fields
+            window.insert(0, head)
+        counts = {id(s): self._overtaken.get(id(s), (s, 0))[1] for s in window}
+        self._overtaken = {id(s): (s, counts[id(s)]) for s in window}
+        if counts[id(head)] >= self.max_overtakes:
             return head  # it has waited long enough
-        best = min(islice(waiting, self.window), key=uncached)  # ties: the earlier in the queue
-        if best is not head and uncached(best) < uncached(head):
-            self._overtaken += 1
-            return best
-        return head
+        # any other sequence passed over as often goes next, the earliest first: the bound holds
+        # for every waiting request, not only for the head (a long turn just behind the head
+        # would otherwise wait for as long as shorter ones keep arriving)
+        due = next((s for s in window if counts[id(s)] >= self.max_overtakes), None)
+        if due is not None:
+            return due
+        best = min(window, key=uncached)  # ties: the earlier in the queue
+        if best is head or uncached(best) >= uncached(head):
+            return head
+        for s in window:  # everyone in front of `best` is overtaken once more
+            if s is best:
+                break
+            self._overtaken[id(s)] = (s, counts[id(s)] + 1)
+        return best
