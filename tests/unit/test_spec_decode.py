@@ -18,7 +18,7 @@ from pagoda.contract.ids import RequestId
 from pagoda.contract.params import FinishReason, SamplingParams
 from scheduler_svc.core import EngineRequest, SchedulerConfig
 from scheduler_svc.core.config import SpeculativeConfig
-from scheduler_svc.core.spec.ngram import propose_ngram
+from scheduler_svc.core.spec.ngram import propose_ngram, propose_ngram_matched
 from tests.unit.test_fake_worker_property import EOS, expected, traces
 from tests.unit.test_poison_isolation import Run
 from worker_svc.fake.fake_worker import FakeSampler
@@ -40,6 +40,19 @@ def test_propose_ngram(tokens: list[int], k: int, want: list[int]) -> None:
 def test_propose_respects_the_minimum_ngram() -> None:
     assert propose_ngram([1, 2, 3, 9, 5, 3], 2, 2, 3) == []  # only the 1-gram [3] repeats
     assert propose_ngram([1, 2, 3, 9, 5, 3], 2, 1, 3) == [9, 5]
+
+
+@pytest.mark.parametrize(("tokens", "k", "want"), [
+    # [1, 2] matched at 1; before it 5 != 7: a 2-token match earns 2 drafts (prompt lookup: 4)
+    ([5, 1, 2, 7, 7, 1, 2], 4, [7, 7]),
+    # [2, 3, 4] matched at 2 and 1 == 1 before it, then 9 != 8: 4 tokens match, 4 drafts of 7
+    ([9, 1, 2, 3, 4, 5, 6, 8, 1, 2, 3, 4], 8, [5, 6, 8, 1]),
+    ([1, 2, 3, 1, 2], 4, [3, 1]),  # the match starts the sequence: nothing before it to compare
+    ([7, 1, 2, 3, 9, 7, 1, 2, 3], 2, [9, 7]),  # a long match: K is the cap
+    ([1, 2, 3, 4], 3, []),
+])
+def test_propose_ngram_matched_cuts_drafts_to_the_match(tokens: list[int], k: int, want: list[int]) -> None:
+    assert propose_ngram_matched(tokens, k, 1, 3) == want
 
 
 def test_speculative_config_is_parsed_as_vllm_spells_it() -> None:

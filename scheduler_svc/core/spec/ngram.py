@@ -44,9 +44,35 @@ SEARCH_WINDOW = 4096  # tokens searched back from the end: bounds the proposer's
 def propose_ngram(tokens: list[int], max_drafts: int, n_min: int, n_max: int) -> list[int]:
     """Up to `max_drafts` tokens that followed the latest earlier match of the longest suffix n-gram
     (n_max >= n >= n_min) of `tokens`; [] when none matches."""
+    found = _lookup(tokens, max_drafts, n_min, n_max)
+    return [] if found is None else tokens[found[0] + found[1]:found[0] + found[1] + max_drafts]
+
+
+def propose_ngram_matched(tokens: list[int], max_drafts: int, n_min: int, n_max: int) -> list[int]:
+    """`propose_ngram`, its drafts cut to the length of the match: as many as the tokens before the
+    match's source that still agree with the sequence's own (counted back from the n-gram's end,
+    at least the n-gram). Why (issue 33, the forced copy task at batch 8): a long copy matches its source
+    far back and keeps matching, while the text the model makes up after it matches only 2-4 common
+    tokens somewhere, whose drafts mostly miss; where a draft position costs nearly a decode row
+    (batch 8) the cut drops 96 of 524 draft rows a run, 15 of them accepted (simulated,
+    docs/speculative_decoding.md).
+    Suffix decoding caps its drafts the same way (`suffix_decoding_max_spec_factor` x match)."""
+    found = _lookup(tokens, max_drafts, n_min, n_max)
+    if found is None:
+        return []
+    start, n = found
+    matched, end = n, len(tokens)
+    while matched < max_drafts and start - (matched - n) > 0 \
+            and tokens[start - (matched - n) - 1] == tokens[end - matched - 1]:
+        matched += 1
+    return tokens[start + n:start + n + min(max_drafts, matched)]
+
+
+def _lookup(tokens: list[int], max_drafts: int, n_min: int, n_max: int) -> tuple[int, int] | None:
+    """(start, n) of the latest earlier occurrence of the longest suffix n-gram of `tokens`."""
     length = len(tokens)
     if max_drafts <= 0 or length <= n_min:
-        return []
+        return None
     lowest = max(0, length - SEARCH_WINDOW)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
         suffix = tokens[length - n:]
@@ -59,9 +85,9 @@ def propose_ngram(tokens: list[int], max_drafts: int, n_min: int, n_max: int) ->
             except ValueError:
                 break
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + max_drafts]
+                return start, n
             start -= 1
-    return []
+    return None
 
 
 def _rindex(tokens: list[int], value: int, lo: int, hi: int) -> int:
@@ -174,8 +200,9 @@ class Speculator:
 
 
 class NgramSpeculator(Speculator):
-    """Prompt lookup over the sequence's own prompt + output (vLLM's "ngram")."""
+    """Prompt lookup over the sequence's own prompt + output (vLLM's "ngram"), each draft no longer
+    than its match (`propose_ngram_matched`)."""
 
     def draft(self, seq: Sequence, limit: int) -> list[int]:
         spec = self.config
-        return propose_ngram(seq.token_ids, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return propose_ngram_matched(seq.token_ids, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)

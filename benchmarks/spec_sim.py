@@ -1,0 +1,144 @@
+"""The forced copy task's speculation ratios, simulated: for comparing draft policies where the
+machine is too busy for `benchmarks.spec_decode` (docs/speculative_decoding.md, Figures).
+
+    python -m benchmarks.spec_sim --collect benchmarks/results/spec_sim_data.json   # model runs, minutes
+    python -m benchmarks.spec_sim --data benchmarks/results/spec_sim_data.json      # pure Python, seconds
+
+Exact but for the step times: greedy outputs are the same with and without drafts, and an n-gram
+proposal is a function of the prompt and the output so far, so every step's proposals, the goodput
+policy's cut (the real `choose_draft_lengths`, its cost fit fed the simulated step times) and the
+accepted drafts are replayed from the plain run's outputs. A step of M rows takes t(M), a curve of
+plain decode steps measured by `--collect` in thread CPU time on one thread (other jobs'
+time-slicing drops out; their cache and memory traffic does not). Per-request rates as
+spec_decode's: (96 - 1) tokens over each request's time from its first token to its last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from collections.abc import Callable
+
+from scheduler_svc.core import spec_policy
+from scheduler_svc.core.spec.ngram import propose_ngram, propose_ngram_matched
+
+MAX_TOKENS, CURVE_ROWS = 96, (1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 56, 64, 72, 80)
+Proposer = Callable[[list[int], int], list[int]]
+
+
+def collect(model: str, out: str) -> None:
+    import time
+
+    import torch
+
+    from benchmarks.spec_decode import copy_prompts, timed
+    from pagoda.entrypoints.llm import LLM
+
+    torch.set_num_threads(1)
+    llm = LLM(model, dtype="float32", enable_prefix_caching=False, max_num_batched_tokens=8192)
+    prompts = copy_prompts(llm.tokenizer, 8)
+    _, outputs, _ = timed(llm, prompts, MAX_TOKENS)
+    seconds: dict[int, list[float]] = {}
+    execute = llm.runner.execute
+
+    def timed_execute(plan):  # plain decode steps only (a plan with new requests is a prefill)
+        started = time.thread_time()
+        result = execute(plan)
+        if not plan.new_requests:
+            seconds.setdefault(len(result.token_ids), []).append(time.thread_time() - started)
+        return result
+
+    llm.runner.execute = timed_execute
+    for rows in CURVE_ROWS:
+        timed(llm, copy_prompts(llm.tokenizer, rows), 7)
+    curve = {rows: statistics.median(v) for rows, v in seconds.items() if len(v) >= 3}
+    with open(out, "w") as f:
+        json.dump({"prompts": [p["prompt_token_ids"] for p in prompts], "outputs": outputs, "curve": curve}, f)
+
+
+def curve_fn(curve: dict) -> Callable[[int], float]:
+    """Piecewise-linear through the measured points, extended by the last segment."""
+    pts = sorted((int(m), v) for m, v in curve.items())
+
+    def t(m: int) -> float:
+        for (m0, v0), (m1, v1) in itertools.pairwise(pts):
+            if m <= m1:
+                return v0 + (v1 - v0) * (max(m, m0) - m0) / (m1 - m0)
+        (m0, v0), (m1, v1) = pts[-2], pts[-1]
+        return v1 + (v1 - v0) / (m1 - m0) * (m - m1)
+    return t
+
+
+def simulate(prompts: list[list[int]], outputs: list[list[int]], t: Callable[[int], float],
+             propose: Proposer | None, k: int = 8) -> dict:
+    """One batch run; `propose` None: speculation off."""
+    n = len(prompts)
+    pos, record = [1] * n, [(0.0, 0.0)] * n  # the prefill sampled each first token
+    fit = spec_policy.StepCostModel()
+    for rows in (8, 16, 24, 40, 56, 72) * 5:  # the engine's fit has seen earlier runs
+        fit.observe(rows, t(rows))
+    clock, finished, drafted, accepted = 0.0, [0.0] * n, 0, 0
+    active = list(range(n))
+    while active:
+        proposals = {}
+        for i in active:
+            limit = min(k, MAX_TOKENS - pos[i] - 1)
+            drafts = propose(prompts[i] + outputs[i][:pos[i]], limit) if propose and limit > 0 else []
+            if drafts:
+                proposals[i] = drafts
+        cost = fit.coefficients()
+        lengths = {i: len(d) for i, d in proposals.items()}
+        if proposals and cost is not None:
+            alphas = {i: spec_policy.acceptance_rate(*record[i]) for i in proposals}
+            lengths = spec_policy.choose_draft_lengths(lengths, alphas, len(active), len(active), cost)
+        rows = len(active) + sum(lengths.values())
+        fit.observe(rows, t(rows))
+        clock += t(rows)
+        for i in active:
+            drafts, gained = proposals.get(i, [])[:lengths.get(i, 0)], 0
+            while gained < len(drafts) and outputs[i][pos[i] + gained] == drafts[gained]:
+                gained += 1
+            if drafts:
+                record[i] = spec_policy.update_record(*record[i], len(drafts), gained)
+                drafted, accepted = drafted + len(drafts), accepted + gained
+            pos[i] = min(pos[i] + gained + 1, MAX_TOKENS)
+            if pos[i] == MAX_TOKENS:
+                finished[i] = clock
+        active = [i for i in active if pos[i] < MAX_TOKENS]
+    rate = statistics.fmean((MAX_TOKENS - 1) / f for f in finished)
+    return {"rate": rate, "draft_tokens": drafted, "accepted_tokens": accepted}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.spec_sim", description=__doc__.split("\n")[0])
+    p.add_argument("--collect", help="run the model: write the outputs and the step-time curve here")
+    p.add_argument("--data", help="simulate from this file (--collect's)")
+    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--uncapped", action="store_true", help="K drafts whatever the match (before issue 33's cut)")
+    args = p.parse_args(argv)
+    if args.collect:
+        collect(args.model, args.collect)
+    data_file = args.data or args.collect
+    if not data_file:
+        sys.exit("--collect FILE or --data FILE")
+    with open(data_file) as f:
+        data = json.load(f)
+    t = curve_fn(data["curve"])
+
+    def matched(tokens: list[int], limit: int) -> list[int]:
+        return (propose_ngram if args.uncapped else propose_ngram_matched)(tokens, limit, 2, 4)
+
+    for batch in (1, 8):
+        prompts, outputs = data["prompts"][:batch], data["outputs"][:batch]
+        off = simulate(prompts, outputs, t, None)["rate"]
+        on = simulate(prompts, outputs, t, matched, args.k)
+        print(f"batch {batch}: per request {on['rate'] / off:.3f}x, {on['draft_tokens']} draft tokens, "
+              f"{on['accepted_tokens']} accepted")
+
+
+if __name__ == "__main__":
+    main()
