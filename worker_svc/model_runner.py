@@ -59,7 +59,7 @@ from worker_svc.models.fused_decode import Setting as FusedSetting
 from worker_svc.models.fused_decode import fused_decode_for
 from worker_svc.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
 from worker_svc.models.quant_linear import QuantLinear, int8_dot_status
-from worker_svc.models.row_buckets import bucket_linear_rows, warm_row_buckets
+from worker_svc.models.row_buckets import bucket_linear_rows, release_free_heap, warm_row_buckets
 from worker_svc.plan_validation import validate_plan
 from worker_svc.pooling import pool_embeddings
 from worker_svc.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows
@@ -512,6 +512,7 @@ class ModelRunner:
         max_rows = min(self.max_num_batched_tokens, self.max_model_len)
         count = warm_row_buckets(self.model, self.dtype, max_rows, min(self.max_num_seqs, max_rows))
         if count:
+            release_free_heap()  # the warm-up's freed activations, else kept by glibc as RSS
             log.info("row_buckets_warmed", gemms=count, max_rows=max_rows, max_logit_rows=min(self.max_num_seqs, max_rows),
                      seconds=round(time.perf_counter() - start, 3))
 

@@ -26,6 +26,9 @@ docs/reliability.md "RSS flat"), and that step's GEMMs pay the JIT compile.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import torch
 from torch import nn
 
@@ -103,3 +106,15 @@ def warm_row_buckets(model: nn.Module, dtype: torch.dtype, max_rows: int, max_lo
                 done.add(key)
                 module(torch.zeros(rows, in_features, dtype=dtype))  # [rows, in] -> [rows, out]
     return len(done)
+
+
+def release_free_heap() -> bool:
+    """Hand glibc's free heap back to the OS (malloc_trim(0)); False where there is no glibc.
+    The warm-up's activations (up to max_rows x the widest projection) are freed when it ends, but
+    glibc keeps the freed pages in its arenas: on SmolLM2 ~250 MiB of RSS the worker never uses."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return False
+    return bool(trim(0)) if trim is not None else False
