@@ -6,6 +6,7 @@ so every step has another batch shape, and the worker's RSS is sampled every N s
     MALLOC_ARENA_MAX=2 python -m benchmarks.worker_rss ...        # glibc knobs: environment
     python -m benchmarks.worker_rss --malloc-trim ...             # malloc_trim(0) after each step
     python -m benchmarks.worker_rss --tracemalloc ...             # Python heap: top-10 diffs
+    python -m benchmarks.worker_rss --no-warmup ...               # row buckets built as met, not at start
 
 Each sample prints RSS (VmRSS), glibc's view (mallinfo2: arena bytes in use / free, mmapped),
 the distinct step token counts seen so far and the worker's resident requests. It ends with one
@@ -72,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-pack", action="store_true", help="plain nn.Linear, no oneDNN packing")
     p.add_argument("--no-buckets", action="store_true",
                    help="packed linears see every row count (the worker before worker_svc/models/row_buckets.py)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="meet the row buckets under load instead of building them all at start")
     p.add_argument("--malloc-trim", action="store_true", help="malloc_trim(0) after every step")
     p.add_argument("--tracemalloc", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -85,9 +88,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         worker_svc.model_runner.bucket_linear_rows = lambda model, kind: 0
     config = WorkerConfig(model=args.model, device="cpu", kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                          pack_weights=not args.no_pack)
+                          pack_weights=not args.no_pack, warmup_row_buckets=not args.no_warmup)
     runner = create_runner(config, max_num_batched_tokens=args.max_num_batched_tokens)
-    info = runner.initialize()
+    before_init = time.monotonic()
+    info = runner.initialize()  # the row buckets' warm-up included (unless --no-warmup)
+    print(json.dumps({"initialize_seconds": round(time.monotonic() - before_init, 2), "rss_mib": round(rss_mib(), 1)}),
+          file=sys.stderr, flush=True)
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
         max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,

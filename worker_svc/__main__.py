@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU: pre-pack linear weights for oneDNN at load (faster GEMMs; see "
                         "worker_svc/models/packed_linear.py)")
+    p.add_argument("--warmup-row-buckets", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU, packed weights: build every row bucket's oneDNN primitive at start, so RSS "
+                        "stays flat under load (worker_svc/models/row_buckets.py)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="CPU bf16: every token's result independent of the batch shape (greedy outputs "
                         "equal with and without speculation; slower GEMMs: "
@@ -98,6 +101,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, pack_weights=args.pack_weights,
+        warmup_row_buckets=args.warmup_row_buckets,
         batch_invariant=args.batch_invariant,
         quantization=args.quantization,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,

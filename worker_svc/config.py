@@ -32,6 +32,9 @@ class WorkerConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     pack_weights: bool = True  # CPU: linear weights pre-packed for oneDNN (models/packed_linear.py)
+    # With packed weights: build the oneDNN primitive of every row bucket at the first Init
+    # (models/row_buckets.py `warm_row_buckets`), so the worker's RSS does not step up under load.
+    warmup_row_buckets: bool = True
     # CPU bf16: linears whose rows do not depend on the batch shape (models/batch_invariant_linear.py),
     # so greedy outputs are the same with speculation on or off, alone or in a batch. vLLM's
     # VLLM_BATCH_INVARIANT.

@@ -59,7 +59,7 @@ from worker_svc.models.fused_decode import Setting as FusedSetting
 from worker_svc.models.fused_decode import fused_decode_for
 from worker_svc.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
 from worker_svc.models.quant_linear import QuantLinear, int8_dot_status
-from worker_svc.models.row_buckets import bucket_linear_rows
+from worker_svc.models.row_buckets import bucket_linear_rows, release_free_heap, warm_row_buckets
 from worker_svc.plan_validation import validate_plan
 from worker_svc.pooling import pool_embeddings
 from worker_svc.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows
@@ -102,6 +102,8 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = MAX_BUFFERED_DECODE_SEQS  # the scheduler's (Init), for the row buckets to warm
+        self._buckets_warm = False
         self.device = resolve_device(config.device, tp.rank, tp.size)
         with gguf_loader.shared_readers():  # the config read here and the load: one parse of a GGUF
             self.dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(config.model))
@@ -181,6 +183,7 @@ class ModelRunner:
         self.reset()
         self.disk = self._disk_store(shape, num_offload_blocks)
         self.migration = self._migration_store(shape)
+        self._warm_row_buckets()
         return WorkerInfo(num_blocks=num_blocks, block_size=self.config.block_size,
                           max_model_len=self.max_model_len,
                           eos_token_ids=tuple(self.model_config.eos_token_ids),
@@ -499,6 +502,19 @@ class ModelRunner:
             log.warning("linear_packing_unsupported", dtype=str(self.dtype).removeprefix("torch."),
                         cpu_capability=torch.backends.cpu.get_cpu_capability(),
                         fallback="nn.Linear")
+
+    def _warm_row_buckets(self) -> None:
+        """Once: every row bucket's oneDNN primitive, for the limits the scheduler sent (Init)."""
+        if self._buckets_warm or not self.config.warmup_row_buckets:
+            return
+        self._buckets_warm = True
+        start = time.perf_counter()
+        max_rows = min(self.max_num_batched_tokens, self.max_model_len)
+        count = warm_row_buckets(self.model, self.dtype, max_rows, min(self.max_num_seqs, max_rows))
+        if count:
+            release_free_heap()  # the warm-up's freed activations, else kept by glibc as RSS
+            log.info("row_buckets_warmed", gemms=count, max_rows=max_rows, max_logit_rows=min(self.max_num_seqs, max_rows),
+                     seconds=round(time.perf_counter() - start, 3))
 
     def _install_fused_decode(self) -> None:
         """Pure-decode steps as one compiled op where the model and this worker qualify

@@ -79,6 +79,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self._info is None:
             if request.max_num_batched_tokens and hasattr(self._runner, "max_num_batched_tokens"):
                 self._runner.max_num_batched_tokens = request.max_num_batched_tokens
+            if request.max_num_seqs and hasattr(self._runner, "max_num_seqs"):  # the row buckets to warm
+                self._runner.max_num_seqs = request.max_num_seqs
             self._info = self._runner.initialize()
         else:
             self._runner.reset()

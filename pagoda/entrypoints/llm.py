@@ -102,7 +102,7 @@ class LLM:
                  kv_offloading_size: float = 0.0, kv_offload_dir: str | None = None,
                  kv_offload_dir_size: float = 8.0, kv_migrate_dir: str | None = None,
                  kv_snapshot_dir: str | None = None,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, warmup_row_buckets: bool = False) -> None:
         # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
         # "prompt_lookup_min": 2}, or {"method": "suffix", ...} (scheduler_svc/core/spec/). Checked
         # before loading.
@@ -124,12 +124,17 @@ class LLM:
             swap_space=swap_space, pooling_type=pooling_type, normalize_embeddings=normalize_embeddings,
             batch_invariant=batch_invariant, kv_offloading_size=kv_offloading_size,
             kv_offload_dir=kv_offload_dir, kv_offload_dir_size=kv_offload_dir_size,
-            kv_migrate_dir=kv_migrate_dir, kv_snapshot_dir=kv_snapshot_dir, quantization=quantization or "auto")
+            kv_migrate_dir=kv_migrate_dir, kv_snapshot_dir=kv_snapshot_dir, quantization=quantization or "auto",
+            # Off offline (a batch job, and the test suite builds many LLMs): building every row
+            # bucket's oneDNN primitive costs seconds at start; the worker service does it by default.
+            warmup_row_buckets=warmup_row_buckets)
         self.runner = create_runner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
         # Runs close()'s work when the LLM is garbage-collected (vLLM's users `del` their engine);
         # it holds the runner's bound close, never `self`, so it does not keep the LLM alive.
         runner_close = getattr(self.runner, "close", None)
         self._finalizer = weakref.finalize(self, runner_close) if runner_close is not None else None
+        if hasattr(self.runner, "max_num_seqs"):  # the row buckets it warms (models/row_buckets.py)
+            self.runner.max_num_seqs = max_num_seqs
         try:
             self.worker_info = info = self.runner.initialize()
             scheduler_config = SchedulerConfig(  # raises if swap_space holds no block

@@ -27,13 +27,15 @@ from scheduler_svc.core.prefix_index import PrefixIndex
 class BlockPool:
     __slots__ = ("num_blocks", "_ref", "_free", "_evictable", "_num_used", "_index",
                  "num_allocated_total", "num_freed_total", "on_evict", "_owner", "held",
-                 "_evictable_of", "caps", "default_cap", "_capped")
+                 "_evictable_of", "_num_evictable_of", "caps", "default_cap", "_capped")
 
     def __init__(self, num_blocks: int, index: PrefixIndex | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._index = index
+        if index is not None:
+            index.reserve(num_blocks)
         self._ref = [0] * num_blocks
         self._free: deque[BlockId] = deque(BlockId(b) for b in range(num_blocks))
         self._evictable: OrderedDict[BlockId, None] = OrderedDict()  # LRU first
@@ -46,7 +48,11 @@ class BlockPool:
         self.on_evict: Callable[[BlockId, tuple], None] | None = None
         self._owner: list[str | None] = [None] * num_blocks  # None: on the free list
         self.held: Counter[str] = Counter()  # tenant -> blocks it owns (in use + evictable)
-        self._evictable_of: dict[str, OrderedDict[BlockId, None]] = {}  # tenant -> its LRU part
+        # tenant -> its part of the LRU, kept only while some tenant has a cap (`_capped`): only
+        # a capped tenant recycles its own oldest block, and without caps it would be a second
+        # ordered dict entry for every cached block (memory that grows as the index fills).
+        self._evictable_of: dict[str, OrderedDict[BlockId, None]] = {}
+        self._num_evictable_of: Counter[str] = Counter()  # tenant -> its evictable blocks
         self.caps: dict[str, int] = {}  # tenant -> blocks it may hold; else default_cap
         self.default_cap = num_blocks  # = no cap
         self._capped = False  # some cap is below the pool (else the per-block checks are skipped)
@@ -88,7 +94,13 @@ class BlockPool:
             self.default_cap = cap
         else:
             self.caps[tenant] = cap
-        self._capped = self.default_cap < self.num_blocks or any(c < self.num_blocks for c in self.caps.values())
+        capped = self.default_cap < self.num_blocks or any(c < self.num_blocks for c in self.caps.values())
+        if capped and not self._capped:  # the tenants' LRU parts: the global order, split by owner
+            for block in self._evictable:
+                self._evictable_of.setdefault(self._owner[block], OrderedDict())[block] = None  # type: ignore[index]
+        elif not capped:
+            self._evictable_of.clear()
+        self._capped = capped
 
     def cap_of(self, tenant: str) -> int:
         return self.caps.get(tenant, self.default_cap)
@@ -97,8 +109,7 @@ class BlockPool:
         return self._owner[block]
 
     def num_evictable_of(self, tenant: str) -> int:
-        lru = self._evictable_of.get(tenant)
-        return len(lru) if lru else 0
+        return self._num_evictable_of[tenant]
 
     def tenant_room(self, tenant: str) -> int:
         """Blocks `tenant` may still take into use: its cap less its in-use blocks (its cached ones
@@ -118,9 +129,10 @@ class BlockPool:
         out: list[BlockId] = []
         held, owner, cap = self.held, self._owner, self.cap_of(tenant)
         for _ in range(n):
-            if held[tenant] >= cap:  # at its cap: recycle its own oldest cached block
+            if self._capped and held[tenant] >= cap:  # at its cap: recycle its own oldest cached block
                 block, _ = self._evictable_of[tenant].popitem(last=False)
                 del self._evictable[block]
+                self._num_evictable_of[tenant] -= 1
                 self._evict(block)
             elif self._free:
                 block = self._free.popleft()
@@ -128,7 +140,9 @@ class BlockPool:
             else:
                 block, _ = self._evictable.popitem(last=False)
                 previous = owner[block]
-                del self._evictable_of[previous][block]  # type: ignore[index]
+                if self._capped:
+                    del self._evictable_of[previous][block]  # type: ignore[index]
+                self._num_evictable_of[previous] -= 1  # type: ignore[index]
                 held[previous] -= 1  # type: ignore[index]
                 held[tenant] += 1
                 self._evict(block)
@@ -150,7 +164,10 @@ class BlockPool:
         for block in blocks:
             if ref[block] == 0:
                 del self._evictable[block]
-                del self._evictable_of[self._owner[block]][block]  # type: ignore[index]
+                owner = self._owner[block]
+                if self._capped:
+                    del self._evictable_of[owner][block]  # type: ignore[index]
+                self._num_evictable_of[owner] -= 1  # type: ignore[index]
                 self._num_used += 1
                 self.num_allocated_total += 1
             ref[block] += 1
@@ -167,10 +184,12 @@ class BlockPool:
                 owner = self._owner[block]
                 if index is not None and index.is_cached(block):
                     self._evictable[block] = None
-                    lru = self._evictable_of.get(owner)  # type: ignore[arg-type]
-                    if lru is None:
-                        lru = self._evictable_of[owner] = OrderedDict()  # type: ignore[index]
-                    lru[block] = None
+                    self._num_evictable_of[owner] += 1  # type: ignore[index]
+                    if self._capped:
+                        lru = self._evictable_of.get(owner)  # type: ignore[arg-type]
+                        if lru is None:
+                            lru = self._evictable_of[owner] = OrderedDict()  # type: ignore[index]
+                        lru[block] = None
                 else:
                     self._free.append(block)
                     self.held[owner] -= 1  # type: ignore[index]
@@ -187,6 +206,7 @@ class BlockPool:
             self._owner[block] = None
         self._evictable.clear()
         self._evictable_of.clear()
+        self._num_evictable_of.clear()
         if self._index is not None:
             self._index.purge()
 
@@ -197,6 +217,7 @@ class BlockPool:
         self._free = deque(BlockId(b) for b in range(self.num_blocks))
         self._evictable.clear()
         self._evictable_of.clear()
+        self._num_evictable_of.clear()
         self._owner = [None] * self.num_blocks
         self.held.clear()
         self._num_used = 0
@@ -235,7 +256,15 @@ class BlockPool:
         for block in self._free:
             if self._owner[block] is not None:
                 raise AssertionError(f"free block {block} is owned by {self._owner[block]!r}")
-        split = {b for lru in self._evictable_of.values() for b in lru}
-        if split != set(self._evictable) or any(self._owner[b] != t for t, lru in self._evictable_of.items()
-                                                for b in lru):
-            raise AssertionError("the tenants' LRU parts do not partition the evictable blocks")
+        if +Counter(self._owner[b] for b in self._evictable) != +self._num_evictable_of:
+            raise AssertionError(f"evictable blocks per tenant {dict(+self._num_evictable_of)} are not "
+                                 "what the owners say")
+        if not self._capped:
+            if self._evictable_of:
+                raise AssertionError("tenants' LRU parts kept without a cap")
+            return
+        split: dict[str, list[BlockId]] = {}
+        for block in self._evictable:  # each tenant's part: the global order restricted to it
+            split.setdefault(self._owner[block], []).append(block)  # type: ignore[arg-type]
+        if split != {t: list(lru) for t, lru in self._evictable_of.items() if lru}:
+            raise AssertionError("the tenants' LRU parts do not partition the evictable blocks in order")

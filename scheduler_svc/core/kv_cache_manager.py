@@ -84,9 +84,9 @@ class KVCacheManager:
         salt, lora_key = seq.request.cache_salt, seq.request.lora_key
         found: list[int | None] = []
         for i in range(num_hit_blocks, (len(tokens) - 1) // bs):
-            block_tokens, keys = tuple(tokens[i * bs:(i + 1) * bs]), block_extra_keys(i, salt, lora_key)
-            slot = tier.lookup(hashes[i], block_tokens, keys)
-            if slot is None and (disk is None or not disk.match(hashes[i], block_tokens, keys)):
+            block_tokens, keys = tokens[i * bs:(i + 1) * bs], block_extra_keys(i, salt, lora_key)
+            slot = tier.lookup(hashes[i], prefix_index.pack_tokens(block_tokens), keys)
+            if slot is None and (disk is None or not disk.match(hashes[i], tuple(block_tokens), keys)):
                 break
             found.append(slot)
         return found
@@ -102,7 +102,7 @@ class KVCacheManager:
         bs, salt, lora_key = self.block_size, seq.request.cache_salt, seq.request.lora_key
         for i in range(seq.num_registered_blocks, full):
             serial = self.index.register(seq.block_table[i], seq.block_hashes[i], seq.last_serial,
-                                         tuple(seq.token_ids[i * bs:(i + 1) * bs]),
+                                         seq.token_ids[i * bs:(i + 1) * bs],
                                          block_extra_keys(i, salt, lora_key))
             if serial is None:  # collision: the chain cannot be extended past it
                 seq.num_registered_blocks = len(seq.token_ids) + 1  # never try again

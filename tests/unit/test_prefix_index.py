@@ -66,3 +66,43 @@ def test_remove_and_purge():
     assert index.match(chain([1, 2, 3, 4], 2), [1, 2, 3, 4], 2, None, 2)[0] == [7]
     index.purge()
     assert len(index) == 0 and not index.is_cached(7)
+
+
+def test_entries_keep_token_ids_packed_and_the_host_tier_gets_them_back():
+    index = PrefixIndex()
+    register_all(index, [70000, 2, 3, 4], [7, 8])
+    entry = index.remove(7)
+    assert entry[2] == prefix_index.pack_tokens([70000, 2]) and len(entry[2]) == 8
+    assert prefix_index.unpack_tokens(entry[2]) == (70000, 2)
+    assert index.is_cached(8) and not index.is_cached(7) and not index.is_cached(-1) and len(index) == 1
+
+
+def test_a_cached_block_costs_a_few_hundred_bytes():
+    """The scheduler's RSS follows its prefix index until the pool is full (docs/reliability.md,
+    "Scheduler memory"): its entries hold packed token ids, the pool one LRU entry per cached block.
+    With token ids kept as a tuple of ints and a second per-tenant LRU it was ~1,000 bytes a block."""
+    import random
+    import tracemalloc
+
+    from scheduler_svc.core.block_pool import BlockPool
+
+    n, bs = 2000, 16
+    index = PrefixIndex()
+    pool = BlockPool(n, index)
+    rng = random.Random(0)
+    parent, serial = None, 0
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(n):
+            tokens = [int(str(rng.randrange(300, 50000))) for _ in range(bs)]  # fresh int objects
+            (block,) = pool.allocate(1)
+            parent = hash_block(parent, tokens)
+            serial = index.register(block, parent, serial, tokens, ())
+            pool.free([block])
+        parent = tokens = None
+        per_block = (tracemalloc.get_traced_memory()[0] - before) / n
+    finally:
+        tracemalloc.stop()
+    assert len(index) == pool.num_evictable == n
+    assert per_block < 400, per_block

@@ -40,3 +40,22 @@ def test_wrap_reaches_nested_modules_and_leaves_others():
     assert bucket_linear_rows(model, nn.Linear) == 2
     assert isinstance(model["a"], RowBucketedLinear) and isinstance(model["b"][0], RowBucketedLinear)
     assert isinstance(model["b"][1], nn.ReLU) and model["b"][0].weight.shape == (8, 4)
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu")), reason="torch built without oneDNN")
+def test_warm_up_runs_each_shape_once_per_bucket_within_its_limit(monkeypatch):
+    from worker_svc.models.packed_linear import pack_linear_weights
+    from worker_svc.models.row_buckets import warm_row_buckets
+
+    model = nn.ModuleDict({"q": nn.Linear(8, 8), "k": nn.Linear(8, 8), "up": nn.Linear(8, 16, bias=False)})
+    model.lm_head = nn.Linear(8, 32, bias=False)  # the logit rows' limit, not the step's
+    pack_linear_weights(model)
+    bucket_linear_rows(model, PackedLinear)
+    seen: list[tuple[int, int]] = []
+    real = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: seen.append((x.shape[0], self.out_features))
+                        or real(self, x))
+    assert warm_row_buckets(model, torch.float32, 40, 20) == 2 * len(buckets_up_to(40)) + len(buckets_up_to(20))
+    assert sorted(r for r, out in seen if out == 8) == buckets_up_to(40)  # q and k share their shape
+    assert sorted(r for r, out in seen if out == 16) == buckets_up_to(40)
+    assert sorted(r for r, out in seen if out == 32) == buckets_up_to(20) == [*range(1, 17), 18, 20]

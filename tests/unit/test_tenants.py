@@ -176,3 +176,22 @@ def test_a_request_larger_than_its_tenants_cap_is_refused_and_a_share_sets_the_c
         sched.add_request(req("bad", range(1, 5), "a", kv_share=1.5))
     sched.add_request(req("ok", range(1, 18), "a", max_tokens=4, kv_share=0.5))
     assert {t.tenant: t.blocks_cap for t in sched.stats().tenants} == {"a": 8}
+
+
+def test_a_cap_set_after_blocks_were_cached_splits_the_lru_in_its_order():
+    """Without a cap the pool keeps one LRU (no per-tenant copy of every cached block); the first
+    cap splits it by owner in the same order, and the capped tenant then recycles its own oldest."""
+    pool, index = cached_pool(6)
+    assert pool.allocate(3, "a") == [0, 1, 2] and pool.allocate(2, "b") == [3, 4]
+    cache(pool, index, [BlockId(0), BlockId(1)])  # LRU 1, 0
+    cache(pool, index, [BlockId(3)])  # LRU 1, 0, 3
+    cache(pool, index, [BlockId(2)])  # LRU 1, 0, 3, 2
+    assert pool._evictable_of == {} and pool.num_evictable_of("a") == 3  # noqa: SLF001
+    pool.check()
+    pool.set_cap("a", 3)
+    assert {t: list(lru) for t, lru in pool._evictable_of.items()} == {"a": [1, 0, 2], "b": [3]}  # noqa: SLF001
+    pool.check()
+    assert pool.allocate(1, "a") == [1]  # at its cap (3 held): its own oldest, not free block 5
+    pool.set_cap("a", 6)  # no cap below the pool any more: back to one LRU
+    assert pool._evictable_of == {} and pool.allocate(2, "a") == [5, 0]  # noqa: SLF001
+    pool.check()

@@ -46,3 +46,25 @@ def test_many_shapes_reach_the_packed_linears_as_few_buckets(tiny_model_dir):
     assert len(step_tokens) >= 20, sorted(step_tokens)  # the shapes did vary ...
     assert linear_rows <= {0, *buckets_up_to(MAX_BATCHED)}  # ... but oneDNN saw only buckets
     assert len(linear_rows) < len(step_tokens)
+
+
+def test_the_worker_builds_every_bucket_its_limits_reach_at_start(tiny_model_dir, monkeypatch):
+    """The row buckets' warm-up (`warm_row_buckets`, at the first initialize): each distinct linear
+    shape runs once per bucket up to max_num_batched_tokens, the lm_head up to max_num_seqs, so no
+    bucket is first met (and its oneDNN primitive built, RSS stepping up) under load."""
+    seen: dict[tuple[int, int], list[int]] = {}  # (in, out) -> rows, in call order
+    real = PackedLinear.forward
+
+    def forward(self, x):
+        seen.setdefault((self.in_features, self.out_features), []).append(x.shape[0])
+        return real(self, x)
+
+    monkeypatch.setattr(PackedLinear, "forward", forward)
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", max_num_batched_tokens=MAX_BATCHED,
+              max_num_seqs=24, num_gpu_blocks_override=64, warmup_row_buckets=True)
+    lm_head = llm.runner.model.lm_head.linear
+    shapes = {(m.in_features, m.out_features) for m in llm.runner.model.modules() if isinstance(m, PackedLinear)}
+    assert set(seen) == shapes
+    for shape, rows in seen.items():
+        limit = 24 if shape == (lm_head.in_features, lm_head.out_features) else MAX_BATCHED
+        assert rows == buckets_up_to(limit), shape  # each once, ascending

@@ -17,9 +17,17 @@ nothing; a prefill chunk pays the padding in compute. Up to 8,192 tokens that is
 
 The padded rows are zeros and their outputs are sliced off (a view): every real row's output is
 the product oneDNN computes for it in a GEMM of the bucket's size.
+
+`warm_row_buckets` builds every primitive the configured limits can reach at start (the worker's
+first Init): left to the load, the buckets are met one by one as batch shapes vary, so the worker's
+RSS steps up each time a rare one first comes (+25 MiB between requests 2,000 and 2,500 of a soak,
+docs/reliability.md "RSS flat"), and that step's GEMMs pay the JIT compile.
 """
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
 
 import torch
 from torch import nn
@@ -74,3 +82,39 @@ def bucket_linear_rows(model: nn.Module, kind: type[nn.Module]) -> int:
     """Wrap every `kind` module of `model` (the packed linears) in a RowBucketedLinear; returns
     how many were wrapped."""
     return replace_modules(model, kind, RowBucketedLinear)
+
+
+@torch.inference_mode()
+def warm_row_buckets(model: nn.Module, dtype: torch.dtype, max_rows: int, max_logit_rows: int) -> int:
+    """Run each distinct bucketed linear shape of `model` once per bucket it can meet, so oneDNN
+    builds (and caches) every primitive now: `max_rows` (a step's tokens) for the projections,
+    `max_logit_rows` (the rows sampled in a step) for the lm_head. Returns the GEMMs run.
+
+    The primitive cache is keyed by shapes and types, not by weights: one call per distinct
+    (in, out, bias, rows) serves every layer. Rows past these limits (prompt logprobs, drafts)
+    still build theirs when first met: bounded by the bucket count all the same."""
+    lm_head = getattr(model, "lm_head", None)
+    done: set[tuple[int, int, bool, int]] = set()
+    for module in model.modules():
+        if not isinstance(module, RowBucketedLinear):
+            continue
+        in_features, out_features = module.linear.in_features, module.linear.out_features
+        limit = max_logit_rows if module is lm_head else max_rows
+        for rows in buckets_up_to(limit):
+            key = (in_features, out_features, module.bias is None, rows)
+            if key not in done:
+                done.add(key)
+                module(torch.zeros(rows, in_features, dtype=dtype))  # [rows, in] -> [rows, out]
+    return len(done)
+
+
+def release_free_heap() -> bool:
+    """Hand glibc's free heap back to the OS (malloc_trim(0)); False where there is no glibc.
+    The warm-up's activations (up to max_rows x the widest projection) are freed when it ends, but
+    glibc keeps the freed pages in its arenas: on SmolLM2 ~250 MiB of RSS the worker never uses."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return False
+    return bool(trim(0)) if trim is not None else False

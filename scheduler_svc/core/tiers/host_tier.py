@@ -34,8 +34,9 @@ from collections.abc import Callable, Sequence
 
 from pagoda.contract.ids import BlockId
 from pagoda.contract.step import BlockCopy, DiskBlock, StepPlan
+from scheduler_svc.core.prefix_index import unpack_tokens
 
-# What the prefix index held for a block: (hash, parent serial, token ids, extra keys, serial).
+# What the prefix index held for a block: (hash, parent serial, packed token ids, extra keys, serial).
 _HASH, _TOKENS, _KEYS = 0, 2, 3
 
 
@@ -49,8 +50,9 @@ class HostTier:
         self.base = base  # host ids [base, base + capacity) are the tier's (the swap pool's come first)
         self.capacity = capacity
         self._free: deque[int] = deque(range(base, base + capacity))
-        # hash -> (host slot, token ids, extra keys), least recently used first
-        self._entries: OrderedDict[bytes, tuple[int, tuple[int, ...], tuple]] = OrderedDict()
+        # hash -> (host slot, packed token ids as the prefix index keeps them, extra keys), least
+        # recently used first
+        self._entries: OrderedDict[bytes, tuple[int, bytes, tuple]] = OrderedDict()
         self._busy: set[int] = set()  # slots the plan being built reads or writes
         self._offloads: list[BlockCopy] = []  # device -> host copies owed to the plan being built
         self.blocks_offloaded = 0  # device -> host copies
@@ -84,7 +86,7 @@ class HostTier:
         slot = self._take_slot()
         if slot is None:  # every slot is read or written by this plan: drop it, as without a tier,
             if self.on_drop is not None:  # or write the device block straight to disk
-                self.on_drop(block, DiskBlock(block_hash, entry[_TOKENS], entry[_KEYS]), True)
+                self.on_drop(block, DiskBlock(block_hash, unpack_tokens(entry[_TOKENS]), entry[_KEYS]), True)
             return
         self._entries[block_hash] = (slot, entry[_TOKENS], entry[_KEYS])
         self._busy.add(slot)
@@ -99,13 +101,14 @@ class HostTier:
                 del self._entries[block_hash]
                 self.blocks_dropped += 1
                 if self.on_drop is not None:
-                    self.on_drop(slot, DiskBlock(block_hash, tokens, keys), False)
+                    self.on_drop(slot, DiskBlock(block_hash, unpack_tokens(tokens), keys), False)
                 return slot
         return None
 
     # -- host -> device ------------------------------------------------------------------------
-    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...], extra_keys: tuple) -> int | None:
-        """The host slot holding the block, verified (token ids and extra keys equal), or None."""
+    def lookup(self, block_hash: bytes, token_ids: bytes, extra_keys: tuple) -> int | None:
+        """The host slot holding the block, verified (token ids, packed by prefix_index.pack_tokens,
+        and extra keys equal), or None."""
         held = self._entries.get(block_hash)
         if held is None or held[1] != token_ids or held[2] != extra_keys:
             return None
