@@ -195,3 +195,35 @@ def test_the_avx_vnni_kernels_without_avx512():
         "                tight(name, dtype, m, act)\n"
         "print('ok')\n")
     assert _in_a_fresh_process({"PAGODA_CPU_NO_AVX512": "1", "PAGODA_INT8_DOT": "16"}, script) == "ok"
+
+
+def _identity(k: int) -> QuantizedWeight:
+    """Codes 1 on the diagonal, scales 1: the op's output row is the activations it multiplied."""
+    return QuantizedWeight(qweight=torch.eye(k, dtype=torch.int8), scales=torch.ones(k, k // 32), mins=None,
+                           bits=8, group=32)
+
+
+@pytest.mark.parametrize("m", [1, 3, 5])
+@pytest.mark.parametrize("k", [608, 96])
+def test_int16_codes_exactly_on_every_thread(k, m):
+    """The activation codes themselves, read back through an identity weight: per block with
+    max|x| = 32767 the scale is 1, so out = round_half_even(x) exactly, halves included; a block of
+    zeros gives zeros, other blocks the torch restatement's values. K = 608 is 19 blocks (a window of
+    16 and a tail of 3) and N = 608 rows split over two threads: each worker must read the calling
+    thread's codes (a thread_local buffer named in the worker's lambda read its own, empty one)."""
+    gen = torch.Generator().manual_seed(k + m)
+    x = torch.randn(m, k, generator=gen) * 5000  # |x| < 32767: 6.5 sigma
+    x[:, 0:32:5] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 32766.5, -32766.5])
+    x[:, 7], x[:, 40] = 32767.0, -32767.0  # blocks 0 and 1: scale exactly 1
+    x[:, 33:64:3] = torch.arange(11) + 100.5  # halves in block 1
+    x[-1, 64:96] = 0.0  # an all-zero block
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = quant_matmul(x, _identity(k), None, 16)
+    finally:
+        torch.set_num_threads(threads)
+    exact = torch.round(x[:, :64])  # half to even, as the kernels' conversion
+    assert torch.equal(out[:, :64], exact), (out[:, :64] - exact).abs().max()
+    assert torch.equal(out[-1, 64:96], torch.zeros(32))
+    assert torch.allclose(out.double(), quantized_activations(x, 16), rtol=2**-23, atol=0)
