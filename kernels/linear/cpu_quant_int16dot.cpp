@@ -151,14 +151,15 @@ Act16 quantize16(const float* x, int64_t M, int64_t K, int64_t group, bool sums,
 
 struct W16 {
   const int8_t* q;
-  const float* scales;
-  const float* mins;  // nullptr: none
+  const float* scales;    // fp32 [N, ng], or nullptr where `half` holds them
+  const uint16_t* half;   // fp16 [N, ng] (groups of 32, no mins: Q8_0 as stored), or nullptr
+  const float* mins;      // nullptr: none
   int64_t N, K, group, ng;
 };
 
 #ifdef PAGODA_I16_X86
 #define PAGODA_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-#define PAGODA_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
+#define PAGODA_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 
 // R weight rows from n against MT activation rows from m0: res[r * MT + j]. Per 32 weights and
 // activation row: one vpdpwssd, a conversion and an FMA by the block's (weight scale * activation
@@ -166,6 +167,12 @@ struct W16 {
 // multiply, stored and broadcast by the FMA's memory operand (no shuffle); kG16: two weight scales per block (lanes 0-7, 8-15);
 // kAny: the block's group (a.gof).
 enum Scales { kAny = 0, kG16 = 1, kG32 = 2 };
+
+// 16 weight scales from index i (the live ones; 0 past them), fp16 widened exactly.
+PAGODA_VNNI512 inline __m512 scales512(const W16& w, __mmask16 live, int64_t i) {
+  return w.half != nullptr ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, w.half + i))
+                           : _mm512_maskz_loadu_ps(live, w.scales + i);
+}
 
 template <int R, int MT, int SC>
 PAGODA_VNNI512 void tile512(const W16& w, const Act16& a, int64_t n, int64_t m0, float* res) {
@@ -181,7 +188,7 @@ PAGODA_VNNI512 void tile512(const W16& w, const Act16& a, int64_t n, int64_t m0,
       for (int j = 0; j < MT; ++j) {
         const __m512 dx = _mm512_maskz_loadu_ps(live, a.d + (m0 + j) * a.nb + b0);
         for (int r = 0; r < R; ++r)
-          _mm512_store_ps(prod[r][j], _mm512_mul_ps(_mm512_maskz_loadu_ps(live, w.scales + (n + r) * w.ng + b0), dx));
+          _mm512_store_ps(prod[r][j], _mm512_mul_ps(scales512(w, live, (n + r) * w.ng + b0), dx));
       }
     }
     for (int64_t b = b0; b < std::min<int64_t>(b0 + 16, a.nb); ++b) {
@@ -190,7 +197,7 @@ PAGODA_VNNI512 void tile512(const W16& w, const Act16& a, int64_t n, int64_t m0,
       for (int r = 0; r < R; ++r) {
         const __m512i wq = _mm512_cvtepi8_epi16(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + (n + r) * w.K + b * kBlock)));
-        const float* sc = w.scales + (n + r) * w.ng;
+        const float* sc = SC == kG32 ? nullptr : w.scales + (n + r) * w.ng;  // kG32: `prod`
         for (int j = 0; j < MT; ++j) {
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(zero, wq, xs[j]));
           const float dx = a.d[(m0 + j) * a.nb + b];
@@ -227,7 +234,8 @@ PAGODA_AVXVNNI void tile256(const W16& w, const Act16& a, int64_t n, int64_t m0,
       const int8_t* qb = w.q + (n + r) * w.K + b * kBlock;
       const __m256i wlo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
       const __m256i whi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)));
-      const float* sc = w.scales + (n + r) * w.ng;
+      const float* sc = w.half == nullptr ? w.scales + (n + r) * w.ng : nullptr;  // fp16: groups of 32 only
+      const float sg = G16 ? 0.0f : sc != nullptr ? sc[a.gof[b]] : _cvtsh_ss(w.half[(n + r) * w.ng + a.gof[b]]);
       for (int j = 0; j < MT; ++j) {
         if (G16) {
           const __m256 d0 = _mm256_cvtepi32_ps(_mm256_dpwssd_avx_epi32(zero, wlo, lo[j]));
@@ -236,7 +244,7 @@ PAGODA_AVXVNNI void tile256(const W16& w, const Act16& a, int64_t n, int64_t m0,
           acc[r][j] = _mm256_fmadd_ps(d1, _mm256_set1_ps(sc[2 * b + 1] * dx[j]), acc[r][j]);
         } else {
           const __m256i dot = _mm256_dpwssd_avx_epi32(_mm256_dpwssd_avx_epi32(zero, wlo, lo[j]), whi, hi[j]);
-          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sc[a.gof[b]] * dx[j]), acc[r][j]);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sg * dx[j]), acc[r][j]);
         }
       }
     }
@@ -286,12 +294,14 @@ void block(int64_t mode, const W16& w, const Act16& a, int64_t n, const float* b
 namespace pagoda_cpu {
 
 bool int16_dot_linear(int64_t mode, const float* x, int64_t M, int64_t K, const int8_t* q, const float* scales,
-                      const float* mins, int64_t N, int64_t group, const float* bias, float* out) {
+                      const float* mins, int64_t N, int64_t group, const float* bias, float* out,
+                      const uint16_t* half_scales) {
   if (mode == kInt8DotOff || K % kBlock != 0 || (group % kBlock != 0 && group != 16)) return false;
+  if (half_scales != nullptr && (group != kBlock || mins != nullptr)) return false;
 #ifdef PAGODA_I16_X86
   thread_local Scratch scratch;  // this caller's; the workers below see it through `a` only
   const Act16 a = quantize16(x, M, K, group, mins != nullptr, mode, scratch);
-  const W16 w{q, scales, mins, N, K, group, K / group};
+  const W16 w{q, scales, half_scales, mins, N, K, group, K / group};
   // 4 weight rows at a time at M = 1 (sharing each activation load), 2 above, then one at a time
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     int64_t n = begin;

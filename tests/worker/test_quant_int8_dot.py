@@ -179,13 +179,16 @@ def _cpu_flags() -> set[str]:
 @pytest.mark.skipif("avx_vnni" not in _cpu_flags(), reason="no AVX-VNNI on this CPU")
 def test_the_avx_vnni_kernels_without_avx512():
     """The 256-bit kernels a CPU without AVX-512 takes (Alder Lake and later), forced here in a
-    fresh process (the choice is made once per process): same cases, same bounds."""
+    fresh process (the choice is made once per process): same cases, same bounds, the same exact
+    int16 codes (the AVX2 quantization) and fp16 scales."""
     script = (
         "import torch\n"
         "from worker_svc.models.quant_linear import int8_dot_status\n"
         "from tests.worker.test_quant_int8_dot import WEIGHTS, ROWS, ACTS, "
         "test_matches_dequantise_then_matmul_on_the_rounded_activations as tight, "
-        "test_within_the_rounding_bound_of_the_exact_product as loose\n"
+        "test_within_the_rounding_bound_of_the_exact_product as loose, "
+        "test_int16_codes_exactly_on_every_thread as codes, "
+        "test_fp16_scales_give_the_fp32_scales_results_bit_for_bit as half\n"
         "assert int8_dot_status()[0] == 'avx_vnni', int8_dot_status()\n"
         "for act in ACTS:\n"
         "    for name in WEIGHTS:\n"
@@ -193,6 +196,10 @@ def test_the_avx_vnni_kernels_without_avx512():
         "            loose(name, m, act)\n"
         "            for dtype in (torch.float32, torch.bfloat16):\n"
         "                tight(name, dtype, m, act)\n"
+        "for m in (1, 3, 5):\n"
+        "    codes(608, m)\n"
+        "    for act in (16, 8, 32):\n"
+        "        half(act, m)\n"
         "print('ok')\n")
     assert _in_a_fresh_process({"PAGODA_CPU_NO_AVX512": "1", "PAGODA_INT8_DOT": "16"}, script) == "ok"
 
@@ -227,3 +234,46 @@ def test_int16_codes_exactly_on_every_thread(k, m):
     assert torch.equal(out[:, :64], exact), (out[:, :64] - exact).abs().max()
     assert torch.equal(out[-1, 64:96], torch.zeros(32))
     assert torch.allclose(out.double(), quantized_activations(x, 16), rtol=2**-23, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 3, 40])
+@pytest.mark.parametrize("act", [16, 8, 32])
+def test_fp16_scales_give_the_fp32_scales_results_bit_for_bit(act, m):
+    """Q8_0's scales kept as the file's fp16 (keep_half_scales): the integer paths read them as
+    they are, the others (fp32 activations, prefill rows) an fp32 copy; the same values either
+    way, so the same bits. N = 300 rows split over two threads."""
+    weight = decoded("Q8_0", 300, 608, seed=7)[0]
+    half = QuantizedWeight(weight.qweight, weight.scales.half(), None, 8, 32)
+    assert torch.equal(half.scales.float(), weight.scales) and torch.equal(half.dequantize(), weight.dequantize())
+    gen = torch.Generator().manual_seed(m)
+    x, bias = torch.randn(m, 608, generator=gen), torch.randn(300, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, want = quant_matmul(x, half, bias, act), quant_matmul(x, weight, bias, act)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, want)
+
+
+def test_keep_half_scales_only_where_fp16_holds_them():
+    from torch import nn
+
+    from worker_svc.models.quant_linear import keep_half_scales
+
+    def linear(weight: QuantizedWeight) -> QuantLinear:
+        module = QuantLinear(weight.shape[1], weight.shape[0])
+        module.set_weight(weight)
+        return module
+
+    gen = torch.Generator().manual_seed(11)
+    q8 = decoded("Q8_0", 8, 64, seed=3)[0]  # fp16 in the file
+    computed = quantize(torch.randn(8, 64, generator=gen), "int8")  # absmax / 127 in fp32
+    model = nn.ModuleList([linear(q8), linear(computed), linear(_with_mins(8, 64, 32, seed=4)), linear(q8)])
+    model[3].act = 32  # a module that asks for fp32 activations reads fp32 scales
+    x = torch.randn(1, 64, generator=gen)
+    before = [m(x) for m in model]
+    assert keep_half_scales(model) == 1
+    assert [m.weight_q.scales.dtype for m in model] == [torch.float16, torch.float32, torch.float32, torch.float32]
+    assert model[0].scales is model[0].weight_q.scales  # the buffer follows (memory accounting)
+    assert all(torch.equal(m(x), b) for m, b in zip(model, before, strict=True))
