@@ -43,8 +43,9 @@ struct Act16 {
 };
 
 // The buffers behind Act16, one set per calling thread, kept between calls: a decode step makes
-// ~120 calls, and four vectors allocated and freed per call were a third of the fixed cost of one.
-// They grow to the largest call seen (M <= 32 rows: at most 64 K bytes each) and never shrink.
+// ~120 calls, and four vectors allocated and freed per call (with the scalar rounding loop) were
+// most of this path's extra cost per call (docs/quantization.md). They grow to the largest call
+// seen (M <= 32 rows of K) and never shrink.
 // The parallel_for's workers read them through Act16's pointers, never by name: a thread_local
 // named inside the lambda is the *worker's* own (empty) copy, which is what gave the reverted
 // per-thread-buffer attempt (75a1e9d) its NaN logits once N was large enough to split.
