@@ -8,6 +8,8 @@
 for 8-bit codes (kernels/linear/cpu_quant_int8dot.cpp) at int16 activations (the default), int8
 ones and off (fp32 activations), in three parts timed separately: the forward (embedding + layers
 + final norm), the logits (the lm_head) and a greedy sampler call.
+A Q8_0 file's scales are kept fp16 at load (worker_svc/models/quant_linear.py keep_half_scales):
+the int16 and int8 columns read them as they are, the off column widens an fp32 copy per call.
 --clock thread times with the calling thread's CPU time (with --threads 1: the whole op), which
 a shared machine's other jobs disturb less than the wall clock (they still share caches and DRAM).
 

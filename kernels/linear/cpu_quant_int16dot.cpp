@@ -33,49 +33,134 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 
+// The activation rows of one call, quantized: views into the calling thread's Scratch.
 struct Act16 {
   int64_t M = 0, K = 0, nb = 0, ng = 0;
-  std::vector<int16_t> s;    // [M, K] x_q
-  std::vector<float> d;      // [M, K/32] the blocks' scales
-  std::vector<float> gsum;   // [M, ng] sum of x_q * d over each weight group (mins only)
-  std::vector<int32_t> gof;  // [K/32] the weight group of each block (group >= 32)
+  const int16_t* s = nullptr;    // [M, K] x_q
+  const float* d = nullptr;      // [M, K/32] the blocks' scales
+  const float* gsum = nullptr;   // [M, ng] sum of x_q * d over each weight group (mins only)
+  const int32_t* gof = nullptr;  // [K/32] the weight group of each block (group >= 32)
 };
 
-void quantize16(const float* x, int64_t M, int64_t K, int64_t group, bool sums, Act16& a) {
+// The buffers behind Act16, one set per calling thread, kept between calls: a decode step makes
+// ~120 calls, and four vectors allocated and freed per call (with the scalar rounding loop) were
+// most of this path's extra cost per call (docs/quantization.md). They grow to the largest call
+// seen (M <= 32 rows of K) and never shrink.
+// The parallel_for's workers read them through Act16's pointers, never by name: a thread_local
+// named inside the lambda is the *worker's* own (empty) copy, which is what gave the reverted
+// per-thread-buffer attempt (75a1e9d) its NaN logits once N was large enough to split.
+struct Scratch {
+  std::vector<int16_t> s;
+  std::vector<float> d, gsum;
+  std::vector<int32_t> gof;
+};
+
+template <typename T>
+T* at_least(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+// One row's blocks, portable: d = max|x| / 32767, x_q = round_half_even(x / d) (nearbyint, the
+// default rounding mode, as torch.round in the tests' reference).
+void quantize_row(const float* x, int64_t nb, int16_t* s, float* d) {
+  for (int64_t b = 0; b < nb; ++b, x += kBlock, s += kBlock) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(x[k]));
+    d[b] = amax / 32767.0f;
+    const float id = d[b] != 0.0f ? 1.0f / d[b] : 0.0f;
+    for (int64_t k = 0; k < kBlock; ++k)
+      s[k] = static_cast<int16_t>(std::min(32767, std::max(-32767, static_cast<int>(std::nearbyint(x[k] * id)))));
+  }
+}
+
+#ifdef PAGODA_I16_X86
+// The same in vectors, bit for bit: the same max, the same fp32 product x * (1 / d), and a
+// conversion that rounds by MXCSR (half to even unless someone changed the mode, as nearbyint).
+// |x * id| <= 32767 up to an ulp; the clamp keeps the scalar loop's bounds for any input.
+__attribute__((target("avx512f,avx512bw"))) void quantize_row512(const float* x, int64_t nb, int16_t* s, float* d) {
+  const __m512i hi = _mm512_set1_epi32(32767), lo = _mm512_set1_epi32(-32767);
+  for (int64_t b = 0; b < nb; ++b, x += kBlock, s += kBlock) {
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    d[b] = amax / 32767.0f;
+    const __m512 id = _mm512_set1_ps(d[b] != 0.0f ? 1.0f / d[b] : 0.0f);
+    const __m512i q0 = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_mul_ps(v0, id))));
+    const __m512i q1 = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_mul_ps(v1, id))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(s), _mm512_cvtepi32_epi16(q0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(s + 16), _mm512_cvtepi32_epi16(q1));
+  }
+}
+
+// AVX2 (the AVX-VNNI kernels' CPUs: no AVX-512 there).
+__attribute__((target("avx2,fma"))) void quantize_row256(const float* x, int64_t nb, int16_t* s, float* d) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i hi = _mm256_set1_epi32(32767), lo = _mm256_set1_epi32(-32767);
+  for (int64_t b = 0; b < nb; ++b, x += kBlock, s += kBlock) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+    const __m256 m8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    d[b] = _mm_cvtss_f32(m4) / 32767.0f;
+    const __m256 id = _mm256_set1_ps(d[b] != 0.0f ? 1.0f / d[b] : 0.0f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_max_epi32(lo, _mm256_min_epi32(hi, _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id))));
+    // packs interleaves 128-bit lanes (a0-3 b0-3 a4-7 b4-7): the permute puts them back in order
+    for (int i = 0; i < 2; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(s + 16 * i),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * i], q[2 * i + 1]), 0xD8));
+  }
+}
+#endif
+
+// Quantizes x [M, K] into `buf` with the kernel family's instructions; returns the views.
+Act16 quantize16(const float* x, int64_t M, int64_t K, int64_t group, bool sums, int64_t mode, Scratch& buf) {
+  Act16 a;
   a.M = M, a.K = K, a.nb = K / kBlock, a.ng = K / group;
-  a.s.resize(M * K);
-  a.d.resize(M * a.nb);
-  if (sums) a.gsum.assign(M * a.ng, 0.0f);
-  a.gof.resize(a.nb);
-  for (int64_t b = 0; b < a.nb; ++b) a.gof[b] = static_cast<int32_t>(b * kBlock / group);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < a.nb; ++b) {
-      const float* xb = x + m * K + b * kBlock;
-      float amax = 0.0f;
-      for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
-      const float d = amax / 32767.0f;
-      const float id = d != 0.0f ? 1.0f / d : 0.0f;
-      int16_t* sb = a.s.data() + m * K + b * kBlock;
-      for (int64_t k = 0; k < kBlock; ++k) {
-        // nearbyint: round half to even, as torch.round in the tests' reference
-        const int q = std::min(32767, std::max(-32767, static_cast<int>(std::nearbyint(xb[k] * id))));
-        sb[k] = static_cast<int16_t>(q);
-        if (sums) a.gsum[m * a.ng + (b * kBlock + k) / group] += static_cast<float>(q) * d;
+  int16_t* s = at_least(buf.s, M * K);
+  float* d = at_least(buf.d, M * a.nb);
+  int32_t* gof = at_least(buf.gof, a.nb);
+  for (int64_t b = 0; b < a.nb; ++b) gof[b] = static_cast<int32_t>(b * kBlock / group);
+  for (int64_t m = 0; m < M; ++m) {
+#ifdef PAGODA_I16_X86
+    if (mode == pagoda_cpu::kInt8DotAvx512Vnni) quantize_row512(x + m * K, a.nb, s + m * K, d + m * a.nb);
+    else if (mode == pagoda_cpu::kInt8DotAvxVnni) quantize_row256(x + m * K, a.nb, s + m * K, d + m * a.nb);
+    else quantize_row(x + m * K, a.nb, s + m * K, d + m * a.nb);
+#else
+    quantize_row(x + m * K, a.nb, s + m * K, d + m * a.nb);
+#endif
+  }
+  if (sums) {  // mins' term: per half block (group 16 or a multiple of 32) the integer sum of x_q, times d
+    float* gsum = at_least(buf.gsum, M * a.ng);
+    std::fill(gsum, gsum + M * a.ng, 0.0f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t h = 0; h < 2 * a.nb; ++h) {
+        const int16_t* sh = s + m * K + h * (kBlock / 2);
+        int32_t sum = 0;
+        for (int64_t k = 0; k < kBlock / 2; ++k) sum += sh[k];
+        gsum[m * a.ng + h * (kBlock / 2) / group] += static_cast<float>(sum) * d[m * a.nb + h / 2];
       }
-      a.d[m * a.nb + b] = d;
-    }
+    a.gsum = gsum;
+  }
+  a.s = s, a.d = d, a.gof = gof;
+  return a;
 }
 
 struct W16 {
   const int8_t* q;
-  const float* scales;
-  const float* mins;  // nullptr: none
+  const float* scales;    // fp32 [N, ng], or nullptr where `half` holds them
+  const uint16_t* half;   // fp16 [N, ng] (groups of 32, no mins: Q8_0 as stored), or nullptr
+  const float* mins;      // nullptr: none
   int64_t N, K, group, ng;
 };
 
 #ifdef PAGODA_I16_X86
 #define PAGODA_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-#define PAGODA_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
+#define PAGODA_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 
 // R weight rows from n against MT activation rows from m0: res[r * MT + j]. Per 32 weights and
 // activation row: one vpdpwssd, a conversion and an FMA by the block's (weight scale * activation
@@ -83,6 +168,12 @@ struct W16 {
 // multiply, stored and broadcast by the FMA's memory operand (no shuffle); kG16: two weight scales per block (lanes 0-7, 8-15);
 // kAny: the block's group (a.gof).
 enum Scales { kAny = 0, kG16 = 1, kG32 = 2 };
+
+// 16 weight scales from index i (the live ones; 0 past them), fp16 widened exactly.
+PAGODA_VNNI512 inline __m512 scales512(const W16& w, __mmask16 live, int64_t i) {
+  return w.half != nullptr ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, w.half + i))
+                           : _mm512_maskz_loadu_ps(live, w.scales + i);
+}
 
 template <int R, int MT, int SC>
 PAGODA_VNNI512 void tile512(const W16& w, const Act16& a, int64_t n, int64_t m0, float* res) {
@@ -96,18 +187,18 @@ PAGODA_VNNI512 void tile512(const W16& w, const Act16& a, int64_t n, int64_t m0,
     if (SC == kG32) {
       const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, a.nb - b0)) - 1);
       for (int j = 0; j < MT; ++j) {
-        const __m512 dx = _mm512_maskz_loadu_ps(live, a.d.data() + (m0 + j) * a.nb + b0);
+        const __m512 dx = _mm512_maskz_loadu_ps(live, a.d + (m0 + j) * a.nb + b0);
         for (int r = 0; r < R; ++r)
-          _mm512_store_ps(prod[r][j], _mm512_mul_ps(_mm512_maskz_loadu_ps(live, w.scales + (n + r) * w.ng + b0), dx));
+          _mm512_store_ps(prod[r][j], _mm512_mul_ps(scales512(w, live, (n + r) * w.ng + b0), dx));
       }
     }
     for (int64_t b = b0; b < std::min<int64_t>(b0 + 16, a.nb); ++b) {
       __m512i xs[MT];
-      for (int j = 0; j < MT; ++j) xs[j] = _mm512_loadu_si512(a.s.data() + (m0 + j) * a.K + b * kBlock);
+      for (int j = 0; j < MT; ++j) xs[j] = _mm512_loadu_si512(a.s + (m0 + j) * a.K + b * kBlock);
       for (int r = 0; r < R; ++r) {
         const __m512i wq = _mm512_cvtepi8_epi16(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + (n + r) * w.K + b * kBlock)));
-        const float* sc = w.scales + (n + r) * w.ng;
+        const float* sc = SC == kG32 ? nullptr : w.scales + (n + r) * w.ng;  // kG32: `prod`
         for (int j = 0; j < MT; ++j) {
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(zero, wq, xs[j]));
           const float dx = a.d[(m0 + j) * a.nb + b];
@@ -135,7 +226,7 @@ PAGODA_AVXVNNI void tile256(const W16& w, const Act16& a, int64_t n, int64_t m0,
     __m256i lo[MT], hi[MT];
     float dx[MT];
     for (int j = 0; j < MT; ++j) {
-      const int16_t* xb = a.s.data() + (m0 + j) * a.K + b * kBlock;
+      const int16_t* xb = a.s + (m0 + j) * a.K + b * kBlock;
       lo[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
       hi[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16));
       dx[j] = a.d[(m0 + j) * a.nb + b];
@@ -144,7 +235,8 @@ PAGODA_AVXVNNI void tile256(const W16& w, const Act16& a, int64_t n, int64_t m0,
       const int8_t* qb = w.q + (n + r) * w.K + b * kBlock;
       const __m256i wlo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
       const __m256i whi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)));
-      const float* sc = w.scales + (n + r) * w.ng;
+      const float* sc = w.half == nullptr ? w.scales + (n + r) * w.ng : nullptr;  // fp16: groups of 32 only
+      const float sg = G16 ? 0.0f : sc != nullptr ? sc[a.gof[b]] : _cvtsh_ss(w.half[(n + r) * w.ng + a.gof[b]]);
       for (int j = 0; j < MT; ++j) {
         if (G16) {
           const __m256 d0 = _mm256_cvtepi32_ps(_mm256_dpwssd_avx_epi32(zero, wlo, lo[j]));
@@ -153,7 +245,7 @@ PAGODA_AVXVNNI void tile256(const W16& w, const Act16& a, int64_t n, int64_t m0,
           acc[r][j] = _mm256_fmadd_ps(d1, _mm256_set1_ps(sc[2 * b + 1] * dx[j]), acc[r][j]);
         } else {
           const __m256i dot = _mm256_dpwssd_avx_epi32(_mm256_dpwssd_avx_epi32(zero, wlo, lo[j]), whi, hi[j]);
-          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sc[a.gof[b]] * dx[j]), acc[r][j]);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sg * dx[j]), acc[r][j]);
         }
       }
     }
@@ -203,12 +295,14 @@ void block(int64_t mode, const W16& w, const Act16& a, int64_t n, const float* b
 namespace pagoda_cpu {
 
 bool int16_dot_linear(int64_t mode, const float* x, int64_t M, int64_t K, const int8_t* q, const float* scales,
-                      const float* mins, int64_t N, int64_t group, const float* bias, float* out) {
+                      const float* mins, int64_t N, int64_t group, const float* bias, float* out,
+                      const uint16_t* half_scales) {
   if (mode == kInt8DotOff || K % kBlock != 0 || (group % kBlock != 0 && group != 16)) return false;
+  if (half_scales != nullptr && (group != kBlock || mins != nullptr)) return false;
 #ifdef PAGODA_I16_X86
-  Act16 a;
-  quantize16(x, M, K, group, mins != nullptr, a);
-  const W16 w{q, scales, mins, N, K, group, K / group};
+  thread_local Scratch scratch;  // this caller's; the workers below see it through `a` only
+  const Act16 a = quantize16(x, M, K, group, mins != nullptr, mode, scratch);
+  const W16 w{q, scales, half_scales, mins, N, K, group, K / group};
   // 4 weight rows at a time at M = 1 (sharing each activation load), 2 above, then one at a time
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     int64_t n = begin;

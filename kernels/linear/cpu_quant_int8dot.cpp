@@ -97,7 +97,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, bool sum
 
 struct Weights {
   const int8_t* q;
-  const float* scales;
+  const float* scales;  // fp32 [N, ng], or nullptr where `half` holds them
+  const uint16_t* half;  // fp16 [N, ng] (groups of 32, no mins: Q8_0 as stored), or nullptr
   const float* mins;  // nullptr: none
   int64_t N, K, group, ng;
 };
@@ -113,7 +114,7 @@ inline float group_terms(const Weights& w, const QuantAct& a, int64_t n, int64_t
 
 #ifdef PAGODA_I8_X86
 #define PAGODA_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-#define PAGODA_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
+#define PAGODA_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 
 // Weight groups per 64-byte chunk: the scale of each lane (4 weights) is built per chunk, per row.
 enum Scales { kAny = 0, kG16 = 1, kG32 = 2 };
@@ -151,7 +152,10 @@ PAGODA_VNNI512 void tile512(const Weights& w, const QuantAct& a, int64_t n, int6
       for (int j = 0; j < MT; ++j) {
         const __m512 dx = _mm512_maskz_loadu_ps(blocks, a.d.data() + (m0 + j) * nb + 2 * c0);
         for (int r = 0; r < R; ++r)
-          prod[r][j] = _mm512_mul_ps(_mm512_maskz_loadu_ps(blocks, w.scales + (n + r) * w.ng + 2 * c0), dx);
+          prod[r][j] = _mm512_mul_ps(
+              w.half != nullptr ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(blocks, w.half + (n + r) * w.ng + 2 * c0))
+                                : _mm512_maskz_loadu_ps(blocks, w.scales + (n + r) * w.ng + 2 * c0),
+              dx);
       }
     }
     for (int64_t c = c0; c < std::min<int64_t>(c0 + 8, a.chunks); ++c) {
@@ -201,12 +205,13 @@ PAGODA_AVXVNNI void tile256(const Weights& w, const QuantAct& a, int64_t n, int6
     for (int r = 0; r < R; ++r) {
       const __m256i qu = _mm256_xor_si256(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + (n + r) * w.K + b * kBlock)), flip);
-      const float* sc = w.scales + (n + r) * w.ng;
+      const float* sc = w.half == nullptr ? w.scales + (n + r) * w.ng : nullptr;  // fp16: groups of 32
       const __m256 ws = w.group == 16
                             ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(
                                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 2 * b)))),
                                                        quads)
-                            : _mm256_set1_ps(sc[(b & 1) ? a.g1[b >> 1] : a.g0[b >> 1]]);
+                            : _mm256_set1_ps(sc != nullptr ? sc[(b & 1) ? a.g1[b >> 1] : a.g0[b >> 1]]
+                                                           : _cvtsh_ss(w.half[(n + r) * w.ng + b]));
       for (int j = 0; j < MT; ++j) {
         const __m256i dot = _mm256_dpbusd_avx_epi32(neg[j], qu, xs[j]);
         acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws, xd[j]), acc[r][j]);
@@ -320,15 +325,17 @@ int64_t int8_dot_mode() { return mode_now().load(std::memory_order_relaxed); }
 int64_t act_default() { return act_now().load(std::memory_order_relaxed); }
 
 bool int8_dot_linear(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scales, const float* mins,
-                     int64_t N, int64_t group, const float* bias, float* out, int64_t act) {
+                     int64_t N, int64_t group, const float* bias, float* out, int64_t act,
+                     const uint16_t* half_scales) {
   const int64_t mode = int8_dot_mode();
   if (act == kActDefault) act = act_default();
   if (mode == kInt8DotOff || act == kActFp32 || K % kBlock != 0 || (group % kBlock != 0 && group != 16)) return false;
-  if (act == kActInt16) return int16_dot_linear(mode, x, M, K, q, scales, mins, N, group, bias, out);
+  if (act == kActInt16) return int16_dot_linear(mode, x, M, K, q, scales, mins, N, group, bias, out, half_scales);
+  if (half_scales != nullptr && (group != kBlock || mins != nullptr)) return false;
 #ifdef PAGODA_I8_X86
   QuantAct a;
   quantize_rows(x, M, K, group, mins != nullptr, a);
-  const Weights w{q, scales, mins, N, K, group, K / group};
+  const Weights w{q, scales, half_scales, mins, N, K, group, K / group};
   // 64 rows per task at least (~37 KB of weights at K = 576); torch splits N evenly over threads.
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { rows(mode, w, a, begin, end, bias, out); });
   return true;

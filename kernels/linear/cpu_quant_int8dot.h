@@ -28,14 +28,18 @@ int64_t int8_dot_mode();
 // out[m, n] = sum_b s_g(b) d_b sum_{k in b} q x_q (+ mins * sum x_q d over each group) + bias.
 // Returns false (nothing written) where the path does not apply: mode off, act kActFp32 (or a
 // default of fp32), group % 32 != 0 and not 16. act kActInt16: int16_dot_linear.
+// half_scales: fp16 scales [N, K/32] in place of `scales` (groups of 32, no mins: GGUF Q8_0's own,
+// kept as stored), read as they are by both integer paths; false for a call that takes the fp32
+// path (or another group): the caller then widens them to fp32 and goes on.
 bool int8_dot_linear(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scales,
                      const float* mins, int64_t N, int64_t group, const float* bias, float* out,
-                     int64_t act = kActDefault);
+                     int64_t act = kActDefault, const uint16_t* half_scales = nullptr);
 
 // The same with activations quantized to int16 per 32 (d = max|x| / 32767) and vpdpwssd
 // (cpu_quant_int16dot.cpp), with the kernel family `mode` (kInt8DotAvx512Vnni / kInt8DotAvxVnni).
 bool int16_dot_linear(int64_t mode, const float* x, int64_t M, int64_t K, const int8_t* q, const float* scales,
-                      const float* mins, int64_t N, int64_t group, const float* bias, float* out);
+                      const float* mins, int64_t N, int64_t group, const float* bias, float* out,
+                      const uint16_t* half_scales = nullptr);
 
 // The activation rows of one block of weight rows, in tiles of 4 then the remainder (the weight rows
 // stay in L1 across the tiles): emit(std::integral_constant<int, MT>, m0) for each tile of MT rows.

@@ -6,7 +6,9 @@
 //   qweight: int8 [N, K]            (bits 8)  or uint8 [N, K/2] (bits 4: in each group of `group`
 //            elements, byte i holds element i in its low nibble and element i + group/2 in its high
 //            one: GGUF's Q4_0/Q4_1 block layout)
-//   scales:  fp32 [N, K/group];  mins: fp32 [N, K/group] or undefined
+//   scales:  fp32 [N, K/group] (or fp16 for 8-bit codes in groups of 32 without mins: Q8_0 as stored,
+//            read as such by the integer dot paths, widened to an fp32 copy per call by the others);
+//   mins: fp32 [N, K/group] or undefined
 //   w[n, k] = scales[n, g] * float(q[n, k] - zero) (+ mins[n, g])   with g = k / group
 //
 // The product and the sum are two roundings, exactly as gguf's numpy reference dequantises
@@ -395,9 +397,12 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.element_size() == 1 &&
                   qweight.size(1) == (bits == 8 ? K : K / 2),
               "qweight must be contiguous [N, K] int8 or [N, K/2] uint8 for K = ", K);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == N && scales.size(1) == K / group, "scales must be contiguous fp32 [N, K/group]");
   const bool has_min = mins.has_value() && mins->defined();
+  // fp16 scales: 8-bit codes in groups of 32 without mins (GGUF Q8_0's, kept as stored)
+  const bool half_scales = scales.scalar_type() == at::kHalf && bits == 8 && group == 32 && !has_min;
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || half_scales) && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == N && scales.size(1) == K / group,
+              "scales must be contiguous fp32 [N, K/group] (or fp16 for 8-bit codes in groups of 32 without mins)");
   if (has_min)
     TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->sizes() == scales.sizes(),
                 "mins must be contiguous fp32 [N, K/group]");
@@ -408,9 +413,20 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const
     TORCH_CHECK(b.numel() == N, "bias must have N entries");
   }
   const at::Tensor x = x_in.to(at::kFloat).contiguous();  // bf16: widened once (M x K, small)
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (half_scales) {
+    // The integer dot paths read fp16 scales as they are (half the scale bytes of a decode step);
+    // every other path (prefill, fp32 activations, no VNNI) reads an fp32 copy made here.
+    if (M <= kMaxDirectRows &&
+        pagoda_cpu::int8_dot_linear(x.const_data_ptr<float>(), M, K, static_cast<const int8_t*>(qweight.const_data_ptr()),
+                                    nullptr, nullptr, N, group, has_bias ? b.const_data_ptr<float>() : nullptr,
+                                    out.data_ptr<float>(), act,
+                                    reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>())))
+      return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+    return quant_linear(x_in, qweight, scales.to(at::kFloat), mins, bias, group, bits, zero, act);
+  }
   QuantView w{static_cast<const uint8_t*>(qweight.const_data_ptr()), scales.const_data_ptr<float>(),
               has_min ? mins->const_data_ptr<float>() : nullptr, N, K, group, bits, zero};
-  at::Tensor out = at::empty({M, N}, x.options());
   if (M <= kMaxDirectRows) {
     direct(w, x.const_data_ptr<float>(), M, out.data_ptr<float>(), has_bias ? b.const_data_ptr<float>() : nullptr, act);
   } else {
@@ -428,6 +444,8 @@ namespace {
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                             int64_t K, int64_t group, int64_t bits, int64_t zero) {
   if (bits == 5 || bits == 6) return pagoda_cpu::quant_dequantize_lowbit(qweight, scales, mins, K, group, bits, zero);
+  if (scales.scalar_type() == at::kHalf)  // Q8_0's scales as stored: widened exactly
+    return quant_dequantize(qweight, scales.to(at::kFloat), mins, K, group, bits, zero);
   const int64_t N = qweight.size(0);
   const bool has_min = mins.has_value() && mins->defined();
   QuantView w{static_cast<const uint8_t*>(qweight.const_data_ptr()), scales.const_data_ptr<float>(),

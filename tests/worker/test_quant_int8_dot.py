@@ -179,13 +179,16 @@ def _cpu_flags() -> set[str]:
 @pytest.mark.skipif("avx_vnni" not in _cpu_flags(), reason="no AVX-VNNI on this CPU")
 def test_the_avx_vnni_kernels_without_avx512():
     """The 256-bit kernels a CPU without AVX-512 takes (Alder Lake and later), forced here in a
-    fresh process (the choice is made once per process): same cases, same bounds."""
+    fresh process (the choice is made once per process): same cases, same bounds, the same exact
+    int16 codes (the AVX2 quantization) and fp16 scales."""
     script = (
         "import torch\n"
         "from worker_svc.models.quant_linear import int8_dot_status\n"
         "from tests.worker.test_quant_int8_dot import WEIGHTS, ROWS, ACTS, "
         "test_matches_dequantise_then_matmul_on_the_rounded_activations as tight, "
-        "test_within_the_rounding_bound_of_the_exact_product as loose\n"
+        "test_within_the_rounding_bound_of_the_exact_product as loose, "
+        "test_int16_codes_exactly_on_every_thread as codes, "
+        "test_fp16_scales_give_the_fp32_scales_results_bit_for_bit as half\n"
         "assert int8_dot_status()[0] == 'avx_vnni', int8_dot_status()\n"
         "for act in ACTS:\n"
         "    for name in WEIGHTS:\n"
@@ -193,5 +196,84 @@ def test_the_avx_vnni_kernels_without_avx512():
         "            loose(name, m, act)\n"
         "            for dtype in (torch.float32, torch.bfloat16):\n"
         "                tight(name, dtype, m, act)\n"
+        "for m in (1, 3, 5):\n"
+        "    codes(608, m)\n"
+        "    for act in (16, 8, 32):\n"
+        "        half(act, m)\n"
         "print('ok')\n")
     assert _in_a_fresh_process({"PAGODA_CPU_NO_AVX512": "1", "PAGODA_INT8_DOT": "16"}, script) == "ok"
+
+
+def _identity(k: int) -> QuantizedWeight:
+    """Codes 1 on the diagonal, scales 1: the op's output row is the activations it multiplied."""
+    return QuantizedWeight(qweight=torch.eye(k, dtype=torch.int8), scales=torch.ones(k, k // 32), mins=None,
+                           bits=8, group=32)
+
+
+@pytest.mark.parametrize("m", [1, 3, 5])
+@pytest.mark.parametrize("k", [608, 96])
+def test_int16_codes_exactly_on_every_thread(k, m):
+    """The activation codes themselves, read back through an identity weight: per block with
+    max|x| = 32767 the scale is 1, so out = round_half_even(x) exactly, halves included; a block of
+    zeros gives zeros, other blocks the torch restatement's values. K = 608 is 19 blocks (a window of
+    16 and a tail of 3) and N = 608 rows split over two threads: each worker must read the calling
+    thread's codes (a thread_local buffer named in the worker's lambda read its own, empty one)."""
+    gen = torch.Generator().manual_seed(k + m)
+    x = torch.randn(m, k, generator=gen) * 5000  # |x| < 32767: 6.5 sigma
+    x[:, 0:32:5] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 32766.5, -32766.5])
+    x[:, 7], x[:, 40] = 32767.0, -32767.0  # blocks 0 and 1: scale exactly 1
+    x[:, 33:64:3] = torch.arange(11) + 100.5  # halves in block 1
+    x[-1, 64:96] = 0.0  # an all-zero block
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = quant_matmul(x, _identity(k), None, 16)
+    finally:
+        torch.set_num_threads(threads)
+    exact = torch.round(x[:, :64])  # half to even, as the kernels' conversion
+    assert torch.equal(out[:, :64], exact), (out[:, :64] - exact).abs().max()
+    assert torch.equal(out[-1, 64:96], torch.zeros(32))
+    assert torch.allclose(out.double(), quantized_activations(x, 16), rtol=2**-23, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 3, 40])
+@pytest.mark.parametrize("act", [16, 8, 32])
+def test_fp16_scales_give_the_fp32_scales_results_bit_for_bit(act, m):
+    """Q8_0's scales kept as the file's fp16 (keep_half_scales): the integer paths read them as
+    they are, the others (fp32 activations, prefill rows) an fp32 copy; the same values either
+    way, so the same bits. N = 300 rows split over two threads."""
+    weight = decoded("Q8_0", 300, 608, seed=7)[0]
+    half = QuantizedWeight(weight.qweight, weight.scales.half(), None, 8, 32)
+    assert torch.equal(half.scales.float(), weight.scales) and torch.equal(half.dequantize(), weight.dequantize())
+    gen = torch.Generator().manual_seed(m)
+    x, bias = torch.randn(m, 608, generator=gen), torch.randn(300, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, want = quant_matmul(x, half, bias, act), quant_matmul(x, weight, bias, act)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, want)
+
+
+def test_keep_half_scales_only_where_fp16_holds_them():
+    from torch import nn
+
+    from worker_svc.models.quant_linear import keep_half_scales
+
+    def linear(weight: QuantizedWeight) -> QuantLinear:
+        module = QuantLinear(weight.shape[1], weight.shape[0])
+        module.set_weight(weight)
+        return module
+
+    gen = torch.Generator().manual_seed(11)
+    q8 = decoded("Q8_0", 8, 64, seed=3)[0]  # fp16 in the file
+    computed = quantize(torch.randn(8, 64, generator=gen), "int8")  # absmax / 127 in fp32
+    model = nn.ModuleList([linear(q8), linear(computed), linear(_with_mins(8, 64, 32, seed=4)), linear(q8)])
+    model[3].act = 32  # a module that asks for fp32 activations reads fp32 scales
+    x = torch.randn(1, 64, generator=gen)
+    before = [m(x) for m in model]
+    assert keep_half_scales(model) == 1
+    assert [m.weight_q.scales.dtype for m in model] == [torch.float16, torch.float32, torch.float32, torch.float32]
+    assert model[0].scales is model[0].weight_q.scales  # the buffer follows (memory accounting)
+    assert all(torch.equal(m(x), b) for m, b in zip(model, before, strict=True))

@@ -32,7 +32,7 @@ class QuantizedWeight:
     """A [N, K] weight in the format above (K: the unpacked row length)."""
 
     qweight: torch.Tensor  # int8 [N, K] or uint8 [N, K/2]
-    scales: torch.Tensor  # fp32 [N, K/group]
+    scales: torch.Tensor  # fp32 [N, K/group] (fp16 for Q8_0 as stored: quant_linear.keep_half_scales)
     mins: torch.Tensor | None  # fp32 [N, K/group] or None
     bits: int
     group: int
@@ -81,7 +81,7 @@ class QuantizedWeight:
     def widened(self, group: int, with_mins: bool) -> QuantizedWeight:
         """The same weights as int8 storage with groups of `group` (dividing ours) and mins if asked."""
         repeat = self.group // group
-        scales = self.scales.repeat_interleave(repeat, dim=1) if repeat > 1 else self.scales
+        scales = self.scales.float().repeat_interleave(repeat, dim=1) if repeat > 1 else self.scales.float()
         mins = self.mins
         if mins is not None and repeat > 1:
             mins = mins.repeat_interleave(repeat, dim=1)
@@ -94,7 +94,7 @@ class QuantizedWeight:
         """fp32 [N, K], the reference: same two roundings as the kernel and as gguf's numpy."""
         n, g = self.qweight.shape[0], self.group
         q = self.unpacked().view(n, -1, g).float()
-        w = self.scales.unsqueeze(-1) * q
+        w = self.scales.float().unsqueeze(-1) * q
         if self.mins is not None:
             w = w + self.mins.unsqueeze(-1)
         return w.reshape(n, self.in_features)

@@ -141,6 +141,31 @@ class QuantEmbedding(nn.Module):
         return self.head[0].weight_q.rows(ids.reshape(-1)).dequantize().to(self.dtype).reshape(*ids.shape, -1)
 
 
+def keep_half_scales(model: nn.Module) -> int:
+    """Q8_0's scales (8-bit codes, groups of 32, no mins) back to the fp16 the file stores them in,
+    wherever fp16 holds them exactly and the integer dot paths read them: a batch-1 decode step then
+    reads 1.0625 bytes per weight as llama.cpp does instead of 1.125 (SmolLM2: ~8 of ~151 MB).
+    The op's other paths (prefill rows, fp32 activations, a CPU without VNNI) widen an fp32 copy
+    per call, so this is done only where an integer path is the default. Returns how many."""
+    ops = _ops()
+    if ops is None or not hasattr(ops, "quant_int8_dot"):
+        return 0
+    mode, _, act = ops.quant_int8_dot()
+    if not mode or act not in (8, 16):
+        return 0
+    count = 0
+    for module in model.modules():
+        w = getattr(module, "weight_q", None) if isinstance(module, QuantLinear) else None
+        if (w is None or module.act == 32 or (w.bits, w.group, w.mins) != (8, 32, None)
+                or w.scales.dtype != torch.float32):
+            continue
+        half = w.scales.half()
+        if torch.equal(half.float(), w.scales):  # --quantization int8's fp32 scales rarely are
+            module.set_weight(QuantizedWeight(w.qweight, half, None, 8, 32, w.zero, w.in_features))
+            count += 1
+    return count
+
+
 def quantize_linears(model: nn.Module, method: str) -> int:
     """Replace every dense `nn.Linear` of `model` (not the MoE router) by a `QuantLinear`; a tied
     lm_head also replaces the embedding by a `QuantEmbedding` over its rows. Returns how many."""
