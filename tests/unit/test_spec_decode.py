@@ -216,3 +216,23 @@ def test_the_fake_sampler_refuses_a_vocabulary_with_every_token_banned():
     with pytest.raises(ValueError, match="every token"):
         sampler.sample(1, 0, 0, SamplingParams(min_tokens=1, stop_token_ids=(1, 2)))
     assert sampler.sample(1, 0, 1, SamplingParams(min_tokens=1, stop_token_ids=(1, 2))) in (1, 2)
+
+
+def _decoding(seq_id: str, tokens: list[int]):
+    """The fields `Speculator.propose` reads of a decoding sequence (its last token known)."""
+    from types import SimpleNamespace
+    request = SimpleNamespace(max_num_tokens=100, num_prompt_tokens=3, sampling=SimpleNamespace(logprobs=None),
+                              beam=None)
+    return SimpleNamespace(seq_id=seq_id, token_ids=tokens, num_placeholders=0, num_computed_tokens=len(tokens) - 1,
+                           spec_accepts=0.0, spec_tries=0.0, request=request)
+
+
+def test_ngram_drafts_are_cut_to_their_match_unless_the_sequence_runs_alone() -> None:
+    """Alone, a step is bound by reading the weights and drafts past the match are nearly free
+    (prompt lookup's K); beside others each draft costs about a decode row (cut to the match)."""
+    from scheduler_svc.core.spec.ngram import NgramSpeculator
+
+    speculator = NgramSpeculator(SPEC, kv=None, threshold=0)  # type: ignore[arg-type]
+    tokens = [5, 1, 2, 7, 7, 1, 2]  # [1, 2] matched: prompt lookup drafts 4, the match earns 2
+    assert speculator.propose([_decoding("a", tokens)]) == {"a": [7, 7, 1, 2]}
+    assert speculator.propose([_decoding("a", tokens), _decoding("b", [1, 2, 3])]) == {"a": [7, 7]}
