@@ -22,6 +22,7 @@ import statistics
 import sys
 from collections.abc import Callable
 
+from benchmarks.result_file import write_result
 from scheduler_svc.core import spec_policy
 from scheduler_svc.core.spec.ngram import propose_ngram, propose_ngram_matched
 
@@ -55,8 +56,7 @@ def collect(model: str, out: str) -> None:
     for rows in CURVE_ROWS:
         timed(llm, copy_prompts(llm.tokenizer, rows), 7)
     curve = {rows: statistics.median(v) for rows, v in seconds.items() if len(v) >= 3}
-    with open(out, "w") as f:
-        json.dump({"prompts": [p["prompt_token_ids"] for p in prompts], "outputs": outputs, "curve": curve}, f)
+    write_result(out, {"prompts": [p["prompt_token_ids"] for p in prompts], "outputs": outputs, "curve": curve})
 
 
 def curve_fn(curve: dict) -> Callable[[int], float]:
