@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 
 from pagoda.contract.ids import BlockId
 from pagoda.contract.step import NewRequestData, StepPlan
+from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core.brownout import BrownoutGovernor
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
@@ -74,7 +75,7 @@ class Admission:
         waiting = q.waiting
         rank = self._tenants.rank if self._tenants.fair else None
         skip: set[str] = set(skip_tenants)  # tenants at their KV cap this step
-        reserve = self._prefill_reserve()
+        reserve = self._prefill_reserve() if waiting else 0  # steady decode, nothing waiting: no walk
         while waiting and draft.budget > 0:
             head = seq = waiting.peek(rank, skip)
             if seq is None:
@@ -121,13 +122,14 @@ class Admission:
 
     def _prefill_reserve(self) -> int:
         """Blocks the running sequences still need to hold their known tokens (prompts not yet
-        fully prefilled; 0 for a decoding one, whose table already covers them)."""
+        fully prefilled; 0 for a decoding one, whose table already covers them). Unused, and not
+        summed, under a sliding window (`_fits_whole`)."""
+        if self._config.sliding_window:
+            return 0
         return sum(self._blocks_to_finish(seq) for seq in self._queues.running)
 
     def _blocks_to_finish(self, seq: Sequence) -> int:
-        if self._config.sliding_window:
-            return 0
-        return max(0, -(-len(seq.token_ids) // self._config.block_size) - len(seq.block_table))
+        return max(0, cdiv(len(seq.token_ids), self._config.block_size) - len(seq.block_table))
 
     def _uncached(self, seq: Sequence) -> int:
         """Tokens `seq` would compute if admitted now (past its hit on every tier, or its swapped

@@ -53,8 +53,9 @@ class CachedFirst:
         due = next((s for s in window if counts[id(s)] >= self.max_overtakes), None)
         if due is not None:
             return due
-        best = min(window, key=uncached)  # ties: the earlier in the queue
-        if best is head or uncached(best) >= uncached(head):
+        cost = {id(s): uncached(s) for s in window}  # prefix lookups on every tier: once each
+        best = min(window, key=lambda s: cost[id(s)])  # ties: the earlier in the queue
+        if best is head or cost[id(best)] >= cost[id(head)]:
             return head
         for s in window:  # everyone in front of `best` is overtaken once more
             if s is best:
