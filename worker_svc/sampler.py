@@ -32,6 +32,22 @@ from worker_svc.structured_output import GrammarMasks, GrammarState, apply_gramm
 from worker_svc.token_constraints import apply_token_constraints
 
 
+# Up to this many rows, a CPU argmax runs on the calling thread (numpy) instead of torch's
+# parallel reduction. Why: a [1, 49152] row takes ~65 us on one core, and torch splits it over
+# its OpenMP team, gaining nothing at this size (min 77 us with 2 threads) while one busy core
+# stalls the whole call at the team's barrier (medians of 3-5 ms at batch 1 on a loaded 2-core
+# machine). Same answer: numpy and torch both return the first maximum (a NaN counts as the max).
+SERIAL_ARGMAX_ROWS = 8
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of [N, V] logits, int64 [N] on logits' device."""
+    if logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[0] <= SERIAL_ARGMAX_ROWS \
+            and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 @dataclass(slots=True)
 class SamplingRow:
     """What the sampler needs of one sequence; token_ids is prompt + outputs so far (not copied)."""
@@ -156,7 +172,7 @@ class Sampler:
     # -- choosing tokens ------------------------------------------------------------------------
 
     def _pick(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        tokens = logits.argmax(dim=-1)  # [N]: the answer for greedy rows
+        tokens = row_argmax(logits)  # [N]: the answer for greedy rows
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_idx:
             return tokens

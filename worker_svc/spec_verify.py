@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from worker_svc.sampler import Sampler, SamplingRow
+from worker_svc.sampler import Sampler, SamplingRow, row_argmax
 
 
 def accept_seed(seed: int, seq_index: int, position: int) -> int:
@@ -53,7 +53,7 @@ class DraftVerifier:
         results: list[list[int] | None] = [None] * len(items)
         greedy = [i for i, (base, _) in enumerate(items) if base.params.greedy]
         if greedy:
-            argmax = logits.argmax(dim=-1).tolist()
+            argmax = row_argmax(logits).tolist()
             for i in greedy:
                 results[i] = _greedy_run(items[i][1], argmax[starts[i]:starts[i] + len(items[i][1]) + 1])
         randoms = [i for i, (base, _) in enumerate(items) if not base.params.greedy]

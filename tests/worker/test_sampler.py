@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagoda.contract.params import SamplingParams
-from worker_svc.sampler import Sampler, SamplingRow
+from worker_svc.sampler import SERIAL_ARGMAX_ROWS, Sampler, SamplingRow, row_argmax
 
 VOCAB = 64
 EOS = 3
@@ -176,3 +176,18 @@ def test_logprobs_are_raw_log_softmax() -> None:
     assert [v for _, v in out.logprobs[0].top] == pytest.approx(values.tolist(), abs=1e-6)
     assert out.logprobs[1].top == []
     assert out.logprobs[2] is None
+
+
+@pytest.mark.parametrize("rows", [1, SERIAL_ARGMAX_ROWS, SERIAL_ARGMAX_ROWS + 1])
+def test_row_argmax_is_torch_argmax_ties_and_nan_included(rows: int) -> None:
+    """The serial (numpy) argmax of few rows and torch's of many give the same ids: the first of
+    tied maxima, and a NaN's index where a row has one (both count NaN as the maximum)."""
+    logits = torch.randn(rows, 49152, generator=torch.Generator().manual_seed(rows))
+    logits[0, 17] = logits[0, 40000] = 1e4  # a tie: the first wins
+    if rows > 1:
+        logits[1, 123] = float("nan")
+        logits[1, 9] = 1e4
+    with torch.inference_mode():
+        got = row_argmax(logits)
+    assert got.dtype == torch.int64 and got.tolist() == logits.argmax(dim=-1).tolist()
+    assert got[0] == 17 and (rows == 1 or got[1] == 123)
