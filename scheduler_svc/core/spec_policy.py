@@ -164,12 +164,16 @@ def choose_draft_lengths(proposed: dict[str, int], alphas: dict[str, float], bas
     heapq.heapify(heap)
     ranked: list[str] = []  # the drafts, best gain first
     expected = float(base_yield)
-    best, best_n = expected / cost(base_tokens), 0
+    base_cost = cost(base_tokens)
+    if base_cost <= 0.0:
+        return dict(proposed)  # an untimed step (its parts at 0): drafts look free
+    best, best_n = expected / base_cost, 0
     while heap:
         neg_gain, seq, position = heapq.heappop(heap)
         ranked.append(seq)
         expected -= neg_gain
-        rate = expected / cost(base_tokens + len(ranked))
+        seconds = cost(base_tokens + len(ranked))
+        rate = expected / seconds if seconds > 0.0 else float("inf")
         if rate > best:
             best, best_n = rate, len(ranked)
         if position < proposed[seq]:
