@@ -98,10 +98,11 @@ class NgramReplay:
 
 def simulate(prompts: list[list[int]], outputs: list[list[int]], t: Callable[[int], float],
              propose: Proposer | NgramReplay | None, k: int = 8,
-             fit: spec_policy.StepCostModel | None = None, linear: bool = False) -> dict:
+             fit: spec_policy.StepCostModel | None = None, priced_by_curve: bool = False) -> dict:
     """One batch run; `propose` None: speculation off. `fit`: the engine's step-cost model, carried
     from run to run as in `benchmarks.spec_decode` (None: a fresh one that has seen steps of 8 to
-    72 rows); `linear`: price steps by its fitted line alone (the policy before the curve)."""
+    72 rows); `priced_by_curve`: the policy prices a step by the true curve `t`, not by the line
+    the engine fits (what a policy that knew the curve would gain)."""
     n = len(prompts)
     pos, record = [1] * n, [(0.0, 0.0)] * n  # the prefill sampled each first token
     if fit is None:
@@ -129,7 +130,7 @@ def simulate(prompts: list[list[int]], outputs: list[list[int]], t: Callable[[in
         if proposals and line is not None:
             alphas = {i: spec_policy.acceptance_rate(*record[i]) for i in proposals}
             lengths = spec_policy.choose_draft_lengths(lengths, alphas, len(active), len(active),
-                                                       line if linear else fit.seconds)
+                                                       t if priced_by_curve else line)
         rows = len(active) + sum(lengths.values())
         fit.observe(rows, t(rows))
         clock += t(rows)
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--uncapped", action="store_true", help="K drafts whatever the match (before issue 33's cut)")
-    p.add_argument("--linear", action="store_true", help="price steps by the fitted line (before the curve)")
+    p.add_argument("--priced-by-curve", action="store_true", help="the policy prices steps by the true curve")
     p.add_argument("--no-batch-lookup", action="store_true", help="own prompt + output only (prompt_lookup_batch off)")
     p.add_argument("--repeats", type=int, default=3, help="runs per batch size, as spec_decode's --repeats")
     args = p.parse_args(argv)
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts, outputs = data["prompts"][:batch], data["outputs"][:batch]
         off = simulate(prompts, outputs, t, None)["rate"]
         runs = [simulate(prompts, outputs, t, uncapped if args.uncapped else NgramReplay(prompts, not args.no_batch_lookup),
-                         args.k, fit, args.linear) for _ in range(args.repeats)]
+                         args.k, fit, args.priced_by_curve) for _ in range(args.repeats)]
         on = max(runs, key=lambda r: r["rate"])
         print(f"batch {batch}: per request {on['rate'] / off:.3f}x (runs "
               + " ".join(f"{r['rate'] / off:.3f}x" for r in runs)

@@ -6,11 +6,14 @@ computes 8 tokens and 8 x (1 + K) cost several times as much, so drafting all K 
 or lose (docs/speculative_decoding.md). The rule, after SmartSpec (Liu et al., 2024, "Optimizing
 Speculative Decoding for Serving Large Language Models Using Goodput"):
 
-- a step's time is what the worker reported for steps of as many tokens (each row count's own
-  recent average, interpolated between the counts seen), a + b * tokens fitted online beyond them:
-  on CPU the curve is not a line (oneDNN blocks rows: the quiet VM's thread-time curve rises 13 ms
-  from 8 to 16 rows, 84 ms from 16 to 32, then stays flat to 48), so a line misprices the rows
-  that matter, and the drafts that fill a step up to the end of a flat stretch are nearly free;
+- a step's time is modelled as a + b * tokens, fitted online to the times the worker reports.
+  On CPU the real curve is not a line (oneDNN blocks rows: the quiet VM's thread-time curve
+  rises 13 ms from 8 to 16 rows, 84 ms from 16 to 32, then stays flat to 48), and a policy that
+  knew it would do ~2% better on the forced copy task at batch 8 (`benchmarks.spec_sim
+  --priced-by-curve`); but each row count's own recent average, learned online, was tried and
+  dropped: on a shared machine a stall or two inflate the counts the policy then avoids, which
+  are never timed again (drafts fell to 1.4 a drafted step, docs/speculative_decoding.md), where
+  the line spreads every step over two coefficients;
 - a sequence's j-th draft is accepted with probability alpha^j, alpha its own per-position
   acceptance rate (a prior for a new sequence), so its expected gain is alpha^j tokens. alpha
   follows the sequence's recent draft runs, not its whole life (`RECORD_DECAY`): an answer that
@@ -20,8 +23,8 @@ Speculative Decoding for Serving Large Language Models Using Goodput"):
 - drafts are ranked best gain first, and the step takes the prefix of that ranking with the most
   expected tokens per second: (tokens it samples + gains) / t(rows). On a line t = a + b * M this
   is the first-refusal rule (a draft of gain g pays exactly when g * t(M) > G * b, and the gains
-  fall while the bar rises); on a curve with flat stretches it also looks past a dear step to the
-  free ones after it.
+  fall while the bar rises); priced by a curve with flat stretches (the simulation's) it also
+  looks past a dear step to the free ones after it.
 
 Until the fit has seen enough steps of different sizes the policy grants every proposal (the fixed-K
 behaviour), which is also what makes the sizes vary. Exactness never depends on this: the verifier
@@ -30,10 +33,9 @@ keeps outputs identical whatever the draft lengths.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # alpha for a sequence with no history: Beta-like prior of PRIOR_ACCEPTS / PRIOR_TRIES
 PRIOR_ACCEPTS, PRIOR_TRIES = 1.5, 2.0
@@ -76,24 +78,18 @@ def record_outcome(num_drafts: int, num_accepted: int) -> tuple[int, int]:
 
 @dataclass(slots=True)
 class StepCostModel:
-    """Step seconds as a function of the step's tokens: each row count's own recent average where
-    it has been seen (`seconds`), and a least-squares line a + b * tokens with exponential
-    forgetting (it follows the machine over the last few hundred steps) to reach the counts not
-    seen yet."""
+    """Least-squares fit of step seconds = a + b * tokens, with exponential forgetting so that the
+    fit follows the machine (other load, thermal limits) over the last few hundred steps."""
 
     decay: float = 0.995
     min_steps: int = 16
     min_token_variance: float = 4.0  # tokens^2: below this the slope is not identified yet
-    point_decay: float = 0.8  # a row count's average: about its last 5 steps
-    min_point_weight: float = 1.5  # a count seen once is one noisy sample: the line's word instead
     _w: float = 0.0
     _x: float = 0.0
     _y: float = 0.0
     _xx: float = 0.0
     _xy: float = 0.0
     _steps: int = 0
-    _points: dict[int, list[float]] = field(default_factory=dict)  # tokens -> [weight, weighted sum]
-    _known: list[int] = field(default_factory=list)  # sorted counts with min_point_weight
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0.0:
@@ -105,33 +101,6 @@ class StepCostModel:
         self._xx = self._xx * d + num_tokens * num_tokens
         self._xy = self._xy * d + num_tokens * seconds
         self._steps += 1
-        point = self._points.setdefault(num_tokens, [0.0, 0.0])
-        point[0] = point[0] * self.point_decay + 1.0
-        point[1] = point[1] * self.point_decay + seconds
-        if point[0] >= self.min_point_weight and num_tokens not in self._known:
-            bisect.insort(self._known, num_tokens)
-
-    def seconds(self, num_tokens: int) -> float:
-        """Expected seconds of a step of `num_tokens` (call once `coefficients()` is not None):
-        between two row counts seen, the line through their averages; past the last (before the
-        first) one seen, its average plus (minus) the fitted slope per token; none seen, the line."""
-        a, b = self.coefficients() or (0.0, 0.0)
-        known, points = self._known, self._points
-        i = bisect.bisect_left(known, num_tokens)
-        if i < len(known) and known[i] == num_tokens:
-            return points[num_tokens][1] / points[num_tokens][0]
-        if not known:
-            return a + b * num_tokens
-        if i == len(known):
-            m0 = known[-1]
-            return points[m0][1] / points[m0][0] + b * (num_tokens - m0)
-        m1 = known[i]
-        t1 = points[m1][1] / points[m1][0]
-        if i == 0:
-            return max(t1 - b * (m1 - num_tokens), a)
-        m0 = known[i - 1]
-        t0 = points[m0][1] / points[m0][0]
-        return t0 + (t1 - t0) * (num_tokens - m0) / (m1 - m0)
 
     def coefficients(self) -> tuple[float, float] | None:
         """(a, b) in seconds and seconds per token; None while the fit is not identified."""
@@ -152,7 +121,7 @@ def choose_draft_lengths(proposed: dict[str, int], alphas: dict[str, float], bas
 
     `proposed`: seq -> drafts the proposer found; `alphas`: seq -> acceptance rate; `base_tokens`:
     tokens the step computes without drafts; `base_yield`: tokens it samples without drafts;
-    `cost`: step seconds of a number of tokens (`StepCostModel.seconds`), or a line's (a, b).
+    `cost`: a line's (a, b) (`StepCostModel.coefficients`), or step seconds of a number of tokens.
     """
     if isinstance(cost, tuple):
         a, b = cost

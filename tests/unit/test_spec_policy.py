@@ -32,27 +32,6 @@ def test_cost_model_recovers_a_line_and_waits_until_sizes_vary() -> None:
     assert model.coefficients() == (a, b)
 
 
-def test_step_seconds_follow_each_row_count_seen_and_the_line_beyond() -> None:
-    model = StepCostModel()
-    # a CPU-like curve: flat from 32 to 48 rows, not a line
-    curve = {8: 0.095, 16: 0.108, 32: 0.192, 48: 0.192}
-    for _ in range(5):
-        for tokens, seconds in curve.items():
-            model.observe(tokens, seconds)
-    a, b = model.coefficients()
-    for tokens, seconds in curve.items():
-        assert model.seconds(tokens) == pytest.approx(seconds)
-    assert model.seconds(40) == pytest.approx(0.192)  # between two counts seen: their line
-    assert model.seconds(24) == pytest.approx(0.150)
-    assert model.seconds(56) == pytest.approx(0.192 + 8 * b)  # past the last: the fitted slope
-    assert model.seconds(4) == pytest.approx(max(0.095 - 4 * b, a))
-    model.observe(60, 0.5)  # seen once: one noisy sample, not a point yet
-    assert model.seconds(60) == pytest.approx(0.192 + 12 * model.coefficients()[1])
-    for _ in range(20):  # a count's average follows its recent steps
-        model.observe(16, 0.120)
-    assert model.seconds(16) == pytest.approx(0.120, abs=1e-4)
-
-
 def test_a_flat_stretch_makes_drafts_up_to_its_end_free() -> None:
     # 8 decoding sequences, 4 drafts each at alpha 0.6: on the line through these points a draft
     # does not pay (0.6 < the bar), but a step of 40 rows costs what one of 32 does, and past 24

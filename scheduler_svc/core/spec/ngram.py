@@ -152,10 +152,11 @@ class Speculator:
             if drafts:
                 proposals[seq.seq_id] = drafts
                 alphas[seq.seq_id] = acceptance_rate(seq.spec_accepts, seq.spec_tries)
-        if self._cost.coefficients() is None or not proposals:
+        cost = self._cost.coefficients()
+        if cost is None or not proposals:
             return proposals
         lengths = choose_draft_lengths({sid: len(d) for sid, d in proposals.items()}, alphas,
-                                       base_tokens, base_yield, self._cost.seconds)
+                                       base_tokens, base_yield, cost)
         return {sid: d[:lengths[sid]] for sid, d in proposals.items() if lengths[sid]}
 
     def running(self, running: list[Sequence]) -> None:
