@@ -9,7 +9,7 @@ Speculative Decoding for Serving Large Language Models Using Goodput"):
 - a step's time is modelled as a + b * tokens, fitted online to the times the worker reports.
   On CPU the real curve is not a line (oneDNN blocks rows: the quiet VM's thread-time curve
   rises 13 ms from 8 to 16 rows, 84 ms from 16 to 32, then stays flat to 48), and a policy that
-  knew it would do ~2% better on the forced copy task at batch 8 (`benchmarks.spec_sim
+  knew it would do 1-3% better on the forced copy task at batch 8 (`benchmarks.spec_sim
   --priced-by-curve`); but each row count's own recent average, learned online, was tried and
   dropped: on a shared machine a stall or two inflate the counts the policy then avoids, which
   are never timed again (drafts fell to 1.4 a drafted step, docs/speculative_decoding.md), where

@@ -3,7 +3,8 @@ and the n-gram proposer (the suffix proposer is suffix.py).
 
 The proposer (prompt lookup): for a decoding sequence whose last token is known, find the most
 recent earlier occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
-in its own prompt + output, and propose the up to K tokens that followed it. Pure Python, no model.
+in its own prompt + output, and propose the up to K tokens that followed it; beside others, also in
+the other running sequences' outputs where they match longer (batch_lookup.py). Pure Python, no model.
 
 How many of its drafts a sequence gets in a step is the goodput policy's call (spec_policy.py).
 A sequence with drafts is scheduled 1 + K tokens (its last token, then the drafts) within the
