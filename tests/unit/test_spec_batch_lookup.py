@@ -11,10 +11,10 @@ from scheduler_svc.core.spec.batch_lookup import BatchLookup
 from scheduler_svc.core.spec.ngram import NgramSpeculator
 
 
-def seq(seq_id: str, prompt: list[int], output: list[int]):
+def seq(seq_id: str, prompt: list[int], output: list[int], tenant: str | None = None):
     """The fields the batch lookup and `Speculator.propose` read of a decoding sequence."""
     request = SimpleNamespace(max_num_tokens=100, num_prompt_tokens=len(prompt),
-                              sampling=SimpleNamespace(logprobs=None), beam=None)
+                              sampling=SimpleNamespace(logprobs=None), beam=None, tenant=tenant)
     tokens = prompt + output
     return SimpleNamespace(seq_id=seq_id, token_ids=tokens, num_placeholders=0,
                            num_computed_tokens=len(tokens) - 1, spec_accepts=0.0, spec_tries=0.0, request=request)
@@ -68,3 +68,18 @@ def test_the_proposer_takes_a_mates_drafts_only_over_a_longer_own_match() -> Non
     assert off.propose([ahead, behind])["behind"] == [99, 61]  # its own: cut to its 2-token match
     proposer.finished(ahead)
     assert proposer.propose([behind]) == {"behind": [99, 61, 20, 21]}  # alone: its own, uncut
+
+
+def test_another_tenants_output_is_no_source() -> None:
+    """Drafts from another tenant's answers would let a tenant time its way to them."""
+    index = BatchLookup(n=4)
+    theirs = seq("theirs", [90], [1, 2, 3, 4, 5, 6], tenant="b")
+    mine = seq("mine", [80], [9, 1, 2, 3, 4], tenant="a")
+    same = seq("same", [70], [1, 2, 3, 4, 7, 8], tenant="a")
+    index.index(theirs)
+    index.index(mine)
+    assert index.lookup(mine, 4) == ([], 0)
+    index.index(same)
+    assert index.lookup(mine, 4) == ([7, 8], 4)
+    same.request.cache_salt = "private"  # a salted request is as isolated as in the prefix cache
+    assert index.lookup(mine, 4) == ([], 0)

@@ -10,7 +10,9 @@ requests' outputs for the same reason.
 The index maps every n-gram (n = `prompt_lookup_max`) of each running sequence's output, its last
 `window` tokens, to where it ends, one entry per sequence (its latest). Indexing costs O(new
 tokens) a step, a lookup one dict probe and at most `MAX_CANDIDATES` comparisons; a sequence's
-entries are dropped when it ends. A candidate's match is counted back as in
+entries are dropped when it ends. Only a batch-mate of the same tenant and cache salt is a source: how fast a
+request decodes would otherwise tell its tenant what another tenant's answers say (a timing side
+channel; the prefix cache salts its hashes per tenant for the same reason). A candidate's match is counted back as in
 `propose_ngram_matched`, and its drafts are cut to it; the caller takes them only over a longer
 match of the sequence's own.
 """
@@ -79,8 +81,8 @@ class BatchLookup:
         length = len(tokens)
         for sid, end in islice(ends.items(), MAX_CANDIDATES + 1):
             other = self._seqs[sid].token_ids
-            if sid == seq.seq_id or end >= len(other):
-                continue  # its own tail, or nothing follows yet
+            if sid == seq.seq_id or end >= len(other) or not _may_share(self._seqs[sid].request, seq.request):
+                continue  # its own tail, nothing follows yet, or text it may not see
             matched = n
             while matched < limit and end - matched > 0 and length - matched > 0 \
                     and other[end - matched - 1] == tokens[length - matched - 1]:
@@ -88,3 +90,9 @@ class BatchLookup:
             if matched > best[1]:
                 best = (other[end:end + min(limit, matched)], matched)
         return best
+
+
+def _may_share(a, b) -> bool:
+    """Whether one request's output may draft for the other: the prefix cache's isolation rule
+    (the same tenant, the same cache salt)."""
+    return a.tenant == b.tenant and getattr(a, "cache_salt", None) == getattr(b, "cache_salt", None)
