@@ -18,8 +18,9 @@ token to its last (1 / its TPOT, from `RequestOutput.metrics`), averaged over th
 printed, the batch-completion rate: (longest output - 1) / (time of the full run - time of a
 1-token run of the same batch), i.e. the slowest request's, which at batch > 1 speculation moves
 only as far as the request that copies worst. Best of `--repeats` interleaved off/on runs;
-ShareGPT-like reports output tokens/s of the whole batch. Also checks that greedy outputs are
-identical with and without.
+ShareGPT-like and chat (whole-batch rows, best of `--whole-batch-repeats`) report output tokens/s
+of the whole batch; each row's JSON also has every interleaved pair's ratio (one run's noise).
+Also checks that greedy outputs are identical with and without.
 Prints a table and writes benchmarks/results/spec_decode.json.
 
 `--workload tool-output` (suffix decoding's case) runs only this: one ~300-token JSON tool result
@@ -201,18 +202,26 @@ def timed(llm: LLM, prompts: list[dict], max_tokens: int | list[int],
 
 
 def measure(engines: dict[str, LLM], prompts: list[dict], max_tokens, repeats: int, *, decode_only: bool,
-            ignore_eos: bool = True):
+            ignore_eos: bool = True, runs: dict[str, list[float]] | None = None):
     """{engine: (best seconds, outputs, its per-request decode tok/s)}; decode_only subtracts a
-    1-token run (the prefill) from the seconds."""
+    1-token run (the prefill) from the seconds. `runs`, if given, gets every run's seconds per engine
+    (their spread says how far one run's noise could move the ratio)."""
     best: dict[str, tuple[float, list, float]] = {}
     for _ in range(repeats):
         for name, llm in engines.items():  # interleaved: drift hits both alike
             seconds, outputs, rate = timed(llm, prompts, max_tokens, ignore_eos)
             if decode_only:
                 seconds -= timed(llm, prompts, 1)[0]
+            if runs is not None:
+                runs.setdefault(name, []).append(seconds)
             if name not in best or seconds < best[name][0]:
                 best[name] = (seconds, outputs, rate)
     return best
+
+
+def pair_ratios(runs: dict[str, list[float]], on_name: str) -> list[float]:
+    """Each interleaved pair's on/off speed ratio (off seconds / on seconds), in run order."""
+    return [round(off / on, 3) for off, on in zip(runs["off"], runs[on_name], strict=True)]
 
 
 def acceptance(llm: LLM, before: tuple[int, int, int]) -> dict:
@@ -235,11 +244,14 @@ def whole_batch_row(engines: dict[str, LLM], args: argparse.Namespace, prompts: 
     """Output tokens/s of the whole batch, off and on (a workload measured end to end)."""
     on_name = f"ngram k={args.k}"
     before = counters(engines[on_name])
-    best = measure(engines, prompts, max_tokens, args.repeats, decode_only=False, ignore_eos=ignore_eos)
+    runs: dict[str, list[float]] = {}
+    best = measure(engines, prompts, max_tokens, args.whole_batch_repeats, decode_only=False,
+                   ignore_eos=ignore_eos, runs=runs)
     tps = {name: sum(map(len, outputs)) / seconds for name, (seconds, outputs, _) in best.items()}
     same = best["off"][1] == best[on_name][1]
     results[key] = {"output_tok_s_off": round(tps["off"], 1), "output_tok_s_on": round(tps[on_name], 1),
                     "ratio": round(tps[on_name] / tps["off"], 3), "identical_outputs": same,
+                    "repeats": args.whole_batch_repeats, "pair_ratios": pair_ratios(runs, on_name),
                     **acceptance(engines[on_name], before)}
     rows.append((label, tps["off"], tps[on_name], same, results[key]))
 
@@ -261,8 +273,9 @@ def main(argv: list[str] | None = None) -> dict:
     for batch in args.batch_sizes:
         prompts = copy_prompts(on.tokenizer, batch)
         before = counters(on)
+        runs: dict[str, list[float]] = {}
         best = measure(engines, prompts, args.max_tokens, args.repeats, decode_only=True,
-                       ignore_eos=args.ignore_eos)
+                       ignore_eos=args.ignore_eos, runs=runs)
         # the batch's: the longest output over the whole run's decode time (the slowest request's)
         batch_tps = {name: (max(map(len, outputs)) - 1) / seconds for name, (seconds, outputs, _) in best.items()}
         off_tps, on_tps = best["off"][2], best[f"ngram k={args.k}"][2]
@@ -274,7 +287,8 @@ def main(argv: list[str] | None = None) -> dict:
                                          "batch_decode_tok_s_off": round(off_batch, 1),
                                          "batch_decode_tok_s_on": round(on_batch, 1),
                                          "batch_speedup": round(on_batch / off_batch, 2),
-                                         "identical_outputs": same,
+                                         "identical_outputs": same, "repeats": args.repeats,
+                                         "batch_pair_ratios": pair_ratios(runs, f"ngram k={args.k}"),
                                          "mean_output_tokens": statistics.fmean(map(len, best["off"][1])),
                                          **acceptance(on, before)}
         rows.append((f"copy-heavy, batch {batch}", off_tps, on_tps, same, results[f"copy_batch{batch}"]))
@@ -318,7 +332,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sharegpt-prompts", type=int, default=16, help="0: skip the ShareGPT-like row")
     p.add_argument("--chat-prompts", type=int, default=16, help="the chat (new text) row's requests")
     p.add_argument("--length-scale", type=float, default=0.25)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="copy-heavy rows: interleaved off/on runs, best kept")
+    # A quiet chat run is ~3.5 s and its ratio ~1.0 (the longest answer bounds the steps): three
+    # runs of the same engine spread by 6% (227-240 tok/s), so a best of 2 let one noisy run decide it
+    p.add_argument("--whole-batch-repeats", type=int, default=5,
+                   help="chat and ShareGPT-like rows: interleaved off/on runs, best kept")
     p.add_argument("--workload", choices=["all", "tool-output"], default="all",
                    help="all: the ngram workloads above; tool-output: off / ngram / suffix on a quoted tool result")
     p.add_argument("--requests", type=int, default=32, help="tool-output: how many requests")

@@ -28,6 +28,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: the longest suffix n-gram looked up first
     prompt_lookup_min: int = 2  # ngram: the shortest one tried before giving up
     method: Literal["ngram", "suffix"] = "ngram"
+    # ngram (Pagoda's, not vLLM's): also look the last prompt_lookup_max tokens up in the other
+    # running sequences' outputs, taken where that match is the longer (spec/batch_lookup.py)
+    prompt_lookup_batch: bool = True
     # suffix (vLLM's names and defaults, but the token budget): the deepest a suffix-tree path goes
     # (longest pattern matched + draft), the finished requests whose outputs stay cached (and how
     # many of their tokens, at most: the cache costs up to depth nodes a token), draft length

@@ -6,16 +6,25 @@ computes 8 tokens and 8 x (1 + K) cost several times as much, so drafting all K 
 or lose (docs/speculative_decoding.md). The rule, after SmartSpec (Liu et al., 2024, "Optimizing
 Speculative Decoding for Serving Large Language Models Using Goodput"):
 
-- a step's time is modelled as a + b * tokens, fitted online to the times the worker reports;
+- a step's time is modelled as a + b * tokens, fitted online to the times the worker reports.
+  On CPU the real curve is not a line (oneDNN blocks rows: the quiet VM's thread-time curve
+  rises 13 ms from 8 to 16 rows, 84 ms from 16 to 32, then stays flat to 48), and a policy that
+  knew it would do 1-3% better on the forced copy task at batch 8 (`benchmarks.spec_sim
+  --priced-by-curve`); but each row count's own recent average, learned online, was tried and
+  dropped: on a shared machine a stall or two inflate the counts the policy then avoids, which
+  are never timed again (drafts fell to 1.4 a drafted step, docs/speculative_decoding.md), where
+  the line spreads every step over two coefficients;
 - a sequence's j-th draft is accepted with probability alpha^j, alpha its own per-position
   acceptance rate (a prior for a new sequence), so its expected gain is alpha^j tokens. alpha
   follows the sequence's recent draft runs, not its whole life (`RECORD_DECAY`): an answer that
   copies a passage and then goes on in its own words drafts well, then badly, and a lifetime
   average would keep paying for full drafts long after the copy ended (at batch 8 each missed
   position costs about as much as a decode token);
-- drafts are added best gain first while the step's expected tokens per second still rises:
-  adding a draft of gain g to a step expected to yield G tokens in time c = a + b * M pays
-  exactly when g * c > G * b. The gains fall and the bar rises, so the first refusal ends it.
+- drafts are ranked best gain first, and the step takes the prefix of that ranking with the most
+  expected tokens per second: (tokens it samples + gains) / t(rows). On a line t = a + b * M this
+  is the first-refusal rule (a draft of gain g pays exactly when g * t(M) > G * b, and the gains
+  fall while the bar rises); priced by a curve with flat stretches (the simulation's) it also
+  looks past a dear step to the free ones after it.
 
 Until the fit has seen enough steps of different sizes the policy grants every proposal (the fixed-K
 behaviour), which is also what makes the sizes vary. Exactness never depends on this: the verifier
@@ -25,6 +34,7 @@ keeps outputs identical whatever the draft lengths.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # alpha for a sequence with no history: Beta-like prior of PRIOR_ACCEPTS / PRIOR_TRIES
@@ -106,28 +116,38 @@ class StepCostModel:
 
 
 def choose_draft_lengths(proposed: dict[str, int], alphas: dict[str, float], base_tokens: int,
-                         base_yield: int, cost: tuple[float, float]) -> dict[str, int]:
+                         base_yield: int, cost: tuple[float, float] | Callable[[int], float]) -> dict[str, int]:
     """Drafts to keep per sequence (<= its proposal) for the highest expected tokens per second.
 
     `proposed`: seq -> drafts the proposer found; `alphas`: seq -> acceptance rate; `base_tokens`:
-    tokens the step computes without drafts; `base_yield`: tokens it samples without drafts.
+    tokens the step computes without drafts; `base_yield`: tokens it samples without drafts;
+    `cost`: a line's (a, b) (`StepCostModel.coefficients`), or step seconds of a number of tokens.
     """
-    a, b = cost
-    chosen = dict.fromkeys(proposed, 0)
-    if b <= 0.0:
-        return dict(proposed)  # drafts look free: take them all
+    if isinstance(cost, tuple):
+        a, b = cost
+        if b <= 0.0:
+            return dict(proposed)  # drafts look free: take them all
+        cost = lambda tokens: a + b * tokens  # noqa: E731
     # (-gain, seq, position): alpha^j falls with j, so a sequence's positions pop in order
     heap = [(-alphas[seq], seq, 1) for seq, n in proposed.items() if n > 0]
     heapq.heapify(heap)
-    tokens, expected = float(base_tokens), float(base_yield)
+    ranked: list[str] = []  # the drafts, best gain first
+    expected = float(base_yield)
+    base_cost = cost(base_tokens)
+    if base_cost <= 0.0:
+        return dict(proposed)  # an untimed step (its parts at 0): drafts look free
+    best, best_n = expected / base_cost, 0
     while heap:
         neg_gain, seq, position = heapq.heappop(heap)
-        gain = -neg_gain
-        if gain * (a + b * tokens) <= expected * b:
-            break
-        chosen[seq] = position
-        tokens += 1
-        expected += gain
+        ranked.append(seq)
+        expected -= neg_gain
+        seconds = cost(base_tokens + len(ranked))
+        rate = expected / seconds if seconds > 0.0 else float("inf")
+        if rate > best:
+            best, best_n = rate, len(ranked)
         if position < proposed[seq]:
-            heapq.heappush(heap, (-gain * alphas[seq], seq, position + 1))
+            heapq.heappush(heap, (neg_gain * alphas[seq], seq, position + 1))
+    chosen = dict.fromkeys(proposed, 0)
+    for seq in ranked[:best_n]:
+        chosen[seq] += 1
     return chosen

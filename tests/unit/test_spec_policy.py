@@ -32,6 +32,26 @@ def test_cost_model_recovers_a_line_and_waits_until_sizes_vary() -> None:
     assert model.coefficients() == (a, b)
 
 
+def test_a_flat_stretch_makes_drafts_up_to_its_end_free() -> None:
+    # 8 decoding sequences, 4 drafts each at alpha 0.6: on the line through these points a draft
+    # does not pay (0.6 < the bar), but a step of 40 rows costs what one of 32 does, and past 24
+    # the step is dear: the prefix with the most tokens per second ends at the flat stretch's end
+    curve = {8: 0.095, 16: 0.108, 24: 0.1395, 32: 0.192, 40: 0.196, 48: 0.192}
+
+    def seconds(tokens: int) -> float:
+        return curve[8] if tokens <= 8 else min(v for m, v in curve.items() if m >= tokens)
+
+    proposed, alphas = {f"s{i}": 4 for i in range(8)}, {f"s{i}": 0.6 for i in range(8)}
+    chosen = choose_draft_lengths(proposed, alphas, 8, 8, seconds)
+    assert sum(chosen.values()) == 8  # up to 16 rows: 8 first drafts, each worth 0.6 tokens
+    alphas = {f"s{i}": 0.9 for i in range(8)}
+    chosen = choose_draft_lengths(proposed, alphas, 8, 8, seconds)
+    assert sum(chosen.values()) == 32  # likely drafts: through the dear stretch to 40 rows
+    # a line is priced as before: the first-refusal rule
+    assert choose_draft_lengths({"good": 4, "poor": 4}, {"good": 0.9, "poor": 0.5}, 8, 8,
+                                lambda tokens: 0.02 + 0.005 * tokens) == {"good": 3, "poor": 0}
+
+
 def test_record_outcome_counts_tries_up_to_the_first_rejection() -> None:
     assert record_outcome(4, 4) == (4, 4)  # all accepted: no rejection tried
     assert record_outcome(4, 1) == (1, 2)  # one accepted, the second rejected

@@ -15,7 +15,7 @@ def test_a_flat_curve_turns_steps_saved_into_the_ratio() -> None:
     output = list(range(100, 196))
     flat = spec_sim.curve_fn({1: 0.01, 100: 0.01})
     off = spec_sim.simulate([prompt], [output], flat, None)
-    on = spec_sim.simulate([prompt], [output], flat, lambda t, n: propose_ngram_matched(t, n, 1, 3), k=4)
+    on = spec_sim.simulate([prompt], [output], flat, lambda t, n, alone: propose_ngram_matched(t, n, 1, 3), k=4)
     assert off["rate"] == pytest.approx(95 / (95 * 0.01))
     assert on["accepted_tokens"] == on["draft_tokens"]
     # 95 tokens after the first; the first step's match is 1 token (1 draft), then 2, then 4 a step

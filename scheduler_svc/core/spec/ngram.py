@@ -3,7 +3,8 @@ and the n-gram proposer (the suffix proposer is suffix.py).
 
 The proposer (prompt lookup): for a decoding sequence whose last token is known, find the most
 recent earlier occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
-in its own prompt + output, and propose the up to K tokens that followed it. Pure Python, no model.
+in its own prompt + output, and propose the up to K tokens that followed it; beside others, also in
+the other running sequences' outputs where they match longer (batch_lookup.py). Pure Python, no model.
 
 How many of its drafts a sequence gets in a step is the goodput policy's call (spec_policy.py).
 A sequence with drafts is scheduled 1 + K tokens (its last token, then the drafts) within the
@@ -30,6 +31,7 @@ from pagoda.contract.ids import RequestId
 from scheduler_svc.core.config import SpeculativeConfig
 from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from scheduler_svc.core.request import SeqStatus, Sequence
+from scheduler_svc.core.spec.batch_lookup import BatchLookup
 from scheduler_svc.core.spec_policy import (
     StepCostModel,
     acceptance_rate,
@@ -57,15 +59,20 @@ def propose_ngram_matched(tokens: list[int], max_drafts: int, n_min: int, n_max:
     (batch 8) the cut drops 96 of 524 draft rows a run, 15 of them accepted (simulated,
     docs/speculative_decoding.md).
     Suffix decoding caps its drafts the same way (`suffix_decoding_max_spec_factor` x match)."""
+    return match_ngram(tokens, max_drafts, n_min, n_max)[0]
+
+
+def match_ngram(tokens: list[int], max_drafts: int, n_min: int, n_max: int) -> tuple[list[int], int]:
+    """(`propose_ngram_matched`'s drafts, the match's length counted up to max_drafts); ([], 0)."""
     found = _lookup(tokens, max_drafts, n_min, n_max)
     if found is None:
-        return []
+        return [], 0
     start, n = found
     matched, end = n, len(tokens)
     while matched < max_drafts and start - (matched - n) > 0 \
             and tokens[start - (matched - n) - 1] == tokens[end - matched - 1]:
         matched += 1
-    return tokens[start + n:start + n + min(max_drafts, matched)]
+    return tokens[start + n:start + n + min(max_drafts, matched)], matched
 
 
 def _lookup(tokens: list[int], max_drafts: int, n_min: int, n_max: int) -> tuple[int, int] | None:
@@ -131,6 +138,7 @@ class Speculator:
         alphas: dict[RequestId, float] = {}
         base_tokens = base_yield = 0
         self._alone = len(running) == 1
+        self.running(running)
         for seq in running:
             total = len(seq.token_ids) + seq.num_placeholders
             gap = total - seq.num_computed_tokens
@@ -151,6 +159,9 @@ class Speculator:
         lengths = choose_draft_lengths({sid: len(d) for sid, d in proposals.items()}, alphas,
                                        base_tokens, base_yield, cost)
         return {sid: d[:lengths[sid]] for sid, d in proposals.items() if lengths[sid]}
+
+    def running(self, running: list[Sequence]) -> None:
+        """The step's running sequences, before any `draft` (for a proposer that reads the batch)."""
 
     def draft(self, seq: Sequence, limit: int) -> list[int]:
         """At most `limit` (>= 0) draft tokens to follow `seq`'s last token; [] for none."""
@@ -203,12 +214,33 @@ class Speculator:
 
 class NgramSpeculator(Speculator):
     """Prompt lookup over the sequence's own prompt + output (vLLM's "ngram"), each draft no longer
-    than its match (`propose_ngram_matched`)."""
+    than its match (`propose_ngram_matched`); and, where a batch-mate's output matches longer, over
+    the other running sequences' outputs (`prompt_lookup_batch`, batch_lookup.py)."""
+
+    def __init__(self, config: SpeculativeConfig, kv: KVCacheManager, threshold: int) -> None:
+        super().__init__(config, kv, threshold)
+        self._batch = BatchLookup(config.prompt_lookup_max) if config.prompt_lookup_batch else None
+
+    def running(self, running: list[Sequence]) -> None:
+        if self._batch is not None:
+            for seq in running:
+                if seq.request.beam is None:  # a beam's tokens are re-pointed at will
+                    self._batch.index(seq)
 
     def draft(self, seq: Sequence, limit: int) -> list[int]:
         spec = self.config
-        # Alone, a step is bound by reading the weights and drafts past the match are almost free:
-        # a copy that goes on past it is then still caught (forced copy task at batch 1: 1.73x with
-        # the cut, docs/speculative_decoding.md)
-        propose = propose_ngram if self._alone else propose_ngram_matched
-        return propose(seq.token_ids, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if self._alone:
+            # Alone, a step is bound by reading the weights and drafts past the match are almost
+            # free: a copy that goes on past it is then still caught (forced copy task at batch
+            # 1: 1.73x with the cut, docs/speculative_decoding.md)
+            return propose_ngram(seq.token_ids, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        drafts, matched = match_ngram(seq.token_ids, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if self._batch is not None and matched < limit:
+            mates, mates_matched = self._batch.lookup(seq, limit)
+            if mates_matched > matched:
+                return mates
+        return drafts
+
+    def finished(self, seq: Sequence) -> None:
+        if self._batch is not None:
+            self._batch.drop(seq)
