@@ -2,7 +2,7 @@
 orders where the machine is too busy, or too slow, for the real benchmark (docs/kv_tiers.md, Benchmark).
 
     python -m benchmarks.sessions_sim [--sessions 32] [--runs off,tier] [--orders fcfs,cached-first]
-        [--cost A,B,C,D,E,F | --calibrate benchmarks/results/sessions_32.json]
+        [--seeds 0,1,2] [--cost A,B,C,D,E,F | --calibrate benchmarks/results/sessions_32.json]
         [--out benchmarks/results/sessions_sim.json]
 
 The real scheduler core (`Scheduler`, its admission, prefix index and host tier) plans every step and
@@ -64,7 +64,8 @@ class StepCost:
         rows += [(new.num_computed_tokens, new.num_scheduled_tokens) for new in plan.new_requests]
         chunks = [(ctx, n) for ctx, n in rows if n > 1]
         decode = [ctx for ctx, n in rows if n == 1]
-        return (1, sum(n for _, n in chunks), sum(n * (ctx + n / 2) for ctx, n in chunks) / 1e6,
+        steps = 1 if rows else 0  # a plan that only drops finished requests computes nothing
+        return (steps, sum(n for _, n in chunks), sum(n * (ctx + n / 2) for ctx, n in chunks) / 1e6,
                 len(decode), sum(decode) / 1e3, len(plan.swap_in) + len(plan.swap_out))
 
     def seconds(self, features: tuple[float, ...]) -> float:
@@ -176,30 +177,37 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sessions_sim", description=__doc__.split("\n")[0])
     p.add_argument("--runs", default="off,tier")
     p.add_argument("--orders", default="fcfs,cached-first")
+    p.add_argument("--seeds", default="0", help="workload seeds (prompts and pauses), comma-separated")
     p.add_argument("--cost", help="A,B,C,D,E,F of the step-time model (default: StepCost's)")
-    p.add_argument("--calibrate", help="a benchmarks.sessions result file: fit the model to its off / tier durations")
+    p.add_argument("--calibrate", help="a benchmarks.sessions result file: fit the model to its off / tier "
+                                       "durations (on the first seed's workload)")
     p.add_argument("--out", default="benchmarks/results/sessions_sim.json")
     args, rest = p.parse_known_args(argv)
-    workload = sessions_args(rest)  # --sessions, --turns, --think-time ... as benchmarks.sessions takes them
-    sessions, pauses = plan_sessions(workload), think_times(workload)
+    seeds = [int(x) for x in args.seeds.split(",")]
     cost = StepCost(*(float(x) for x in args.cost.split(","))) if args.cost else StepCost()
     if args.calibrate:
+        workload = sessions_args([*rest, "--seed", str(seeds[0])])
         with open(args.calibrate) as f:
-            cost = calibrate(workload, sessions, pauses, json.load(f), cost)
+            cost = calibrate(workload, plan_sessions(workload), think_times(workload), json.load(f), cost)
     print(f"step-time model: {', '.join(f'{k}={v:.4g}' for k, v in asdict(cost).items())}", flush=True)
     rows = {}
-    for order in args.orders.split(","):
-        for run in args.runs.split(","):
-            rows[f"{run}/{order}"] = replay(sessions, pauses, scheduler_config(workload, sessions, run, order),
-                                            cost, workload.output_len)
-            print(format_row(f"{run}/{order}", rows[f"{run}/{order}"]), flush=True)
+    for seed in seeds:
+        # --sessions, --turns, --think-time ... as benchmarks.sessions takes them
+        workload = sessions_args([*rest, "--seed", str(seed)])
+        sessions, pauses = plan_sessions(workload), think_times(workload)
+        for order in args.orders.split(","):
+            for run in args.runs.split(","):
+                name = f"{run}/{order}/seed {seed}"
+                rows[name] = replay(sessions, pauses, scheduler_config(workload, sessions, run, order), cost,
+                                    workload.output_len)
+                print(format_row(name, rows[name]), flush=True)
     write_result(args.out, {"cost": asdict(cost), "workload": {k: str(v) for k, v in vars(workload).items()},
                             "runs": rows})
     return rows
 
 
 def format_row(name: str, row: dict) -> str:
-    return (f"{name:<24} TTFT turns 2+ p50 {row['ttft_p50_s']:>7} s p99 {row['ttft_p99_s']:>7} s | first turns "
+    return (f"{name:<30} TTFT turns 2+ p50 {row['ttft_p50_s']:>7} s p99 {row['ttft_p99_s']:>7} s | first turns "
             f"p50 {row['first_ttft_p50_s']:>7} s p99 {row['first_ttft_p99_s']:>7} s | decode {row['decode_p50_s']:>5} s | "
             f"{row['duration_s']:>6} s, "
             f"prefill {row['prefill_tokens_computed']}, preemptions {row['preemptions']}")
