@@ -1,15 +1,16 @@
 """The sessions workload (`benchmarks.sessions`) replayed in simulated time: for comparing admission
 orders where the machine is too busy, or too slow, for the real benchmark (docs/kv_tiers.md, Benchmark).
 
-    python -m benchmarks.sessions_sim [--sessions 32] [--runs off,tier] [--orders fcfs,cached-first]
+    python -m benchmarks.sessions_sim [--sessions 32] [--runs off,tier,leases] [--orders fcfs,cached-first]
         [--seeds 0,1,2] [--cost A,B,C,D,E,F | --calibrate benchmarks/results/sessions_32.json]
         [--out benchmarks/results/sessions_sim.json]
 
 The real scheduler core (`Scheduler`, its admission, prefix index and host tier) plans every step and
 the fake worker executes it; only the worker's time is modelled. The client is the benchmark's: every
 session sends its first turn at 0, each later turn an exponential think time (the same seeded draws)
-after its last token. The engine is pipelined as the real one (`max_inflight_steps` 2: the next plan
-is made while the worker runs the last). A step computing prefill chunks of `n` tokens after `ctx`
+after its last token; in the `leases` run every request names its session (`session_id`, the
+gateway's default TTL on the simulated clock). The engine is pipelined as the real one
+(`max_inflight_steps` 2: the next plan is made while the worker runs the last). A step computing prefill chunks of `n` tokens after `ctx`
 cached or computed ones, decode rows at contexts `ctx`, and host-tier block copies takes
 
     a + b * sum(n) + c * sum(n * (ctx + n / 2)) / 1e6 + d * rows + e * sum(ctx) / 1e3 + f * copies
@@ -19,7 +20,8 @@ per thousand tokens, blocks copied between host and device). `--calibrate FILE` 
 terms (b, c) and the per-step terms (a, d, e) of the default so that the replay's durations of `off`
 and `tier` under FCFS equal that file's (a real `benchmarks.sessions` run), then replays with them.
 What it leaves out: the scheduler's own CPU time (beside the worker's on a small machine), the HTTP
-path, and the real prompt's effect on step times beyond its lengths.
+path, and the real prompt's effect on step times beyond its lengths. The workload flags are
+benchmarks.sessions' (--sessions, --turns, --first-len, --message-len, --think-time, ...).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
 from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
 
 HOST_BLOCK_BYTES = 30 * 2 * 3 * 64 * BLOCK_SIZE * 4  # SmolLM2-135M fp32: layers x K,V x kv heads x dim
+SESSION_TTL_S = 600.0  # the gateway's default (gateway/generation.py)
 FEATURES = ("steps", "prefill_tokens", "prefill_pairs_m", "decode_rows", "decode_ctx_k", "copies")
 
 
@@ -74,9 +77,11 @@ class StepCost:
 
 
 def replay(sessions: list[list[list[int]]], pauses: list[list[float]], config: SchedulerConfig,
-           cost: StepCost, output_len: int, order=None) -> dict:
-    """One run of the workload; `order` (a CachedFirst-like picker) replaces admission's own."""
-    sched = Scheduler(config)
+           cost: StepCost, output_len: int, order=None, leases: bool = False) -> dict:
+    """One run of the workload; `order` (a CachedFirst-like picker) replaces admission's own;
+    `leases`: every request names its session (the gateway's default TTL), as the `leases` run."""
+    now = [0.0]  # the scheduler's clock (leases expire by it): the simulated one
+    sched = Scheduler(config, clock=lambda: now[0])
     if order is not None:  # experiments with pickers not (yet) behind a config value
         sched._admission._order = order
     worker = FakeWorker(config.num_blocks, config.block_size, FakeSampler(vocab_size=50), check_kv=False,
@@ -89,7 +94,9 @@ def replay(sessions: list[list[list[int]]], pauses: list[list[float]], config: S
     while True:
         while arrivals and arrivals[0][0] <= clock:
             at, s, turn = heapq.heappop(arrivals)
-            sched.add_request(EngineRequest(RequestId(f"{s}/{turn}"), tuple(sessions[s][turn]), params))
+            sched.add_request(EngineRequest(RequestId(f"{s}/{turn}"), tuple(sessions[s][turn]), params,
+                                            session_id=f"session-{s}" if leases else None,
+                                            session_ttl=SESSION_TTL_S if leases else 0.0))
             times[(s, turn)] = [at, -1.0, -1.0]
         while (plan := sched.schedule()) is not None:  # up to max_inflight_steps plans out
             queued.append(plan)
@@ -101,10 +108,10 @@ def replay(sessions: list[list[list[int]]], pauses: list[list[float]], config: S
         if running is None:
             if not arrivals:
                 break
-            clock = arrivals[0][0]  # idle until the next turn
+            clock = now[0] = arrivals[0][0]  # idle until the next turn
             continue
         result, clock = running
-        running = None
+        running, now[0] = None, clock
         for delta in sched.update(result):
             s, turn = (int(x) for x in delta.request_id.split("/"))
             record = times[(s, turn)]
@@ -146,10 +153,11 @@ def think_times(args: argparse.Namespace) -> list[list[float]]:
 
 def scheduler_config(args: argparse.Namespace, sessions: list[list[list[int]]], run: str,
                      admission_order: str) -> SchedulerConfig:
-    """The launcher's scheduler for `run` ("off": device pool only, "tier": plus the host tier)."""
+    """The launcher's scheduler for `run` ("off": device pool only, "tier": plus the host tier,
+    "leases": the same, the requests name their sessions: `replay(leases=True)`)."""
     final_len = max(len(prompts[-1]) for prompts in sessions) + args.output_len
     num_blocks = int(args.pool_sessions * cdiv(final_len, BLOCK_SIZE))
-    offload = int(args.kv_offloading_size * (1 << 30)) // HOST_BLOCK_BYTES if run == "tier" else 0
+    offload = int(args.kv_offloading_size * (1 << 30)) // HOST_BLOCK_BYTES if run != "off" else 0
     return SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=8192, eos_token_ids=(2,),
                            admission_order=admission_order, num_offload_blocks=offload)
 
@@ -175,7 +183,7 @@ def calibrate(args: argparse.Namespace, sessions, pauses, real: dict, cost: Step
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sessions_sim", description=__doc__.split("\n")[0])
-    p.add_argument("--runs", default="off,tier")
+    p.add_argument("--runs", default="off,tier", help="off, tier, leases (as benchmarks.sessions')")
     p.add_argument("--orders", default="fcfs,cached-first")
     p.add_argument("--seeds", default="0", help="workload seeds (prompts and pauses), comma-separated")
     p.add_argument("--cost", help="A,B,C,D,E,F of the step-time model (default: StepCost's)")
@@ -199,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
             for run in args.runs.split(","):
                 name = f"{run}/{order}/seed {seed}"
                 rows[name] = replay(sessions, pauses, scheduler_config(workload, sessions, run, order), cost,
-                                    workload.output_len)
+                                    workload.output_len, leases=run == "leases")
                 print(format_row(name, rows[name]), flush=True)
     write_result(args.out, {"cost": asdict(cost), "workload": {k: str(v) for k, v in vars(workload).items()},
                             "runs": rows})
