@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
                 rows[name] = replay(sessions, pauses, scheduler_config(workload, sessions, run, order), cost,
                                     workload.output_len, leases=run == "leases")
                 print(format_row(name, rows[name]), flush=True)
-    write_result(args.out, {"cost": asdict(cost), "workload": {k: str(v) for k, v in vars(workload).items()},
-                            "runs": rows})
+    workload_args = {k: str(v) for k, v in vars(workload).items() if k != "seed"}
+    write_result(args.out, {"cost": asdict(cost), "workload": workload_args, "seeds": seeds, "runs": rows})
     return rows
 
 
