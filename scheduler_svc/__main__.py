@@ -27,8 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-waiting-requests", type=int, default=4096)
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--admission-order", choices=["fcfs", "cached-first"], default="fcfs",
-                   help="which waiting request is admitted next: the queue's head, or the one with the fewest "
-                        "tokens to compute after its prefix-cache hit (multi-turn sessions; docs/kv_tiers.md)")
+                   help="which waiting request is admitted next: the queue's head, or the earliest with fewer "
+                        "tokens to compute after its prefix-cache hit than the head (multi-turn sessions; "
+                        "docs/kv_tiers.md)")
     p.add_argument("--no-pipelining", action="store_true", help="one plan in flight at a time")
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
                    help="how a preempted sequence resumes: recompute its KV, or swap it to the worker's "

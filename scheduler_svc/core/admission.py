@@ -1,8 +1,9 @@
 """Admission: who moves from the waiting queue to the running set, and with what.
 
-- In queue order (or, with `admission_order="cached-first"`, the fewest uncached tokens first:
-  tiers/prefill_order.py), while `max_num_seqs` slots, the step's token budget, the worker's LoRA slots and
-  the pool allow; the first that does not fit stops admission (the order is kept: no overtaking).
+- In queue order (or, with `admission_order="cached-first"`, the earliest with fewer uncached
+  tokens than the head first: tiers/prefill_order.py), while `max_num_seqs` slots, the step's
+  token budget, the worker's LoRA slots and the pool allow; the first that does not fit stops
+  admission (the order is kept: no overtaking).
 - Tenants (tenants.py): with fair share on, the queue's order is that of the tenant with the
   smallest virtual token counter first (FCFS or priority within a tenant). A request that does not
   fit only because its tenant is at its KV cap does not stop admission: its tenant is skipped for
@@ -111,6 +112,8 @@ class Admission:
                 continue
             waiting.remove(seq)
             self.admit(draft, seq, hits, last_serial, num_hit, num_new, host)
+            if self._order is not None:
+                self._order.admitted(seq)  # a pass over the head counts once it is admitted
             reserve += self._blocks_to_finish(seq)
 
     def _fits_whole(self, seq: Sequence, hits: list[BlockId], reserve: int) -> bool:

@@ -86,7 +86,8 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     policy: Literal["fcfs", "priority"] = "fcfs"
     # Which waiting sequence admission tries next (tiers/prefill_order.py): the queue's head, or
-    # "cached-first", the fewest tokens left to compute after its prefix hit (multi-turn sessions).
+    # "cached-first", the earliest with fewer tokens left to compute after its prefix hit than the
+    # head (multi-turn sessions; the head is passed at most 16 times).
     admission_order: Literal["fcfs", "cached-first"] = "fcfs"
     max_inflight_steps: int = 2  # 2 = the next plan goes out before the last result is back
     # A request that took part in this many failed steps is failed (poison.py); one that fails a
