@@ -26,10 +26,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--max-waiting-requests", type=int, default=4096)
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
-    p.add_argument("--admission-order", choices=["fcfs", "cached-first"], default="fcfs",
+    p.add_argument("--admission-order", choices=["auto", "fcfs", "cached-first"], default="auto",
                    help="which waiting request is admitted next: the queue's head, or the earliest with fewer "
                         "tokens to compute after its prefix-cache hit than the head (multi-turn sessions; "
-                        "docs/kv_tiers.md)")
+                        "docs/kv_tiers.md); auto: cached-first with a host KV tier, else fcfs")
     p.add_argument("--no-pipelining", action="store_true", help="one plan in flight at a time")
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
                    help="how a preempted sequence resumes: recompute its KV, or swap it to the worker's "

@@ -48,7 +48,7 @@ class EngineServiceConfig:
     long_prefill_token_threshold: int = 0
     max_waiting_requests: int = 4096
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    admission_order: Literal["fcfs", "cached-first"] = "fcfs"  # core/tiers/prefill_order.py
+    admission_order: Literal["auto", "fcfs", "cached-first"] = "auto"  # core/tiers/prefill_order.py
     pipelining: bool = True  # 2 plans in flight
     worker_timeout_s: float = 30.0  # fail requests when the worker is not back within this
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long running requests may take to finish

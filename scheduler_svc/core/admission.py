@@ -67,7 +67,7 @@ class Admission:
         self._demote = demote  # an idle session's lease lets its blocks go (tiers/sessions.py)
         self._tenants = tenants  # caps are the pool's; fair-share ranks and per-tenant totals
         self._migrator = migrator  # a migrated continuation's KV is loaded at its first admission
-        self._order = CachedFirst() if config.admission_order == "cached-first" else None
+        self._order = CachedFirst() if config.cached_first else None
 
     def admit_waiting(self, draft: StepDraft, skip_tenants: Iterable[str] = ()) -> None:
         """Admit from the head of the waiting queue while everything fits (the policy above);

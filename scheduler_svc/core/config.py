@@ -87,8 +87,17 @@ class SchedulerConfig:
     policy: Literal["fcfs", "priority"] = "fcfs"
     # Which waiting sequence admission tries next (tiers/prefill_order.py): the queue's head, or
     # "cached-first", the earliest with fewer tokens left to compute after its prefix hit than the
-    # head (multi-turn sessions; the head is passed at most 16 times).
-    admission_order: Literal["fcfs", "cached-first"] = "fcfs"
+    # head (multi-turn sessions; the head is passed at most 16 times). "auto": cached-first with a
+    # host KV tier (num_offload_blocks > 0), where a returning session's history is a hit whatever
+    # the device pool evicted, so its turn is cheap to serve first; FCFS otherwise.
+    admission_order: Literal["auto", "fcfs", "cached-first"] = "auto"
+
+    @property
+    def cached_first(self) -> bool:
+        """Whether admission runs the cached-first order (`admission_order`, "auto" resolved)."""
+        if self.admission_order == "auto":
+            return self.num_offload_blocks > 0
+        return self.admission_order == "cached-first"
     max_inflight_steps: int = 2  # 2 = the next plan goes out before the last result is back
     # A request that took part in this many failed steps is failed (poison.py); one that fails a
     # step alone, after failing one batched, is failed at once.

@@ -1,8 +1,10 @@
 """admission_order="cached-first" (scheduler_svc/core/tiers/prefill_order.py): a mostly cached turn is
-admitted before a new prompt that arrived earlier; FCFS stays the default; the head is passed at most
+admitted before a new prompt that arrived earlier; FCFS without a host tier, cached-first with one ("auto"); the head is passed at most
 max_overtakes times, counted when a sequence that passes it is admitted."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -170,4 +172,10 @@ def test_the_flag_reaches_the_scheduler_config_and_the_launcher_passes_it_on():
     assert scheduler_config(info, config).admission_order == "cached-first"
     plain = build_children(launcher_args(["--fake"]))[1].argv
     assert "--admission-order" not in plain
-    assert scheduler_config(info, build_config(parse_args(plain[1:]))).admission_order == "fcfs"
+    default = scheduler_config(info, build_config(parse_args(plain[1:])))
+    assert default.admission_order == "auto" and not default.cached_first  # no host tier: FCFS
+    tiered = scheduler_config(dataclasses.replace(info, num_offload_blocks=16), build_config(parse_args(plain[1:])))
+    assert tiered.num_offload_blocks == 16 and tiered.cached_first  # a host tier: cached-first
+    fcfs = build_children(launcher_args(["--fake", "--admission-order", "fcfs"]))[1].argv
+    assert not scheduler_config(dataclasses.replace(info, num_offload_blocks=16),
+                                build_config(parse_args(fcfs[1:]))).cached_first

@@ -97,10 +97,10 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
     g = groups["scheduler"]
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
                    help="the scheduler's: recompute or swap a preempted sequence (default: by cost)")
-    g.add_argument("--admission-order", choices=["fcfs", "cached-first"], default="fcfs",
+    g.add_argument("--admission-order", choices=["auto", "fcfs", "cached-first"], default="auto",
                    help="the scheduler's: admit the waiting queue's head, or the earliest request with fewer "
                         "tokens to compute after its prefix hit than the head (multi-turn sessions; "
-                        "default: fcfs)")
+                        "default auto: cached-first with a host KV tier, else fcfs)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="the scheduler's speculative decoding (ngram or suffix), as JSON (see its --help)")
     g.add_argument("--tenant-kv-share", type=float, default=None, metavar="F",

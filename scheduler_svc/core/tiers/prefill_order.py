@@ -1,6 +1,8 @@
 """Which waiting sequence admission tries next (`SchedulerConfig.admission_order`).
 
-- "fcfs" (the default): the waiting queue's head (FCFS, or the priority heap's first).
+- "auto" (the default): "cached-first" with a host KV tier (`num_offload_blocks` > 0), where a
+  returning session's history is a hit whatever the device pool evicted; "fcfs" otherwise.
+- "fcfs": the waiting queue's head (FCFS, or the priority heap's first).
 - "cached-first": the earliest of the first `window` waiting sequences that has fewer tokens left
   to compute, after its prefix hit on every tier (device, host, disk), than the queue's head.
   Why: a multi-turn session's next turn is mostly cached (a hit of its whole history, a few
@@ -36,7 +38,7 @@ from itertools import islice
 
 from scheduler_svc.core.request import SeqStatus, Sequence
 
-ADMISSION_ORDERS = ("fcfs", "cached-first")
+ADMISSION_ORDERS = ("auto", "fcfs", "cached-first")  # auto: cached-first with a host tier
 
 
 class CachedFirst:
