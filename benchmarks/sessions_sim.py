@@ -2,7 +2,7 @@
 orders where the machine is too busy, or too slow, for the real benchmark (docs/kv_tiers.md, Benchmark).
 
     python -m benchmarks.sessions_sim [--sessions 32] [--runs off,tier,leases] [--orders fcfs,cached-first]
-        [--seeds 0,1,2] [--cost A,B,C,D,E,F | --calibrate benchmarks/results/sessions_32.json]
+        [--seeds 0,1,2] [--cost A,B,C,D,E,F | --calibrate benchmarks/results/sessions_32_fcfs_1258.json]
         [--out benchmarks/results/sessions_sim.json]
 
 The real scheduler core (`Scheduler`, its admission, prefix index and host tier) plans every step and
