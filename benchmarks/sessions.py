@@ -86,18 +86,39 @@ def plan_sessions(args: argparse.Namespace) -> list[list[list[int]]]:
     return sessions
 
 
+def think_times(args: argparse.Namespace) -> list[list[float]]:
+    """Each session's pauses before its turns 2.. (exponential, mean --think-time, seeded per
+    session): the client waits them, benchmarks.sessions_sim replays them."""
+    out = []
+    for index in range(args.sessions):
+        rng = random.Random(args.seed * 1000 + index)
+        out.append([rng.expovariate(1 / args.think_time) if args.think_time else 0.0
+                    for _ in range(args.turns - 1)])
+    return out
+
+
+def final_length(args: argparse.Namespace, sessions: list[list[list[int]]]) -> int:
+    """The longest session's tokens at its end: its last prompt and that turn's output."""
+    return max(len(prompts[-1]) for prompts in sessions) + args.output_len
+
+
+def pool_blocks(args: argparse.Namespace, sessions: list[list[list[int]]]) -> int:
+    """The device pool: --pool-sessions final sessions' blocks."""
+    return int(args.pool_sessions * cdiv(final_length(args, sessions), BLOCK_SIZE))
+
+
 async def run_sessions(args: argparse.Namespace, run: RunConfig, url: str, sessions: list[list[list[int]]]) -> dict:
     async with httpx.AsyncClient(timeout=None) as client:
         endpoint = Endpoint(url, (await served_model(client, url))["id"], timeout_s=1800.0)
         before = await engines.counters(client, url)
         records: list[tuple[int, int, object]] = []
+        pauses = think_times(args)
 
         async def session(index: int, prompts: list[list[int]]) -> None:
-            pauses = random.Random(args.seed * 1000 + index)
             session_id = f"session-{index}" if run.leases else None
             for turn, prompt in enumerate(prompts):
                 if turn:  # the person (or the tool call) takes a while: the client waits
-                    await asyncio.sleep(pauses.expovariate(1 / args.think_time) if args.think_time else 0)
+                    await asyncio.sleep(pauses[index][turn - 1])
                 spec = RequestSpec(prompt, args.output_len, session_id=session_id)
                 record = await send_request(client, endpoint, spec)
                 if not record.success:
@@ -143,8 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     runs = [RUNS[name] for name in args.runs.split(",")]
     sessions = plan_sessions(args)
-    final_len = max(len(prompts[-1]) for prompts in sessions) + args.output_len
-    num_blocks = int(args.pool_sessions * cdiv(final_len, BLOCK_SIZE))
+    final_len, num_blocks = final_length(args, sessions), pool_blocks(args, sessions)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for run in runs:  # one server at a time: each run has the machine to itself

@@ -29,17 +29,15 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
-import random
 import statistics
 from dataclasses import asdict, dataclass, replace
 
 from benchmarks.result_file import write_result
-from benchmarks.sessions import BLOCK_SIZE, percentile, plan_sessions
+from benchmarks.sessions import BLOCK_SIZE, percentile, plan_sessions, pool_blocks, think_times
 from benchmarks.sessions import parse_args as sessions_args
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.step import StepPlan
-from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core import EngineRequest, Scheduler, SchedulerConfig
 from worker_svc.fake.fake_worker import FakeSampler, FakeWorker
 
@@ -141,22 +139,11 @@ def summary(times: dict[tuple[int, int], list[float]]) -> dict:
             "duration_s": round(max(r[2] for r in times.values()), 1)}
 
 
-def think_times(args: argparse.Namespace) -> list[list[float]]:
-    """Each session's pauses before turns 2.., drawn as benchmarks.sessions draws them."""
-    out = []
-    for index in range(args.sessions):
-        rng = random.Random(args.seed * 1000 + index)
-        out.append([rng.expovariate(1 / args.think_time) if args.think_time else 0.0
-                    for _ in range(args.turns - 1)])
-    return out
-
-
 def scheduler_config(args: argparse.Namespace, sessions: list[list[list[int]]], run: str,
                      admission_order: str) -> SchedulerConfig:
     """The launcher's scheduler for `run` ("off": device pool only, "tier": plus the host tier,
     "leases": the same, the requests name their sessions: `replay(leases=True)`)."""
-    final_len = max(len(prompts[-1]) for prompts in sessions) + args.output_len
-    num_blocks = int(args.pool_sessions * cdiv(final_len, BLOCK_SIZE))
+    num_blocks = pool_blocks(args, sessions)
     offload = int(args.kv_offloading_size * (1 << 30)) // HOST_BLOCK_BYTES if run != "off" else 0
     return SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=8192, eos_token_ids=(2,),
                            admission_order=admission_order, num_offload_blocks=offload)

@@ -31,7 +31,6 @@ from pagoda.contract.step import TokenLogprobs
 from worker_svc.structured_output import GrammarMasks, GrammarState, apply_grammar_masks
 from worker_svc.token_constraints import apply_token_constraints
 
-
 # Up to this many rows, a CPU argmax runs on the calling thread (numpy) instead of torch's
 # parallel reduction. Why: a [1, 49152] row takes ~65 us on one core, and torch splits it over
 # its OpenMP team, gaining nothing at this size (min 77 us with 2 threads) while one busy core

@@ -91,13 +91,6 @@ class SchedulerConfig:
     # host KV tier (num_offload_blocks > 0), where a returning session's history is a hit whatever
     # the device pool evicted, so its turn is cheap to serve first; FCFS otherwise.
     admission_order: Literal["auto", "fcfs", "cached-first"] = "auto"
-
-    @property
-    def cached_first(self) -> bool:
-        """Whether admission runs the cached-first order (`admission_order`, "auto" resolved)."""
-        if self.admission_order == "auto":
-            return self.num_offload_blocks > 0
-        return self.admission_order == "cached-first"
     max_inflight_steps: int = 2  # 2 = the next plan goes out before the last result is back
     # A request that took part in this many failed steps is failed (poison.py); one that fails a
     # step alone, after failing one batched, is failed at once.
@@ -142,6 +135,13 @@ class SchedulerConfig:
             raise ValueError(f"tenant_kv_share must be in (0, 1], got {self.tenant_kv_share}")
         if self.tenant_fairness not in ("off", "vtc"):
             raise ValueError(f"tenant_fairness must be 'off' or 'vtc', got {self.tenant_fairness!r}")
+
+    @property
+    def cached_first(self) -> bool:
+        """Whether admission runs the cached-first order (`admission_order`, "auto" resolved)."""
+        if self.admission_order == "auto":
+            return self.num_offload_blocks > 0
+        return self.admission_order == "cached-first"
 
 
 def check_preemption_mode(mode: str | None, has_host_pool: bool) -> None:

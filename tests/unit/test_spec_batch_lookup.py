@@ -14,7 +14,8 @@ from scheduler_svc.core.spec.ngram import NgramSpeculator
 def seq(seq_id: str, prompt: list[int], output: list[int], tenant: str | None = None):
     """The fields the batch lookup and `Speculator.propose` read of a decoding sequence."""
     request = SimpleNamespace(max_num_tokens=100, num_prompt_tokens=len(prompt),
-                              sampling=SimpleNamespace(logprobs=None), beam=None, tenant=tenant)
+                              sampling=SimpleNamespace(logprobs=None), beam=None, tenant=tenant,
+                              cache_salt=None)
     tokens = prompt + output
     return SimpleNamespace(seq_id=seq_id, token_ids=tokens, num_placeholders=0,
                            num_computed_tokens=len(tokens) - 1, spec_accepts=0.0, spec_tries=0.0, request=request)

@@ -12,7 +12,7 @@ The index maps every n-gram (n = `prompt_lookup_max`) of each running sequence's
 tokens) a step, a lookup one dict probe and at most `MAX_CANDIDATES` comparisons; a sequence's
 entries are dropped when it ends. Only a batch-mate of the same tenant and cache salt is a source: how fast a
 request decodes would otherwise tell its tenant what another tenant's answers say (a timing side
-channel; the prefix cache salts its hashes per tenant for the same reason). A candidate's match is counted back as in
+channel; the prefix cache salts its hashes for the same reason). A candidate's match is counted back as in
 `propose_ngram_matched`, and its drafts are cut to it; the caller takes them only over a longer
 match of the sequence's own.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 from itertools import islice
 
 from pagoda.contract.ids import RequestId
-from scheduler_svc.core.request import Sequence
+from scheduler_svc.core.request import Request, Sequence
 
 MAX_CANDIDATES = 8  # batch-mates compared per lookup: bounds its cost in a large batch
 
@@ -92,7 +92,8 @@ class BatchLookup:
         return best
 
 
-def _may_share(a, b) -> bool:
-    """Whether one request's output may draft for the other: the prefix cache's isolation rule
-    (the same tenant, the same cache salt)."""
-    return a.tenant == b.tenant and getattr(a, "cache_salt", None) == getattr(b, "cache_salt", None)
+def _may_share(a: Request, b: Request) -> bool:
+    """Whether one request's output may draft for the other: the same cache salt (the prefix
+    cache's isolation; the gateway folds a tenant's salt into it) and the same tenant (the core's
+    own callers may set a tenant without a salt)."""
+    return a.cache_salt == b.cache_salt and a.tenant == b.tenant
