@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                     request_ids=sorted(fault_injection.fail_request_ids))
 
     try:
-        event_loop.run(serve(build_runner(args), args.host, args.port, tls_cert=args.tls_cert,
+        event_loop.run(serve(lambda: build_runner(args), args.host, args.port, tls_cert=args.tls_cert,
                              tls_key=args.tls_key))
     finally:
         shutdown_tracing()  # flush the last steps' spans

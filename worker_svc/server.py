@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 from grpc_reflection.v1alpha import reflection
@@ -21,26 +22,39 @@ MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.max_send_message_length", 64 << 20)]
 
 
-async def start_worker_server(runner: StepRunner, host: str, port: int, tls_cert: str | None = None,
-                              tls_key: str | None = None
-                              ) -> tuple[grpc.aio.Server, WorkerServicer, int]:
-    """Start serving (health NOT_SERVING until Init); returns (server, servicer, bound port)."""
+def bind_worker_server(host: str, port: int, tls_cert: str | None = None,
+                       tls_key: str | None = None) -> tuple[grpc.aio.Server, int]:
+    """A server holding its port, not yet serving; returns (server, bound port). The worker binds
+    before it loads the model: a taken port fails at once, and nothing started meanwhile (a
+    tensor-parallel group's sockets take ephemeral ports) can take the port asked for."""
     server = new_server(MESSAGE_OPTIONS)
+    return server, add_port(server, f"{host}:{port}", tls_cert, tls_key)
+
+
+async def start_worker_server(runner: StepRunner, host: str, port: int, tls_cert: str | None = None,
+                              tls_key: str | None = None,
+                              bound: tuple[grpc.aio.Server, int] | None = None,
+                              ) -> tuple[grpc.aio.Server, WorkerServicer, int]:
+    """Start serving (health NOT_SERVING until Init) on `bound` (from bind_worker_server) or a
+    server bound now; returns (server, servicer, bound port)."""
+    server, bound_port = bound or bind_worker_server(host, port, tls_cert, tls_key)
     health = HealthState(SERVICE_NAME)
     servicer = WorkerServicer(runner, health)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health.add_to_server(server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = add_port(server, f"{host}:{port}", tls_cert, tls_key)
     await server.start()
     await health.set_serving(False)
-    log.info("worker_listening", address=f"{host}:{bound}")
-    return server, servicer, bound
+    log.info("worker_listening", address=f"{host}:{bound_port}")
+    return server, servicer, bound_port
 
 
-async def serve(runner: StepRunner, host: str, port: int, grace_s: float = 2.0,
+async def serve(build_runner: Callable[[], StepRunner], host: str, port: int, grace_s: float = 2.0,
                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
-    server, servicer, _ = await start_worker_server(runner, host, port, tls_cert, tls_key)
+    """Bind, build the runner (the model load), then serve until SIGTERM/SIGINT."""
+    bound = bind_worker_server(host, port, tls_cert, tls_key)
+    runner = build_runner()
+    server, servicer, _ = await start_worker_server(runner, host, port, bound=bound)
     stop = asyncio.Event()
     # No drain here (the scheduler drains); the bound covers the grace, a step still running and
     # a tensor-parallel group's stop (atexit), else the watchdog ends the process.
