@@ -288,6 +288,54 @@ template <int R>
 void block(int64_t mode, const W16& w, const Act16& a, int64_t n, const float* bias, float* out) {
   pagoda_cpu::for_row_tiles(a.M, [&](auto mt, int64_t m0) { emit<R, decltype(mt)::value>(mode, w, a, n, m0, bias, out); });
 }
+
+// Row-interleaved codes (int16_dot_linear_interleaved): 16 weight rows at once, one output row per
+// int32 lane. Per 32 weights of one activation row: one vpdpwssd multiplying an activation pair
+// (broadcast) into 16 rows' pairs; per block of 32 and 16 rows: three adds, one conversion, one
+// multiply and one FMA. Four accumulators break the vpdpwssd chain (latency ~5 cycles).
+template <int MT>
+PAGODA_VNNI512 void group512(const int8_t* q, const float* sf, const uint16_t* sh, const Act16& a, int64_t m0,
+                             __m512* acc) {
+  for (int j = 0; j < MT; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b, q += 16 * kBlock) {  // 16 rows x 32 codes = 512 bytes a block
+    __m512i w[16];
+    for (int i = 0; i < 16; ++i)
+      w[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i)));
+    const __m512 sw = sh != nullptr ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sh + 16 * b)))
+                                    : _mm512_loadu_ps(sf + 16 * b);
+    for (int j = 0; j < MT; ++j) {
+      const int32_t* xp = reinterpret_cast<const int32_t*>(a.s + (m0 + j) * a.K + b * kBlock);
+      __m512i i0 = _mm512_setzero_si512(), i1 = i0, i2 = i0, i3 = i0;
+      for (int i = 0; i < 16; i += 4) {
+        i0 = _mm512_dpwssd_epi32(i0, w[i], _mm512_set1_epi32(xp[i]));
+        i1 = _mm512_dpwssd_epi32(i1, w[i + 1], _mm512_set1_epi32(xp[i + 1]));
+        i2 = _mm512_dpwssd_epi32(i2, w[i + 2], _mm512_set1_epi32(xp[i + 2]));
+        i3 = _mm512_dpwssd_epi32(i3, w[i + 3], _mm512_set1_epi32(xp[i + 3]));
+      }
+      const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(i0, i1), _mm512_add_epi32(i2, i3));
+      const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(a.d[(m0 + j) * a.nb + b]));
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[j]);
+    }
+  }
+}
+
+template <int MT>
+PAGODA_VNNI512 void group_tile512(const int8_t* q, const float* sf, const uint16_t* sh, const Act16& a, int64_t m0,
+                                  int64_t n, int64_t N, const float* bias, float* out) {
+  __m512 acc[MT];
+  group512<MT>(q, sf, sh, a, m0, acc);
+  const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+  for (int j = 0; j < MT; ++j) _mm512_storeu_ps(out + (m0 + j) * N + n, _mm512_add_ps(acc[j], bv));
+}
+
+// One group of 16 weight rows against every activation row, in tiles of up to 4 (the group's
+// 16 x K codes, 9-24 KB at SmolLM2's sizes, stay in L1 across the tiles).
+void group_rows512(const int8_t* q, const float* sf, const uint16_t* sh, const Act16& a, int64_t n, int64_t N,
+                   const float* bias, float* out) {
+  pagoda_cpu::for_row_tiles(a.M, [&](auto mt, int64_t m0) {
+    group_tile512<decltype(mt)::value>(q, sf, sh, a, m0, n, N, bias, out);
+  });
+}
 #endif
 
 }  // namespace
@@ -311,6 +359,27 @@ bool int16_dot_linear(int64_t mode, const float* x, int64_t M, int64_t K, const 
     else
       for (; n + 2 <= end; n += 2) block<2>(mode, w, a, n, bias, out);
     for (; n < end; ++n) block<1>(mode, w, a, n, bias, out);
+  });
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool int16_dot_linear_interleaved(int64_t act, const float* x, int64_t M, int64_t K, const int8_t* q,
+                                  const float* scales, const uint16_t* half_scales, int64_t N, const float* bias,
+                                  float* out) {
+  if (act == kActDefault) act = act_default();
+  if (int8_dot_mode() != kInt8DotAvx512Vnni || act != kActInt16 || K % kBlock != 0 || N % 16 != 0) return false;
+#ifdef PAGODA_I16_X86
+  thread_local Scratch scratch;  // as int16_dot_linear: the workers read it through `a` only
+  const Act16 a = quantize16(x, M, K, kBlock, false, kInt8DotAvx512Vnni, scratch);
+  const int64_t nb = K / kBlock;
+  // groups of 16 rows; 4 groups (64 rows) a task at least, as the row-major path
+  at::parallel_for(0, N / 16, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      group_rows512(q + g * 16 * K, half_scales ? nullptr : scales + g * nb * 16,
+                    half_scales ? half_scales + g * nb * 16 : nullptr, a, g * 16, N, bias, out);
   });
   return true;
 #else

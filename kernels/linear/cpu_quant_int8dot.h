@@ -41,6 +41,17 @@ bool int16_dot_linear(int64_t mode, const float* x, int64_t M, int64_t K, const 
                       const float* mins, int64_t N, int64_t group, const float* bias, float* out,
                       const uint16_t* half_scales = nullptr);
 
+// Row-interleaved 8-bit codes in groups of 32 without mins (worker_svc/models/quant_linear.py,
+// interleave_rows): q [N/16][K/2][16][2] int8 -- for each 16 output rows, each pair of columns holds
+// the 16 rows' two codes side by side -- and scales [N/16][K/32][16] (fp32 `scales`, or fp16
+// `half_scales`). One vpdpwssd then multiplies an activation pair into 16 output rows, and the
+// weights stream from memory in one sequential pass. Activations int16 per 32, as int16_dot_linear.
+// Returns false (nothing written) unless the AVX512-VNNI kernel is in use, `act` (or the default)
+// is kActInt16, K % 32 == 0 and N % 16 == 0: the caller then widens the rows itself.
+bool int16_dot_linear_interleaved(int64_t act, const float* x, int64_t M, int64_t K, const int8_t* q,
+                                  const float* scales, const uint16_t* half_scales, int64_t N, const float* bias,
+                                  float* out);
+
 // The activation rows of one block of weight rows, in tiles of 4 then the remainder (the weight rows
 // stay in L1 across the tiles): emit(std::integral_constant<int, MT>, m0) for each tile of MT rows.
 template <typename Emit>

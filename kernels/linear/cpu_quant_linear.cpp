@@ -377,6 +377,54 @@ void direct(const QuantView& w, const float* x, int64_t M, float* out, const flo
   direct_buffered(w, x, M, out, bias);
 }
 
+// Row-interleaved 8-bit codes (cpu_quant_int8dot.h: q [N/16, K/2, 32], scales [N/16, K/32, 16]):
+// the int16 kernel reads them as stored; every other call (prefill rows, another `act`, a CPU
+// without AVX512-VNNI) widens rows from the interleaved places into the blocked GEMM's scratch.
+at::Tensor quant_linear_interleaved(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                                    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                                    int64_t group, int64_t bits, int64_t act) {
+  TORCH_CHECK(bits == 8 && group == 32 && !(mins.has_value() && mins->defined()),
+              "pagoda_cpu.quant_linear: row-interleaved weights are 8-bit codes in groups of 32 without mins");
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "x must be [M, K] float32 or bfloat16");
+  const int64_t M = x_in.size(0), K = x_in.size(1), G = qweight.size(0), N = 16 * G, nb = K / 32;
+  TORCH_CHECK(K % 32 == 0 && qweight.scalar_type() == at::kChar && qweight.is_contiguous() &&
+                  qweight.size(1) == K / 2 && qweight.size(2) == 32,
+              "row-interleaved qweight must be contiguous int8 [N/16, K/2, 32] for K = ", K);
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
+                  scales.dim() == 3 && scales.size(0) == G && scales.size(1) == nb && scales.size(2) == 16,
+              "row-interleaved scales must be contiguous fp32 or fp16 [N/16, K/32, 16]");
+  const bool has_bias = bias.has_value() && bias->defined();
+  at::Tensor b;
+  if (has_bias) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias must have N entries");
+  }
+  const float* bp = has_bias ? b.const_data_ptr<float>() : nullptr;
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  const bool half = scales.scalar_type() == at::kHalf;
+  const int8_t* q = static_cast<const int8_t*>(qweight.const_data_ptr());
+  if (M > kMaxDirectRows ||
+      !pagoda_cpu::int16_dot_linear_interleaved(act, x.const_data_ptr<float>(), M, K, q,
+                                                half ? nullptr : scales.const_data_ptr<float>(),
+                                                half ? reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>()) : nullptr,
+                                                N, bp, out.data_ptr<float>())) {
+    const at::Tensor sf = scales.to(at::kFloat);
+    const float* s = sf.const_data_ptr<float>();
+    pagoda_cpu::blocked_quant_matmul(N, K, x, out, bp, [&](int64_t n, float* dst) {
+      const int8_t* qg = q + (n / 16) * 16 * K + 2 * (n % 16);  // the row's first pair
+      const float* sg = s + (n / 16) * nb * 16 + n % 16;
+      for (int64_t k = 0; k < K; k += 2) {
+        const float sc = sg[(k / 32) * 16];
+        dst[k] = sc * static_cast<float>(qg[16 * k]);  // pair k/2 sits 32 bytes after pair k/2 - 1
+        dst[k + 1] = sc * static_cast<float>(qg[16 * k + 1]);
+      }
+    });
+  }
+  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+}
+
 }  // namespace
 
 // Exported (cpu_quant_linear.h): the fused decode stack (kernels/decode/) calls it directly.
@@ -386,6 +434,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const
                         const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
                         int64_t group, int64_t bits, int64_t zero, int64_t act) {
   TORCH_CHECK(act == 0 || act == 8 || act == 16 || act == 32, "pagoda_cpu.quant_linear: act must be 0, 8, 16 or 32, got ", act);
+  if (qweight.dim() == 3) return quant_linear_interleaved(x_in, qweight, scales, mins, bias, group, bits, act);
   if (bits == 5 || bits == 6) return quant_linear_lowbit(x_in, qweight, scales, mins, bias, group, bits, zero);
   TORCH_CHECK(bits == 8 || bits == 4, "pagoda_cpu.quant_linear: bits must be 8, 6, 5 or 4, got ", bits);
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");

@@ -44,7 +44,13 @@ from worker_svc.model_loader.quant_format import QUANTIZATION_METHODS, Quantized
 from worker_svc.models import model_class
 from worker_svc.models.common import RotaryEmbedding
 from worker_svc.models.llama import LlamaForCausalLM
-from worker_svc.models.quant_linear import QuantEmbedding, QuantLinear, keep_half_scales, quantize_linears
+from worker_svc.models.quant_linear import (
+    QuantEmbedding,
+    QuantLinear,
+    interleave_rows,
+    keep_half_scales,
+    quantize_linears,
+)
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -92,6 +98,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
             quantize_linears(model, quantization)
         if keep:
             keep_half_scales(model)  # Q8_0's scales as the file stores them, where the int16 path reads them
+        if keep or quantization in QUANTIZATION_METHODS:
+            interleave_rows(model)  # 8-bit codes as the int16 kernel streams them best
         model.eval().requires_grad_(False)
         return model, cfg
 

@@ -38,24 +38,52 @@ class QuantizedWeight:
     group: int
     zero: int = 0
     in_features: int = 0
+    # Rows interleaved by 16 (8-bit codes in groups of 32, no mins): qweight int8 [N/16, K/2, 32] --
+    # per 16 rows, each pair of columns holds the 16 rows' two codes side by side -- and scales
+    # [N/16, K/32, 16]. The int16 dot-product kernel multiplies an activation pair into 16 rows per
+    # instruction and streams the weights in one sequential pass (interleave_rows, docs/quantization.md).
+    interleaved: bool = False
 
     def __post_init__(self) -> None:
         if not self.in_features:
-            self.in_features = self.qweight.shape[1] * 8 // self.bits
+            self.in_features = self.qweight.shape[1] * (2 if self.interleaved else 8 // self.bits)
         if self.in_features % self.group or (self.bits == 4 and self.group % 2) or (
                 self.bits in LOWBIT and (self.in_features % LOWBIT_BLOCK or self.group % 16)):
             raise ValueError(f"group {self.group} does not fit K {self.in_features} ({self.bits} bits)")
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.qweight.shape[0], self.in_features
+        return self.qweight.shape[0] * (ROW_TILE if self.interleaved else 1), self.in_features
+
+    def interleave_rows(self) -> QuantizedWeight:
+        """The same weights with rows interleaved by 16 (see `interleaved`); the same bytes."""
+        n, k = self.shape
+        if self.interleaved or (self.bits, self.group, self.mins) != (8, GROUP, None) or n % ROW_TILE:
+            raise ValueError("rows interleave for 8-bit codes in groups of 32 without mins, N a multiple of 16")
+        q = self.qweight.view(n // ROW_TILE, ROW_TILE, k // 2, 2).transpose(1, 2).contiguous()
+        s = self.scales.view(n // ROW_TILE, ROW_TILE, k // GROUP).transpose(1, 2).contiguous()
+        return QuantizedWeight(q.view(n // ROW_TILE, k // 2, 2 * ROW_TILE), s, None, 8, GROUP, 0, k, True)
+
+    def row_major(self) -> QuantizedWeight:
+        """[N, K] rows again (a copy where interleaved, else self)."""
+        if not self.interleaved:
+            return self
+        n, k = self.shape
+        q = self.qweight.view(n // ROW_TILE, k // 2, ROW_TILE, 2).transpose(1, 2).reshape(n, k)
+        s = self.scales.transpose(1, 2).reshape(n, k // GROUP)
+        return QuantizedWeight(q, s, None, 8, GROUP, 0, k)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins) if t is not None)
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
-        """The rows `index` (a permutation, a gather of token ids) in the same format."""
+        """The rows `index` (a permutation, a gather of token ids) in the same format, row-major."""
+        if self.interleaved:  # only the rows asked for are copied (the embedding gather of a tied head)
+            n, k = self.shape
+            tile, row = index // ROW_TILE, index % ROW_TILE
+            q = self.qweight.view(n // ROW_TILE, k // 2, ROW_TILE, 2)[tile, :, row].reshape(-1, k)
+            return QuantizedWeight(q, self.scales[tile, :, row], None, 8, GROUP, 0, k)
         pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
         return QuantizedWeight(pick(self.qweight), pick(self.scales), pick(self.mins), self.bits, self.group,
                                self.zero, self.in_features)
@@ -63,12 +91,16 @@ class QuantizedWeight:
     def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
         if dim != 0:
             raise ValueError("a quantized weight is sliced by rows only")
+        if self.interleaved:
+            return self.row_major().narrow(dim, start, length)
         cut = lambda t: None if t is None else t.narrow(0, start, length)  # noqa: E731
         return QuantizedWeight(cut(self.qweight), cut(self.scales), cut(self.mins), self.bits, self.group,
                                self.zero, self.in_features)
 
     def unpacked(self) -> torch.Tensor:
         """int8 [N, K]: q - zero (exact: 4-, 5- and 6-bit values fit in int8)."""
+        if self.interleaved:
+            return self.row_major().qweight
         if self.bits == 8:
             return self.qweight
         if self.bits in LOWBIT:
@@ -80,6 +112,8 @@ class QuantizedWeight:
 
     def widened(self, group: int, with_mins: bool) -> QuantizedWeight:
         """The same weights as int8 storage with groups of `group` (dividing ours) and mins if asked."""
+        if self.interleaved:
+            return self.row_major().widened(group, with_mins)
         repeat = self.group // group
         scales = self.scales.float().repeat_interleave(repeat, dim=1) if repeat > 1 else self.scales.float()
         mins = self.mins
@@ -92,6 +126,8 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [N, K], the reference: same two roundings as the kernel and as gguf's numpy."""
+        if self.interleaved:
+            return self.row_major().dequantize()
         n, g = self.qweight.shape[0], self.group
         q = self.unpacked().view(n, -1, g).float()
         w = self.scales.float().unsqueeze(-1) * q
@@ -102,6 +138,7 @@ class QuantizedWeight:
 
 def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack weights along N (a fused projection). Differing formats meet in int8 storage."""
+    parts = [p.row_major() for p in parts]
     first = parts[0]
     if len(parts) == 1:
         return first
@@ -121,6 +158,7 @@ def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
 
 QUANTIZATION_METHODS = ("int8", "int4")
 GROUP = 32
+ROW_TILE = 16  # rows interleaved together (QuantizedWeight.interleaved)
 
 
 def quantize(weight: torch.Tensor, method: str, group: int = GROUP) -> QuantizedWeight:
