@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cpu_quant_int8dot.h"
@@ -289,6 +290,80 @@ void block(int64_t mode, const W16& w, const Act16& a, int64_t n, const float* b
   pagoda_cpu::for_row_tiles(a.M, [&](auto mt, int64_t m0) { emit<R, decltype(mt)::value>(mode, w, a, n, m0, bias, out); });
 }
 
+// Packed 4-, 5- and 6-bit codes (int16_dot_packed): each block of 32 codes is widened in registers
+// to 32 int16 in element order -- 16 bytes of nibbles zero-extended, low then high nibbles; the
+// fifth bit of element j (bit j of the plane) added as 16 under a mask; the sixth and fifth of
+// Q6_K (bits 2j + 1, 2j of a 64-bit plane) under two masks that pext takes out; the zero point
+// subtracted -- then, as the 8-bit path, one vpdpwssd, a conversion and an FMA per activation row.
+struct Packed16 {
+  const uint8_t* q;
+  const float* scales;
+  const float* mins;
+  int64_t N, K, group, ng, bits, zero, row_bytes, block_bytes;
+};
+
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) inline __m512i unpack_codes(const uint8_t* blk,
+                                                                                                 __m512i zero) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F))),
+                                 _mm256_srli_epi16(bytes, 4), 1);
+  if (BITS == 5) {
+    uint32_t plane;
+    std::memcpy(&plane, blk + 16, 4);
+    v = _mm512_mask_add_epi16(v, static_cast<__mmask32>(plane), v, _mm512_set1_epi16(16));
+  } else if (BITS == 6) {
+    uint64_t plane;
+    std::memcpy(&plane, blk + 16, 8);
+    v = _mm512_mask_add_epi16(v, static_cast<__mmask32>(_pext_u64(plane, 0x5555555555555555ull)), v,
+                              _mm512_set1_epi16(16));
+    v = _mm512_mask_add_epi16(v, static_cast<__mmask32>(_pext_u64(plane, 0xAAAAAAAAAAAAAAAAull)), v,
+                              _mm512_set1_epi16(32));
+  }
+  return _mm512_sub_epi16(v, zero);
+}
+
+// One weight row against MT activation rows: res[j]. G16: two scales per block (lanes 0-7, 8-15).
+template <int BITS, int MT, bool G16>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void packed_tile512(const Packed16& w,
+                                                                                          const Act16& a, int64_t n,
+                                                                                          int64_t m0, float* res) {
+  __m512 acc[MT];
+  for (int j = 0; j < MT; ++j) acc[j] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_set1_epi16(static_cast<int16_t>(w.zero)), nil = _mm512_setzero_si512();
+  const uint8_t* row = w.q + n * w.row_bytes;
+  const float* sc = w.scales + n * w.ng;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const __m512i wq = unpack_codes<BITS>(row + b * w.block_bytes, zero);
+    for (int j = 0; j < MT; ++j) {
+      const __m512i xs = _mm512_loadu_si512(a.s + (m0 + j) * a.K + b * kBlock);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(nil, wq, xs));
+      const float dx = a.d[(m0 + j) * a.nb + b];
+      const __m512 scale = G16 ? _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sc[2 * b] * dx),
+                                                      _mm512_set1_ps(sc[2 * b + 1] * dx))
+                               : _mm512_set1_ps(sc[a.gof[b]] * dx);
+      acc[j] = _mm512_fmadd_ps(dot, scale, acc[j]);
+    }
+  }
+  for (int j = 0; j < MT; ++j) res[j] = _mm512_reduce_add_ps(acc[j]);
+}
+
+template <int BITS, bool G16>
+void packed_rows(const Packed16& w, const Act16& a, int64_t begin, int64_t end, const float* bias, float* out) {
+  for (int64_t n = begin; n < end; ++n)
+    pagoda_cpu::for_row_tiles(a.M, [&](auto mt, int64_t m0) {
+      constexpr int MT = decltype(mt)::value;
+      float res[MT];
+      packed_tile512<BITS, MT, G16>(w, a, n, m0, res);
+      for (int j = 0; j < MT; ++j) {
+        float extra = bias ? bias[n] : 0.0f;
+        if (w.mins != nullptr)
+          for (int64_t g = 0; g < w.ng; ++g) extra += w.mins[n * w.ng + g] * a.gsum[(m0 + j) * w.ng + g];
+        out[(m0 + j) * w.N + n] = res[j] + extra;
+      }
+    });
+}
+
 // Row-interleaved codes (int16_dot_linear_interleaved): 16 weight rows at once, one output row per
 // int32 lane. Per 32 weights of one activation row: one vpdpwssd multiplying an activation pair
 // (broadcast) into 16 rows' pairs; per block of 32 and 16 rows: three adds, one conversion, one
@@ -380,6 +455,28 @@ bool int16_dot_linear_interleaved(int64_t act, const float* x, int64_t M, int64_
     for (int64_t g = begin; g < end; ++g)
       group_rows512(q + g * 16 * K, half_scales ? nullptr : scales + g * nb * 16,
                     half_scales ? half_scales + g * nb * 16 : nullptr, a, g * 16, N, bias, out);
+  });
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool int16_dot_packed(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t bits, int64_t zero,
+                      const float* scales, const float* mins, int64_t N, int64_t group, const float* bias,
+                      float* out) {
+  if (int8_dot_mode() != kInt8DotAvx512Vnni || act_default() != kActInt16 || K % kBlock != 0) return false;
+  if (!(bits == 4 ? group == kBlock : (bits == 5 || bits == 6) && (group == 16 || group % kBlock == 0))) return false;
+#ifdef PAGODA_I16_X86
+  thread_local Scratch scratch;  // as int16_dot_linear: the workers read it through `a` only
+  const Act16 a = quantize16(x, M, K, group, mins != nullptr, kInt8DotAvx512Vnni, scratch);
+  const int64_t block_bytes = 16 + 4 * (bits - 4);  // nibbles, then the top bits (none for 4 bits)
+  const Packed16 w{q, scales, mins, N, K, group, K / group, bits, zero, K / kBlock * block_bytes, block_bytes};
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    const bool g16 = group == 16;
+    if (bits == 4) packed_rows<4, false>(w, a, begin, end, bias, out);
+    else if (bits == 5) g16 ? packed_rows<5, true>(w, a, begin, end, bias, out) : packed_rows<5, false>(w, a, begin, end, bias, out);
+    else g16 ? packed_rows<6, true>(w, a, begin, end, bias, out) : packed_rows<6, false>(w, a, begin, end, bias, out);
   });
   return true;
 #else

@@ -52,6 +52,15 @@ bool int16_dot_linear_interleaved(int64_t act, const float* x, int64_t M, int64_
                                   const float* scales, const uint16_t* half_scales, int64_t N, const float* bias,
                                   float* out);
 
+// Packed 4-, 5- and 6-bit codes as cpu_quant_linear.cpp / cpu_quant_linear_lowbit.cpp store them
+// (blocks of 32: 16 bytes of nibbles, element i low and i + 16 high, then for 5 bits a 32-bit plane
+// of fifth bits, for 6 bits a 64-bit plane of top-bit pairs; 4 bits: groups of 32 only), w = scales
+// * (q - zero) (+ mins), with int16 activations, where the AVX512-VNNI kernel is in use and the
+// process default is int16; false (nothing written) otherwise.
+bool int16_dot_packed(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t bits, int64_t zero,
+                      const float* scales, const float* mins, int64_t N, int64_t group, const float* bias,
+                      float* out);
+
 // The activation rows of one block of weight rows, in tiles of 4 then the remainder (the weight rows
 // stay in L1 across the tiles): emit(std::integral_constant<int, MT>, m0) for each tile of MT rows.
 template <typename Emit>

@@ -354,6 +354,11 @@ void direct(const QuantView& w, const float* x, int64_t M, float* out, const flo
   if (w.bits == 8 && pagoda_cpu::int8_dot_linear(x, M, K, reinterpret_cast<const int8_t*>(w.q), w.scales, w.mins,
                                                  N, w.group, bias, out, act))
     return;
+  // 4-bit codes in groups of 32: the same with int16 activations, when that is the default and the call
+  // does not ask for another precision
+  if (w.bits == 4 && (act == 0 || act == 16) &&
+      pagoda_cpu::int16_dot_packed(x, M, K, w.q, 4, w.zero, w.scales, w.mins, N, w.group, bias, out))
+    return;
 #ifdef PAGODA_QL_AVX512
   if (has_avx512() && fits_avx512(w)) {
     std::vector<float> xs;  // per activation row and group: sum of x (the mins' and zero point's term)

@@ -26,6 +26,7 @@
 #include <ATen/ops/mm.h>
 
 #include "cpu_quant_blocked.h"
+#include "cpu_quant_int8dot.h"
 #include "cpu_quant_linear_lowbit.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -236,6 +237,8 @@ bool has_avx512() {
 #endif
 
 void direct(const LowbitView& w, const float* x, int64_t M, float* out, const float* bias) {
+  // An AVX512-VNNI CPU with int16 activations by default (cpu_quant_int8dot.h): integer dot products
+  if (pagoda_cpu::int16_dot_packed(x, M, w.K, w.q, w.bits, w.zero, w.scales, w.mins, w.N, w.group, bias, out)) return;
 #ifdef PAGODA_LB_AVX512
   if (has_avx512()) {
     std::vector<float> xs;  // per activation row and group: sum of x (the mins' term)

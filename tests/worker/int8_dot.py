@@ -17,12 +17,17 @@ def activation_bits(weight: QuantizedWeight, m: int, act: int = 0) -> int:
     """The bits the op rounds activations to for this call (act 0: the process default), or 32
     where it keeps them fp32: no VNNI kernel on, not 8-bit codes, not decode rows (M <= 32), K not
     a multiple of 32, groups neither 16 nor a multiple of 32, or a call / default asking for fp32.
-    Rows interleaved by 16 take int16 on the AVX512-VNNI kernel only."""
+    Rows interleaved by 16, and packed 4-bit (groups of 32), 5- and 6-bit codes, take int16 on the
+    AVX512-VNNI kernel only, when int16 is the process default."""
     ops = _ops()
     mode, _, default = ops.quant_int8_dot() if ops is not None and hasattr(ops, "quant_int8_dot") else (0, 0, 32)
     k, group = weight.shape[1], weight.group
     if weight.interleaved:  # only the AVX512-VNNI int16 kernel reads them; every other call widens rows
         return 16 if mode == 1 and m <= 32 and (act or default) == 16 else 32
+    if weight.bits in (4, 5, 6):  # packed codes: the AVX512-VNNI kernel, int16 by default only
+        fits = group == BLOCK if weight.bits == 4 else group == 16 or group % BLOCK == 0
+        by_call = weight.bits != 4 or act in (0, 16)  # 5 / 6 bits have no per-call choice
+        return 16 if mode == 1 and default == 16 and by_call and fits and m <= 32 and k % BLOCK == 0 else 32
     applies = bool(mode) and weight.bits == 8 and m <= 32 and k % BLOCK == 0 and (group % BLOCK == 0 or group == 16)
     return (act or default) if applies else 32
 

@@ -82,7 +82,7 @@ def decode_both_ways(model, cfg, fused, contexts: list[int], new_tokens: list[in
 
 @contextlib.contextmanager
 def activations(act: int):
-    """The process default precision of 8-bit codes' activations at decode (0: leave it): the fused
+    """The process default precision of 8-bit and packed codes' activations at decode (0: leave it): the fused
     stack's quantized linears take it (kernels/linear/cpu_quant_int8dot.h)."""
     ops = _ops()
     if not act or not hasattr(ops, "quant_int8_dot"):
@@ -105,7 +105,8 @@ CASES = [  # (dtype, quantization, activations of 8-bit codes (0: the default), 
     # across a rounding boundary, one step of max|x| / 32767 of its block: 1-2 of ~20k logits and
     # cache entries differ by 1e-4 to 3.3e-4, the rest by < 4e-5
     pytest.param(torch.float32, "int8", 16, 1e-3, id="int8-fp32-int16act"),
-    pytest.param(torch.float32, "int4", 0, 1e-5, id="int4-fp32"),
+    pytest.param(torch.float32, "int4", 32, 1e-5, id="int4-fp32"),
+    pytest.param(torch.float32, "int4", 16, 1e-3, id="int4-fp32-int16act"),  # packed codes too, as above
     pytest.param(torch.bfloat16, "int8", 0, 0.0, id="int8-bf16"),  # the same bits in: the same bits out
 ]
 

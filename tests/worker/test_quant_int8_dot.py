@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.worker.int8_dot import activation_bits, activation_rounding_bound, quantized_activations
-from tests.worker.test_quant_linear import decoded
+from tests.worker.test_quant_linear import FORMATS, decoded
 from worker_svc.model_loader.quant_format import QuantizedWeight, quantize
 from worker_svc.models.quant_linear import QuantLinear, _ops, int8_dot_status, quant_matmul
 
@@ -277,3 +277,37 @@ def test_keep_half_scales_only_where_fp16_holds_them():
     assert [m.weight_q.scales.dtype for m in model] == [torch.float16, torch.float32, torch.float32, torch.float32]
     assert model[0].scales is model[0].weight_q.scales  # the buffer follows (memory accounting)
     assert all(torch.equal(m(x), b) for m, b in zip(model, before, strict=True))
+
+
+PACKED = {name: w for name, w in FORMATS.items()
+          if w.bits in (4, 5, 6)}
+
+
+@pytest.mark.skipif(not SUPPORTED or OPS.quant_int8_dot()[1] != 1, reason="the packed-code kernel is AVX512-VNNI only")
+@pytest.mark.parametrize("m", [1, 3, 4, 17])
+@pytest.mark.parametrize("name", sorted(PACKED))
+def test_packed_codes_match_dequantise_then_matmul_on_the_int16_activations(name, m):
+    """Q4_0 / Q4_1 / Q4_K / int4 (groups of 32), Q5_* and Q6_K (groups of 16) widened in registers:
+    the integer sums are exact, so only fp32 scaling and summation separate them from the reference
+    on the activations rounded to int16; with int8 as the default they keep the fp32 path."""
+    weight = PACKED[name]
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, weight.shape[1], generator=gen)
+    x[0, :32] = 0.0
+    bias = torch.randn(weight.shape[0], generator=gen)
+    assert activation_bits(weight, m) == 16
+    w = weight.dequantize().double()
+    xq = quantized_activations(x, 16)
+    ref = xq @ w.T + bias.double()
+    err = (quant_matmul(x, weight, bias).double() - ref).abs()
+    bound = 1e-5 * (xq.abs() @ w.abs().T) + 1e-30
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
+    mode, _, act = OPS.quant_int8_dot()
+    try:
+        OPS.quant_int8_dot(1, 8)  # int8 by default: packed codes go back to fp32 activations
+        assert activation_bits(weight, m) == 32
+        exact = x.double() @ w.T + bias.double()
+        assert ((quant_matmul(x, weight, bias).double() - exact).abs()
+                <= 1e-5 * (x.double().abs() @ w.abs().T) + 1e-30).all()
+    finally:
+        OPS.quant_int8_dot(int(mode != 0), act)
