@@ -5,6 +5,9 @@ fp32 linear and what torch ships, on SmolLM2's shapes; and (--model-step) the mo
     .venv/bin/python -m benchmarks.quant_linear --model-step [--model models/smollm2-135m-instruct]
         [--gguf models/.cache/SmolLM2-135M-Instruct.Q4_1.gguf] [--batches 1 16]
     .venv/bin/python -m benchmarks.quant_linear --requantize F32.gguf OUT.gguf Q8_0   # a Q8_0 file
+    .venv/bin/python -m benchmarks.quant_linear --cold [--rows 1 4 16] [--threads 2]
+        # Q8_0-format weights (fp16 scales) row-major against rows interleaved by 16, each call on
+        # weights not read since many calls (copies cycled): what a decode step's weights see
 
 Layer table, ms per call (lower is better); columns:
   packed fp32   mkldnn._linear_pointwise over the weight packed once (what the worker runs today)
@@ -156,6 +159,35 @@ def requantize(src: str, dst: str, type_name: str) -> None:
     writer.close()
 
 
+COLD_SHAPES = [(49152, 576), (3072, 576), (576, 1536), (576, 576)]  # lm_head, gate_up, down, o_proj
+COLD_BYTES = 512 << 20  # copies of each shape, cycled: ~2 x 256 MB, past any cache
+
+
+def cold_table(rows: list[int]) -> None:
+    """Row-major against interleaved Q8_0-format weights, each call on cold weights: microseconds
+    a call (best of 5 passes over the copies) and GB/s of weight bytes."""
+    from worker_svc.model_loader.quant_format import QuantizedWeight
+
+    print(f"{'shape':>14} {'M':>3} {'row-major us':>13} {'GB/s':>6} {'interleaved us':>15} {'GB/s':>6}")
+    for n, k in COLD_SHAPES:
+        w = quantize(torch.randn(n, k) * 0.05, "int8")
+        copies = max(2, COLD_BYTES // 2 // (n * k))
+        plain = [QuantizedWeight(w.qweight.clone(), w.scales.half(), None, 8, 32) for _ in range(copies)]
+        inter = [q.interleave_rows() for q in plain]
+        for m in rows:
+            x = torch.randn(m, k)
+            cells = []
+            for weights in (plain, inter):
+                best = float("inf")
+                for _ in range(5):
+                    start = time.perf_counter()
+                    for q in weights:
+                        quant_matmul(x, q)
+                    best = min(best, (time.perf_counter() - start) / copies)
+                cells += [f"{best * 1e6:13.0f}", f"{plain[0].nbytes / best / 1e9:6.1f}"]
+            print(f"{f'{n}x{k}':>14} {m:>3} {cells[0]} {cells[1]} {cells[2]:>15} {cells[3]}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.quant_linear", description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 128])
@@ -166,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gguf", default="models/.cache/SmolLM2-135M-Instruct.Q4_1.gguf")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=256, help="--model-step: tokens already cached per sequence")
+    p.add_argument("--cold", action="store_true", help="row-major against interleaved 8-bit rows, cold weights")
     p.add_argument("--requantize", nargs=3, metavar=("SRC", "DST", "TYPE"),
                    help="write SRC (an F32/F16 GGUF) as DST with its matrices in TYPE (Q8_0, Q4_0, Q4_1)")
     args = p.parse_args(argv)
@@ -175,7 +208,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    if args.model_step:
+    if args.cold:
+        with torch.inference_mode():
+            cold_table(args.rows)
+    elif args.model_step:
         model_step(args.model, args.gguf, args.batches, args.context)
     else:
         with torch.inference_mode():
