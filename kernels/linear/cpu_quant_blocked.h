@@ -10,8 +10,17 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 
 namespace pagoda_cpu {
+
+// A linear's optional bias as contiguous fp32 with N entries (undefined when there is none).
+inline at::Tensor fp32_bias(const std::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  at::Tensor b = bias->to(at::kFloat).contiguous();
+  TORCH_CHECK(b.numel() == N, "bias must have N entries");
+  return b;
+}
 
 // out [M, N] = x [M, K] fp32 @ W.T (+ bias), where dequant_row(n, dst) writes W's row n as K floats.
 template <typename DequantRow>

@@ -399,12 +399,8 @@ at::Tensor quant_linear_interleaved(const at::Tensor& x_in, const at::Tensor& qw
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
                   scales.dim() == 3 && scales.size(0) == G && scales.size(1) == nb && scales.size(2) == 16,
               "row-interleaved scales must be contiguous fp32 or fp16 [N/16, K/32, 16]");
-  const bool has_bias = bias.has_value() && bias->defined();
-  at::Tensor b;
-  if (has_bias) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias must have N entries");
-  }
+  const at::Tensor b = pagoda_cpu::fp32_bias(bias, N);
+  const bool has_bias = b.defined();
   const float* bp = has_bias ? b.const_data_ptr<float>() : nullptr;
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
@@ -460,12 +456,8 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const
   if (has_min)
     TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->sizes() == scales.sizes(),
                 "mins must be contiguous fp32 [N, K/group]");
-  const bool has_bias = bias.has_value() && bias->defined();
-  at::Tensor b;
-  if (has_bias) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias must have N entries");
-  }
+  const at::Tensor b = pagoda_cpu::fp32_bias(bias, N);
+  const bool has_bias = b.defined();
   const at::Tensor x = x_in.to(at::kFloat).contiguous();  // bf16: widened once (M x K, small)
   at::Tensor out = at::empty({M, N}, x.options());
   if (half_scales) {

@@ -290,12 +290,8 @@ at::Tensor quant_linear_lowbit(const at::Tensor& x_in, const at::Tensor& qweight
               "pagoda_cpu.quant_linear: activations must be float32 or bfloat16, got ", x_in.scalar_type());
   const int64_t M = x_in.size(0), K = x_in.size(1);
   const LowbitView w = view(qweight, scales, mins, K, group, bits, zero);
-  const bool has_bias = bias.has_value() && bias->defined();
-  at::Tensor b;
-  if (has_bias) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == w.N, "bias must have N entries");
-  }
+  const at::Tensor b = pagoda_cpu::fp32_bias(bias, w.N);
+  const bool has_bias = b.defined();
   const float* bp = has_bias ? b.const_data_ptr<float>() : nullptr;
   const at::Tensor x = x_in.to(at::kFloat).contiguous();  // bf16: widened once (M x K, small)
   at::Tensor out = at::empty({M, w.N}, x.options());

@@ -53,3 +53,17 @@ def activation_rounding_bound(x: torch.Tensor, w: torch.Tensor, bits: int = 8) -
     half_step = x.double().abs().reshape(m, k // BLOCK, BLOCK).amax(-1) / (2 * LEVELS[bits])  # [M, K/32]
     w_abs = w.double().abs().reshape(w.shape[0], k // BLOCK, BLOCK).sum(-1)  # [N, K/32]
     return half_step @ w_abs.T * (1 + 1e-6)
+
+
+def assert_within_summation_bound(out: torch.Tensor, xq: torch.Tensor, weight: QuantizedWeight,
+                                  bias: torch.Tensor) -> None:
+    """out against dequantise-then-matmul on the activations the op multiplies (xq, float64): the
+    integer sums are exact, so only fp32 scaling and summation over K / 32 blocks are left, within
+    1e-5 of sum |xq w| (and bf16 output's own rounding, 2^-8 of the value)."""
+    w = weight.dequantize().double()
+    ref = xq @ w.T + bias.double()
+    bound = 1e-5 * (xq.abs() @ w.abs().T) + 1e-30
+    if out.dtype == torch.bfloat16:
+        bound = bound + ref.abs() * 2.0**-8
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"

@@ -14,7 +14,12 @@ import sys
 import pytest
 import torch
 
-from tests.worker.int8_dot import activation_bits, activation_rounding_bound, quantized_activations
+from tests.worker.int8_dot import (
+    activation_bits,
+    activation_rounding_bound,
+    assert_within_summation_bound,
+    quantized_activations,
+)
 from tests.worker.test_quant_linear import FORMATS, decoded
 from worker_svc.model_loader.quant_format import QuantizedWeight, quantize
 from worker_svc.models.quant_linear import QuantLinear, _ops, int8_dot_status, quant_matmul
@@ -77,15 +82,7 @@ def test_matches_dequantise_then_matmul_on_the_rounded_activations(name, dtype, 
     assert activation_bits(weight, m, act) == act
     out = quant_matmul(x, weight, bias, act)
     assert out.dtype == dtype and out.shape == (m, weight.shape[0])
-    w = weight.dequantize().double()
-    xq = quantized_activations(x, act)
-    ref = xq @ w.T + bias.double()
-    # integer products are exact; what is left is fp32 scaling and summation over K / 32 blocks
-    bound = 1e-5 * (xq.abs() @ w.abs().T) + 1e-30
-    if dtype == torch.bfloat16:
-        bound = bound + ref.abs() * 2.0**-8
-    err = (out.double() - ref).abs()
-    assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
+    assert_within_summation_bound(out, quantized_activations(x, act), weight, bias)
 
 
 @pytest.mark.parametrize("act", ACTS)
@@ -296,12 +293,8 @@ def test_packed_codes_match_dequantise_then_matmul_on_the_int16_activations(name
     x[0, :32] = 0.0
     bias = torch.randn(weight.shape[0], generator=gen)
     assert activation_bits(weight, m) == 16
+    assert_within_summation_bound(quant_matmul(x, weight, bias), quantized_activations(x, 16), weight, bias)
     w = weight.dequantize().double()
-    xq = quantized_activations(x, 16)
-    ref = xq @ w.T + bias.double()
-    err = (quant_matmul(x, weight, bias).double() - ref).abs()
-    bound = 1e-5 * (xq.abs() @ w.abs().T) + 1e-30
-    assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
     mode, _, act = OPS.quant_int8_dot()
     try:
         OPS.quant_int8_dot(1, 8)  # int8 by default: packed codes go back to fp32 activations
