@@ -151,6 +151,18 @@ Act16 quantize16(const float* x, int64_t M, int64_t K, int64_t group, bool sums,
   return a;
 }
 
+// What an output row adds to its dot products: bias[n] + the mins' term, mins[n, g] * sum(x_q d)
+// over each group g (a.gsum), for activation row m.
+inline float row_extra(const float* bias, const float* mins, const Act16& a, int64_t ng, int64_t n, int64_t m) {
+  float extra = bias ? bias[n] : 0.0f;
+  if (mins != nullptr) {
+    float sum = 0.0f;
+    for (int64_t g = 0; g < ng; ++g) sum += mins[n * ng + g] * a.gsum[m * ng + g];
+    extra += sum;
+  }
+  return extra;
+}
+
 struct W16 {
   const int8_t* q;
   const float* scales;    // fp32 [N, ng], or nullptr where `half` holds them
@@ -273,15 +285,8 @@ void emit(int64_t mode, const W16& w, const Act16& a, int64_t n, int64_t m0, con
     else tile256<R, MT, false>(w, a, n, m0, res);
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < MT; ++j) {
-      float extra = bias ? bias[n + r] : 0.0f;
-      if (w.mins != nullptr) {  // mins * sum(x_q d) over each group
-        float m = 0.0f;
-        for (int64_t g = 0; g < w.ng; ++g) m += w.mins[(n + r) * w.ng + g] * a.gsum[(m0 + j) * w.ng + g];
-        extra += m;
-      }
-      out[(m0 + j) * w.N + n + r] = res[r * MT + j] + extra;
-    }
+    for (int j = 0; j < MT; ++j)
+      out[(m0 + j) * w.N + n + r] = res[r * MT + j] + row_extra(bias, w.mins, a, w.ng, n + r, m0 + j);
 }
 
 // R weight rows from n against every activation row, in tiles of up to 4 (the rows stay in L1).
@@ -355,12 +360,7 @@ void packed_rows(const Packed16& w, const Act16& a, int64_t begin, int64_t end, 
       constexpr int MT = decltype(mt)::value;
       float res[MT];
       packed_tile512<BITS, MT, G16>(w, a, n, m0, res);
-      for (int j = 0; j < MT; ++j) {
-        float extra = bias ? bias[n] : 0.0f;
-        if (w.mins != nullptr)
-          for (int64_t g = 0; g < w.ng; ++g) extra += w.mins[n * w.ng + g] * a.gsum[(m0 + j) * w.ng + g];
-        out[(m0 + j) * w.N + n] = res[j] + extra;
-      }
+      for (int j = 0; j < MT; ++j) out[(m0 + j) * w.N + n] = res[j] + row_extra(bias, w.mins, a, w.ng, n, m0 + j);
     });
 }
 

@@ -400,8 +400,7 @@ at::Tensor quant_linear_interleaved(const at::Tensor& x_in, const at::Tensor& qw
                   scales.dim() == 3 && scales.size(0) == G && scales.size(1) == nb && scales.size(2) == 16,
               "row-interleaved scales must be contiguous fp32 or fp16 [N/16, K/32, 16]");
   const at::Tensor b = pagoda_cpu::fp32_bias(bias, N);
-  const bool has_bias = b.defined();
-  const float* bp = has_bias ? b.const_data_ptr<float>() : nullptr;
+  const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   const bool half = scales.scalar_type() == at::kHalf;

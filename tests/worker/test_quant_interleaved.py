@@ -12,7 +12,13 @@ import torch
 
 from tests.worker.int8_dot import activation_bits, assert_within_summation_bound, quantized_activations
 from worker_svc.model_loader.quant_format import QuantizedWeight, quantize
-from worker_svc.models.quant_linear import QuantLinear, _ops, interleave_rows, quant_matmul
+from worker_svc.models.quant_linear import (
+    QuantLinear,
+    _ops,
+    interleave_rows,
+    interleaving_default,
+    quant_matmul,
+)
 
 OPS = _ops()
 
@@ -100,8 +106,7 @@ def test_interleave_rows_takes_the_modules_the_kernel_reads():
     x = torch.randn(2, 64)
     before = extra(x)
     done = interleave_rows(holder)
-    kernel_default = (OPS is not None and hasattr(OPS, "quant_int8_dot")
-                      and OPS.quant_int8_dot()[0] == 1 and OPS.quant_int8_dot()[2] == 16)
+    kernel_default = interleaving_default()
     assert done == (1 if kernel_default else 0)
     assert extra.weight_q.interleaved == kernel_default  # 20 rows, int4 and act 8: left as they are
     assert not any(m.weight_q.interleaved for m in linears)

@@ -19,7 +19,7 @@ from worker_svc.distributed import TensorParallel
 from worker_svc.model_loader import gguf_quants
 from worker_svc.model_loader.loader import load_model
 from worker_svc.model_runner import ModelRunner
-from worker_svc.models.quant_linear import QuantEmbedding, QuantLinear, _ops
+from worker_svc.models.quant_linear import QuantEmbedding, QuantLinear, _ops, interleaving_default
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -196,17 +196,11 @@ def test_smollm2_q8_0_as_stored_matches_hf_on_the_same_file(chats):
         layers = llm.runner.model.model.layers
         assert {layer.mlp.down_proj.weight_q.bits for layer in layers} == {8}
         # rows interleaved by 16 where the int16 AVX512-VNNI kernel is the default (interleave_rows)
-        assert {layer.mlp.down_proj.weight_q.interleaved for layer in layers} == {_interleaving()}
-        assert llm.runner.model.lm_head.weight_q.interleaved == _interleaving()
+        assert {layer.mlp.down_proj.weight_q.interleaved for layer in layers} == {interleaving_default()}
+        assert llm.runner.model.lm_head.weight_q.interleaved == interleaving_default()
         ours = _greedy(llm, chats)
     hf = transformers.AutoModelForCausalLM.from_pretrained(Q8_0.parent, gguf_file=Q8_0.name, dtype=torch.float32)
     assert _match_rate(ours, _hf_greedy(hf.eval(), chats)) >= 0.9  # 1.0 on 2026-11-26, interleaved
-
-
-def _interleaving() -> bool:
-    ops = _ops()
-    return ops is not None and hasattr(ops, "quant_int8_dot") and ops.quant_int8_dot()[0] == 1 and \
-        ops.quant_int8_dot()[2] == 16
 
 
 @pytest.mark.slow

@@ -55,10 +55,16 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return self.qweight.shape[0] * (ROW_TILE if self.interleaved else 1), self.in_features
 
+    @property
+    def can_interleave(self) -> bool:
+        """Row-major 8-bit codes in groups of 32 without mins, in whole tiles of 16 rows."""
+        return (not self.interleaved and (self.bits, self.group) == (8, GROUP) and self.mins is None
+                and self.shape[0] % ROW_TILE == 0)
+
     def interleave_rows(self) -> QuantizedWeight:
         """The same weights with rows interleaved by 16 (see `interleaved`); the same bytes."""
         n, k = self.shape
-        if self.interleaved or (self.bits, self.group, self.mins) != (8, GROUP, None) or n % ROW_TILE:
+        if not self.can_interleave:
             raise ValueError("rows interleave for 8-bit codes in groups of 32 without mins, N a multiple of 16")
         q = self.qweight.view(n // ROW_TILE, ROW_TILE, k // 2, 2).transpose(1, 2).contiguous()
         s = self.scales.view(n // ROW_TILE, ROW_TILE, k // GROUP).transpose(1, 2).contiguous()

@@ -32,7 +32,7 @@ import functools
 import torch
 from torch import nn
 
-from worker_svc.model_loader.quant_format import ROW_TILE, QuantizedWeight, concat, quantize
+from worker_svc.model_loader.quant_format import QuantizedWeight, concat, quantize
 
 # -- modules ----------------------------------------------------------------------------------------
 
@@ -167,6 +167,16 @@ def keep_half_scales(model: nn.Module) -> int:
     return count
 
 
+def interleaving_default() -> bool:
+    """Whether the op's int16 AVX512-VNNI kernel is the default for 8-bit codes now: the one
+    kernel that reads rows interleaved by 16 (interleave_rows)."""
+    ops = _ops()
+    if ops is None or not hasattr(ops, "quant_int8_dot"):
+        return False
+    mode, _, act = ops.quant_int8_dot()
+    return INT8_DOT_KERNELS[mode] == "avx512_vnni" and act == 16
+
+
 def interleave_rows(model: nn.Module) -> int:
     """8-bit codes in groups of 32 (Q8_0, --quantization int8) with rows interleaved by 16
     (QuantizedWeight.interleaved), where the op's int16 AVX512-VNNI kernel is the default: it
@@ -174,17 +184,12 @@ def interleave_rows(model: nn.Module) -> int:
     weight (cold weights 12.6 -> 19 GB/s with 2 threads in docs/quantization.md's measurement).
     The same bytes; every other path of the op and every Python reader widens rows from the
     interleaved places. Returns how many."""
-    ops = _ops()
-    if ops is None or not hasattr(ops, "quant_int8_dot"):
-        return 0
-    mode, _, act = ops.quant_int8_dot()
-    if INT8_DOT_KERNELS[mode] != "avx512_vnni" or act != 16:
+    if not interleaving_default():
         return 0
     count = 0
     for module in model.modules():
         w = getattr(module, "weight_q", None) if isinstance(module, QuantLinear) else None
-        if (w is None or w.interleaved or module.act not in (0, 16) or (w.bits, w.group, w.mins) != (8, 32, None)
-                or w.shape[0] % ROW_TILE or w.qweight.device.type != "cpu"):
+        if w is None or module.act not in (0, 16) or not w.can_interleave or w.qweight.device.type != "cpu":
             continue
         module.set_weight(w.interleave_rows())
         count += 1
