@@ -54,7 +54,7 @@ def _two_step_receive(group) -> object:
 
 
 def _broadcast_rank(rank: int, port: int, iters: int, results) -> None:
-    from worker_svc.distributed import ControlChannel, init_group
+    from worker_svc.parallel.distributed import ControlChannel, init_group
 
     torch.set_num_threads(1)
     tp = init_group(rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
@@ -81,7 +81,7 @@ def _broadcast_rank(rank: int, port: int, iters: int, results) -> None:
 
 
 def measure_broadcast(iters: int) -> dict:
-    from worker_svc.distributed import free_port
+    from worker_svc.parallel.distributed import free_port
 
     with mp.Manager() as manager:
         results = manager.dict()
@@ -91,7 +91,7 @@ def measure_broadcast(iters: int) -> dict:
 
 def measure_steps(model: str, tp: int, batch_sizes: list[int], steps: int) -> dict[int, float]:
     from worker_svc.config import WorkerConfig
-    from worker_svc.tp_worker import create_runner
+    from worker_svc.parallel.tp_worker import create_runner
 
     config = WorkerConfig(model=model, dtype="float32", device="cpu", num_gpu_blocks_override=1024,
                           tensor_parallel_size=tp)

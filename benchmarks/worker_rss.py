@@ -29,7 +29,7 @@ from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.request import EngineRequest
 from scheduler_svc.core.scheduler import Scheduler
 from worker_svc.config import WorkerConfig
-from worker_svc.tp_worker import create_runner
+from worker_svc.parallel.tp_worker import create_runner
 
 _libc = ctypes.CDLL("libc.so.6")
 

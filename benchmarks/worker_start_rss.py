@@ -23,7 +23,7 @@ import transformers  # noqa: F401 - part of the base: the worker imports it too
 from benchmarks.worker_rss import rss_mib
 from kernels.cpu_extension import load
 from worker_svc.config import WorkerConfig
-from worker_svc.tp_worker import create_runner
+from worker_svc.parallel.tp_worker import create_runner
 
 MIB = 2**20
 

@@ -72,6 +72,14 @@ class EngineServiceConfig:
             raise ValueError("--tenant-kv-share must be in (0, 1]")
 
 
+def inflight_steps(pipeline_parallel_size: int, pipelining: bool) -> int:
+    """One plan per pipeline stage; with one stage, 2 when pipelining (the next plan goes out
+    before the last result is back)."""
+    if pipeline_parallel_size > 1:
+        return pipeline_parallel_size
+    return 2 if pipelining else 1
+
+
 def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> SchedulerConfig:
     max_model_len = min(info.max_model_len, config.max_model_len or info.max_model_len)
     return SchedulerConfig(
@@ -80,7 +88,9 @@ def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> Scheduler
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         enable_prefix_caching=config.enable_prefix_caching,
         max_waiting_requests=config.max_waiting_requests, eos_token_ids=info.eos_token_ids,
-        policy=config.scheduling_policy, admission_order=config.admission_order, max_inflight_steps=2 if config.pipelining else 1,
+        policy=config.scheduling_policy, admission_order=config.admission_order,
+        max_inflight_steps=inflight_steps(info.pipeline_parallel_size, config.pipelining),
+        pipeline_parallel_size=info.pipeline_parallel_size,
         speculative=config.speculative, brownout=config.brownout, max_loras=info.max_loras,
         num_cpu_blocks=info.num_cpu_blocks, preemption_mode=config.preemption_mode,
         num_offload_blocks=info.num_offload_blocks if config.enable_prefix_caching else 0,

@@ -84,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="loaded adapters kept in host memory, LRU (default: --max-loras)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    add_distributed_flags(p)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="sizes the memory profile; the scheduler's Init may lower it")
     p.add_argument("--vocab-size", type=int, default=None,
@@ -91,6 +92,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--model directory's, else 2048)")
     add_service_flags(p, serves="Worker", drains=False)
     return p.parse_args(argv)
+
+
+def add_distributed_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's pipeline-parallel and multi-node flags, torchrun's names for the nodes."""
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
+                   help="split the layers into N stages, one rank (x TP) each (worker_svc/parallel/pipeline.py)")
+    p.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
+                   help="mp: ranks are processes each node's launch starts; ray: rank 0 places the "
+                        "others as actors on the Ray cluster (ray start; docs/multi_node.md)")
+    p.add_argument("--nnodes", type=int, default=1, help="hosts one instance spans (mp backend)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this host's index; above 0, it runs only its ranks (no server)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address: rank 0's rendezvous")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="rank 0's rendezvous port (needed with --nnodes > 1)")
 
 
 def build_config(args: argparse.Namespace) -> WorkerConfig:
@@ -101,6 +117,9 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, pack_weights=args.pack_weights,
+        pipeline_parallel_size=args.pipeline_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+        master_addr=args.master_addr, master_port=args.master_port,
+        distributed_executor_backend=args.distributed_executor_backend,
         warmup_row_buckets=args.warmup_row_buckets,
         batch_invariant=args.batch_invariant,
         quantization=args.quantization,
@@ -125,6 +144,11 @@ def main(argv: list[str] | None = None) -> None:
         log.warning("test_fault_injection_enabled", env=fault_injection.ENV_VAR,
                     request_ids=sorted(fault_injection.fail_request_ids))
 
+    if args.node_rank > 0:  # no server here: this node's ranks join rank 0's world (worker_svc/parallel/multinode.py)
+        from worker_svc.parallel.multinode import serve_node
+
+        serve_node(build_config(args))
+        return
     try:
         event_loop.run(serve(lambda: build_runner(args), args.host, args.port, tls_cert=args.tls_cert,
                              tls_key=args.tls_key))
@@ -145,13 +169,13 @@ def build_runner(args: argparse.Namespace):
                               if args.kv_offload_dir else 0)
     if not args.model:
         raise SystemExit("--model is required (or --fake)")
-    from worker_svc.tp_worker import create_runner  # torch import: after flags parse
+    from worker_svc.parallel.tp_worker import create_runner  # torch import: after flags parse
 
     # TP > 1: this process is rank 0 and spawns the other ranks; a rank dying exits this process.
     runner = create_runner(build_config(args), max_num_batched_tokens=args.max_num_batched_tokens,
                            exit_on_failure=True)
     log.info("model_loaded", model=args.model, device=str(runner.device),
-             tensor_parallel_size=args.tensor_parallel_size)
+             tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
     return runner
 
 

@@ -31,6 +31,18 @@ class WorkerConfig:
     attention_backend: Literal["auto", "torch", "cpu", "cupy"] = "auto"  # auto: cupy on CUDA, cpu on CPU
     seed: int = 0
     tensor_parallel_size: int = 1
+    # vLLM's --pipeline-parallel-size: the layers split into this many stages (worker_svc/parallel/pipeline.py)
+    pipeline_parallel_size: int = 1
+    # Several hosts (torchrun's contract, one worker launch per host; worker_svc/parallel/multinode.py):
+    # nnodes hosts, this one's node_rank, rank 0's rendezvous at master_addr:master_port.
+    # The ranks split evenly over the nodes, consecutively: TP inside a node, PP across nodes.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None with one node: a free port
+    # "mp": this host's ranks are processes it starts; "ray": rank 0 places the other ranks as Ray
+    # actors on the cluster's nodes (worker_svc/parallel/ray_ranks.py)
+    distributed_executor_backend: str = "mp"
     pack_weights: bool = True  # CPU: linear weights pre-packed for oneDNN (models/packed_linear.py)
     # With packed weights: build the oneDNN primitive of every row bucket at the first Init
     # (models/row_buckets.py `warm_row_buckets`), so the worker's RSS does not step up under load.

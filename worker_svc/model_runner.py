@@ -3,10 +3,14 @@
 Steps are applied strictly in order. `validate` checks a whole plan before anything changes, so a
 bad plan leaves the worker exactly as it was (the scheduler then resyncs).
 
-Under tensor parallelism one ModelRunner runs per rank over its shard (worker_svc/tp_worker.py
+Under tensor parallelism one ModelRunner runs per rank over its shard (worker_svc/parallel/tp_worker.py
 drives them). Every rank applies every plan and runs the forward; only rank 0 (the driver)
-computes logits and samples. A follower keeps the states that sampled (`unsampled`) and gets their
-tokens from rank 0 with the next plan (`append_sampled`), before that plan is applied.
+computes logits and samples. A follower keeps the states that sampled (`unsampled`, by step) and
+gets their tokens from rank 0 with a later plan (`append_sampled`), before that plan is applied.
+
+Under pipeline parallelism (worker_svc/parallel/pipeline.py) each stage's runner holds its layers and their
+KV; a later stage takes the previous one's hidden states, the last stage's TP rank 0 samples and
+sends rank 0 the result. Every other rank is a follower in the sense above.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from worker_svc.disk_tier.block_file import BlockFileRefused, model_fingerprint
 from worker_svc.disk_tier.migration import MigrationStore
 from worker_svc.disk_tier.snapshots import KvFiles, SnapshotStore
 from worker_svc.disk_tier.store import DiskStore, num_disk_blocks
-from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.input_batch import (
     CachedRequestState,
     DecodeInputBuffers,
@@ -60,6 +63,8 @@ from worker_svc.models.fused_decode import fused_decode_for
 from worker_svc.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
 from worker_svc.models.quant_linear import QuantLinear, int8_dot_status
 from worker_svc.models.row_buckets import bucket_linear_rows, release_free_heap, warm_row_buckets
+from worker_svc.parallel.distributed import SINGLE, TensorParallel
+from worker_svc.parallel.pipeline import SINGLE_STAGE, PipelineStage
 from worker_svc.plan_validation import validate_plan
 from worker_svc.pooling import pool_embeddings
 from worker_svc.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows
@@ -88,27 +93,32 @@ def resolve_device(name: str, tp_rank: int = 0, tp_size: int = 1) -> torch.devic
     """Under TP on CUDA, rank r takes the r-th visible GPU (choose them with CUDA_VISIBLE_DEVICES)."""
     device = torch.device("cuda" if name == "auto" and torch.cuda.is_available() else
                           "cpu" if name == "auto" else name)
-    if device.type == "cuda" and tp_size > 1:
-        return torch.device("cuda", tp_rank)
+    if device.type == "cuda" and tp_size > 1:  # a rank of a multi-node world: its node's GPU
+        return torch.device("cuda", tp_rank % max(1, torch.cuda.device_count()))
     return device
 
 
 class ModelRunner:
     def __init__(self, config: WorkerConfig, max_num_batched_tokens: int = 8192,
-                 tp: TensorParallel = SINGLE) -> None:
-        if config.tensor_parallel_size != tp.size:
-            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} needs a group of that "
-                             "size: build it with worker_svc.tp_worker.create_runner")
+                 tp: TensorParallel = SINGLE, stage: PipelineStage = SINGLE_STAGE) -> None:
+        if config.tensor_parallel_size != tp.size or config.pipeline_parallel_size != stage.size:
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} x pipeline_parallel_size "
+                             f"{config.pipeline_parallel_size} needs a group of that size: build it with "
+                             "worker_svc.parallel.tp_worker.create_runner")
         self.config = config
         self.tp = tp
+        self.stage = stage
+        self.samples = tp.is_driver and stage.is_last  # the one rank that computes logits and samples
+        self._reports = self.samples and stage.size > 1  # sends rank 0 each step's result
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = MAX_BUFFERED_DECODE_SEQS  # the scheduler's (Init), for the row buckets to warm
         self._buckets_warm = False
-        self.device = resolve_device(config.device, tp.rank, tp.size)
+        self.device = resolve_device(config.device, stage.world_rank, tp.size * stage.size)
         with gguf_loader.shared_readers():  # the config read here and the load: one parse of a GGUF
             self.dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(config.model))
             self.quantization = self._resolve_quantization()
-            self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp, self.quantization)
+            self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp,
+                                                       self.quantization, stage)
         if config.batch_invariant:
             self._make_batch_invariant()
         elif config.pack_weights and tp.size == 1 and self.device.type == "cpu":
@@ -133,7 +143,7 @@ class ModelRunner:
         self.sampler = Sampler(self.model_config.eos_token_ids, self.device, config.seed)
         # Structured outputs: only the rank that samples keeps grammars (compiled off the loop).
         self.grammars = (GrammarCompiler(config.model, self.model_config.vocab_size,
-                                         self.model_config.eos_token_ids) if tp.is_driver else None)
+                                         self.model_config.eos_token_ids) if self.samples else None)
         self.verifier = DraftVerifier(self.sampler, config.seed)
         self.requests: dict[RequestId, CachedRequestState] = {}
         self.kv_cache: KVCache | None = None
@@ -144,7 +154,8 @@ class ModelRunner:
         self.migration: MigrationStore | None = None  # --kv-migrate-dir: live migration's files
         self._import_payloads: list[torch.Tensor] = []  # the validated plan's migrated blocks, read
         self._last_step_id: int | None = None
-        self.unsampled: list[CachedRequestState] = []  # TP follower: awaiting rank 0's tokens
+        # A follower's sampling states by step id, awaiting the tokens the sampling rank drew
+        self.unsampled: dict[int, list[CachedRequestState]] = {}
         self._embeddings: list = []  # the pooling requests' vectors of the step being executed
         self.marks = StepMarks()  # the last step's instants, for the worker's step timeline
 
@@ -152,7 +163,7 @@ class ModelRunner:
 
     def initialize(self) -> WorkerInfo:
         """Profile memory (CUDA), allocate the KV cache, and say what the scheduler may use."""
-        shape = CacheShape(self.model_config.num_layers, self.config.block_size,
+        shape = CacheShape(len(self.stage.layers(self.model_config.num_layers)), self.config.block_size,
                            self.model_config.num_kv_heads // self.tp.size,  # this rank's heads
                            self.model_config.head_dim, self.cache_dtype)
         if self.config.num_gpu_blocks_override is not None:
@@ -164,12 +175,12 @@ class ModelRunner:
             num_blocks = cuda_num_blocks(self.device, self.config.gpu_memory_utilization, shape, peak)
         else:
             num_blocks = cpu_num_blocks(self.config.kv_cache_memory_bytes, shape)
-        if self.tp.size > 1:  # block ids mean the same slots on every rank
+        if self._grouped:  # block ids mean the same slots on every rank
             num_blocks = self.tp.min_over_ranks(num_blocks)
         num_host_blocks = num_host_blocks_for(self.config.swap_space, shape)
         # The prefix cache's host tier shares the host pool, after the swap space's blocks.
         num_offload_blocks = num_host_blocks_for(self.config.kv_offloading_size / self.tp.size, shape)
-        if self.tp.size > 1:
+        if self._grouped:
             num_host_blocks = self.tp.min_over_ranks(num_host_blocks)
             num_offload_blocks = self.tp.min_over_ranks(num_offload_blocks)
         self.kv_cache = self.host_pool = None  # free the old caches before allocating new ones
@@ -195,7 +206,8 @@ class ModelRunner:
                           num_disk_blocks=self.disk.capacity if self.disk else 0,
                           disk_blocks=self.disk.listing() if self.disk else (),
                           kv_migration=self.migration is not None and self.migration.migration is not None,
-                          kv_snapshot_dir=str(self.snapshots.dir) if self.snapshots else "")
+                          kv_snapshot_dir=str(self.snapshots.dir) if self.snapshots else "",
+                          pipeline_parallel_size=self.stage.size)
 
     @property
     def snapshots(self) -> SnapshotStore | None:
@@ -205,7 +217,7 @@ class ModelRunner:
         """Live migration's folder (--kv-migrate-dir) and the session snapshots' (--kv-snapshot-dir);
         not with TP yet (each rank holds some heads)."""
         config = self.config
-        if not (config.kv_migrate_dir or config.kv_snapshot_dir) or self.tp.size > 1:
+        if not (config.kv_migrate_dir or config.kv_snapshot_dir) or self._grouped:
             return None
         fingerprint = model_fingerprint(config.model, self.dtype, self.cache_dtype, str(self.quantization),
                                         shape.block_size, shape.num_layers, shape.num_kv_heads, shape.head_dim)
@@ -222,8 +234,8 @@ class ModelRunner:
             return self.disk
         if not num_offload_blocks:
             raise ValueError("--kv-offload-dir needs the host tier it sits under: set --kv-offloading-size")
-        if self.tp.size > 1:
-            raise ValueError("--kv-offload-dir with tensor parallelism is not supported yet")
+        if self._grouped:
+            raise ValueError("--kv-offload-dir with tensor or pipeline parallelism is not supported yet")
         fingerprint = model_fingerprint(config.model, self.dtype, self.cache_dtype, str(self.quantization),
                                         shape.block_size, shape.num_layers, shape.num_kv_heads, shape.head_dim)
         return DiskStore(config.kv_offload_dir, fingerprint,
@@ -239,7 +251,12 @@ class ModelRunner:
         """Drop every resident request; the next plan may start at any step id."""
         self.requests.clear()
         self._last_step_id = None
-        self.unsampled = []
+        self.unsampled = {}
+
+    @property
+    def _grouped(self) -> bool:
+        """One of several ranks (TP or PP): what they must agree on is taken over the group."""
+        return self.tp.size > 1 or self.stage.size > 1
 
     @property
     def num_resident(self) -> int:
@@ -253,8 +270,8 @@ class ModelRunner:
             raise NotInitializedError("initialize() must run before any step")
         if self._last_step_id is not None and plan.step_id != self._last_step_id + 1:
             raise PlanError(f"step {plan.step_id} does not follow step {self._last_step_id}")
-        if plan.draft_token_ids and self.tp.size > 1:
-            raise PlanError("speculative decoding with tensor parallelism is not supported yet")
+        if plan.draft_token_ids and self._grouped:
+            raise PlanError("speculative decoding with tensor or pipeline parallelism is not supported yet")
         validate_plan(plan, self.requests, self.kv_cache.num_blocks, self.config.block_size,
                       self.host_pool.num_blocks if self.host_pool is not None else 0, self.disk is not None)
         if self.lora is None and any(new.lora is not None for new in plan.new_requests):
@@ -296,7 +313,14 @@ class ModelRunner:
         return self.execute_validated(plan)
 
     def execute_validated(self, plan: StepPlan) -> StepResult:
-        """`execute` for a plan that `validate` accepted (TP rank 0 validates before broadcasting)."""
+        """`execute` for a plan that `validate` accepted (TP rank 0 validates before broadcasting).
+        A pipeline's last stage also sends the result to rank 0, which reports it."""
+        result = self._execute_validated(plan)
+        if self._reports:
+            self.stage.send_result(result)
+        return result
+
+    def _execute_validated(self, plan: StepPlan) -> StepResult:
         self._last_step_id = plan.step_id
         seqs = self._apply(plan)
         result = StepResult(step_id=plan.step_id)
@@ -308,8 +332,9 @@ class ModelRunner:
         logits, rows, states, drafted, prompt_logprobs = self._forward(seqs, forks, plan.draft_token_ids)
         result.prompt_logprobs = prompt_logprobs
         result.embeddings = self._embeddings
-        if logits is None:  # a TP follower: rank 0 samples and sends the tokens with the next plan
-            self.unsampled = states
+        if logits is None:  # a follower: the sampling rank's tokens come with a later plan
+            if states:
+                self.unsampled[plan.step_id] = states
             return result
         sampled_at = self._sync_clock()
         output = self.sampler(logits[:len(rows)], rows)
@@ -347,11 +372,14 @@ class ModelRunner:
             if result.logprobs:  # drafted requests never ask for logprobs: keep the list parallel
                 result.logprobs.extend([None] * len(tokens))
 
-    def append_sampled(self, token_ids: list[int]) -> None:
-        """TP follower: the tokens rank 0 sampled for `unsampled` in the last step, in order."""
-        for state, token in zip(self.unsampled, token_ids, strict=True):
-            state.token_ids.append(token)
-        self.unsampled = []
+    def append_sampled(self, sampled: list[tuple[int, list[int]]]) -> None:
+        """Follower: (step id, tokens) the sampling rank drew for `unsampled[step id]`, in order."""
+        for step_id, token_ids in sampled:
+            states = self.unsampled.pop(step_id, None)
+            if states is None:  # the sampling rank itself, or tokens this rank appended already
+                continue
+            for state, token in zip(states, token_ids, strict=True):
+                state.token_ids.append(token)
 
     def _apply(self, plan: StepPlan) -> list[ScheduledSeq]:
         """Apply the plan's changes; return the sequences computed this step, in resident order."""
@@ -417,14 +445,14 @@ class ModelRunner:
         inputs = self._build_inputs(seqs)
         self.marks.inputs_built = time.perf_counter()
         try:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.layers)
+            hidden = self._stage_forward(inputs)
         finally:
             if self.lora is not None:
                 self.lora.finish_step()
-        prompt_rows = plan_prompt_rows(seqs, inputs.last_rows) if self.tp.is_driver else []
+        prompt_rows = plan_prompt_rows(seqs, inputs.last_rows) if self.samples else []
         # Before num_computed advances (it tells the last chunk); every rank's hidden is whole.
         self._embeddings = (pool_embeddings(seqs, hidden, inputs.last_rows, self.config.pooling_type,
-                                            self.config.normalize_embeddings) if self.tp.is_driver else [])
+                                            self.config.normalize_embeddings) if self.samples else [])
         logit_rows: list[int] = []
         rows: list[SamplingRow] = []
         states: list[CachedRequestState] = []
@@ -450,7 +478,7 @@ class ModelRunner:
                 logit_rows.append(i)
                 rows.append(member.sampling_row())
                 states.append(member)
-        if not self.tp.is_driver:
+        if not self.samples:
             return None, rows, states, drafted, []
         sampled_hidden = self._logit_hidden(hidden, inputs, logit_rows, draft_rows)  # [N, hidden]
         logits = self.model.compute_logits(sampled_hidden).float()  # [N, V]
@@ -459,6 +487,19 @@ class ModelRunner:
         return logits, rows, states, drafted, prompt_logprobs
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _stage_forward(self, inputs) -> torch.Tensor:
+        """This stage's layers over the step's tokens: from the token ids on the first stage, from
+        the previous stage's hidden states on the others, which get this stage's output."""
+        stage = self.stage
+        if stage.size == 1:
+            return self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.layers)
+        received = None if stage.is_first else stage.recv_hidden(
+            inputs.input_ids.shape[0], self.model_config.hidden_size, self.dtype, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.layers, received)
+        if not stage.is_last:
+            stage.send_hidden(hidden)
+        return hidden
 
     def _build_inputs(self, seqs: list[ScheduledSeq]):
         """A decode-only step into the fixed buffers (no per-step allocation); others in full."""
@@ -552,6 +593,7 @@ class ModelRunner:
         if wanted in ("int8", "int4"):
             where = ("a CUDA worker" if self.device.type != "cpu" else
                      "tensor parallelism" if config.tensor_parallel_size > 1 else
+                     "pipeline parallelism" if config.pipeline_parallel_size > 1 else
                      "LoRA (--enable-lora)" if config.enable_lora else
                      "a GGUF file (its quantized weights are served as stored: --quantization auto)" if gguf
                      else None)
@@ -564,6 +606,7 @@ class ModelRunner:
         if wanted == "none" or not gguf:
             return None
         if self.device.type != "cpu" or config.tensor_parallel_size > 1 or config.enable_lora \
+                or config.pipeline_parallel_size > 1 \
                 or self.dtype not in (torch.float32, torch.bfloat16):
             log.warning("gguf_dequantized", reason="quantized linears run on a single CPU worker without "
                         "LoRA, fp32/bf16 activations", device=self.device.type,
@@ -593,10 +636,14 @@ class ModelRunner:
                                    [0] * math.ceil(num_tokens / shape.block_size), 0, params)
         inputs = build_model_inputs([ScheduledSeq(state, num_tokens)], shape.block_size,
                                     self.backend, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, scratch.layers)
+        received = None if self.stage.is_first else torch.zeros(
+            num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, scratch.layers, received)
         num_rows = min(PROFILE_SAMPLING_ROWS, num_tokens)
-        logits = self.model.compute_logits(hidden[:num_rows]).float()
-        self.sampler(logits, [state.sampling_row()] * num_rows)
+        logits = None
+        if self.stage.is_last:  # only the last pipeline stage holds the LM head
+            logits = self.model.compute_logits(hidden[:num_rows]).float()
+            self.sampler(logits, [state.sampling_row()] * num_rows)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del scratch, hidden, logits, inputs

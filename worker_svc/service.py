@@ -9,6 +9,10 @@ CPU that thread is the event loop's own (it blocks while a step computes; see `_
 on a GPU it is one helper thread, so the loop receives and decodes the next plan while the device
 computes. Either way gRPC buffers the next plans, so the next one is ready the moment a step ends
 (this is what pipelining buys).
+
+Pipeline parallelism (a runner with `pipeline_depth` > 1, worker_svc/parallel/tp_worker.py): `submit` runs
+only the first stage and returns a future, so the next plan starts on the first stage while later
+stages compute this one; results are written in step order as their futures resolve.
 """
 
 from __future__ import annotations
@@ -104,6 +108,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         plans: asyncio.Queue = asyncio.Queue()
         reader = asyncio.create_task(self._read_plans(request_iterator, plans))
         log.info("steps_stream_opened", epoch=self.epoch)
+        if getattr(self._runner, "pipeline_depth", 1) > 1:
+            try:
+                await self._pipelined_steps(plans, context)
+            finally:
+                reader.cancel()
+                log.info("steps_stream_closed", epoch=self.epoch, last_step_id=self._last_step_id)
+            return
         writing: asyncio.Task | None = None  # the last result's write, still in flight
         try:
             while (item := await plans.get()) is not _END:
@@ -125,6 +136,64 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if writing is not None and not writing.done():
                 writing.cancel()
             log.info("steps_stream_closed", epoch=self.epoch, last_step_id=self._last_step_id)
+
+    async def _pipelined_steps(self, plans: asyncio.Queue, context) -> None:
+        """Submit each plan as it comes (first stage only); a writer task awaits the results in
+        step order. A rejected plan's error takes its place in that order."""
+        results: asyncio.Queue = asyncio.Queue()  # awaitables of result protos, in step order
+        writer = asyncio.create_task(self._write_in_order(results, context))
+        try:
+            while (item := await plans.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                results.put_nowait((item[0].step_id, await self._submit_step(item[0])))
+                if writer.done():  # the stream broke: stop submitting
+                    break
+        finally:
+            results.put_nowait(None)
+            await writer
+
+    async def _submit_step(self, plan_pb: worker_pb2.StepPlan):
+        """The awaitable of this plan's result proto (done at once when the plan is refused)."""
+        done = asyncio.get_running_loop().create_future()
+        with bound_contextvars(step_id=plan_pb.step_id):
+            rejection = self._check_order(plan_pb)
+            if rejection is None:
+                try:
+                    _, plan = convert.plan_from_pb(plan_pb)
+                except InvalidRequestError as error:
+                    rejection = (Code.INVALID_PLAN, f"bad sampling params: {error}")
+            if rejection is None:
+                try:
+                    future = await self._on_runner_thread(self._runner.submit, plan)
+                except PlanError as error:
+                    rejection = (Code.INVALID_PLAN, str(error))
+                except Exception as error:  # noqa: BLE001 - the group failed: reported in-band
+                    log.exception("step_failed", error=str(error))
+                    self._needs_init = True
+                    rejection = (Code.INTERNAL, f"step failed: {error}")
+            if rejection is not None:
+                log.warning("plan_rejected", code=Code.Name(rejection[0]), reason=rejection[1])
+                done.set_result(convert.error_result_pb(plan_pb.step_id, *rejection))
+                return done
+        self._last_step_id = plan_pb.step_id
+        return asyncio.wrap_future(future)
+
+    async def _write_in_order(self, results: asyncio.Queue, context) -> None:
+        while (item := await results.get()) is not None:
+            step_id, pending = item
+            try:
+                result = await pending
+            except Exception as error:  # noqa: BLE001 - a rank died: the step's error, in-band
+                self._needs_init = True
+                result_pb = convert.error_result_pb(step_id, Code.INTERNAL, f"step failed: {error}")
+            else:
+                if isinstance(result, worker_pb2.StepResult):
+                    result_pb = result
+                else:
+                    result_pb = convert.result_to_pb(result)
+                    result_pb.num_resident_requests = getattr(self._runner, "num_resident", 0)
+            await context.write(result_pb)
 
     @staticmethod
     async def _start_write(context, result_pb: worker_pb2.StepResult) -> asyncio.Task:

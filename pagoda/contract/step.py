@@ -261,3 +261,6 @@ class WorkerInfo:
     disk_blocks: tuple[DiskBlock, ...] = ()
     kv_migration: bool = False  # it exports and imports migrated KV (--kv-migrate-dir)
     kv_snapshot_dir: str = ""  # session snapshots' folder (--kv-snapshot-dir); "": no save / restore
+    # Pipeline stages (worker_svc/parallel/pipeline.py): the scheduler keeps up to this many plans in
+    # flight, never one sequence in two of them while its sampled token is unknown.
+    pipeline_parallel_size: int = 1

@@ -30,7 +30,7 @@ from scheduler_svc.core.outputs import SequenceDelta
 from scheduler_svc.core.request import EngineRequest
 from scheduler_svc.core.scheduler import Scheduler
 from worker_svc.config import WorkerConfig
-from worker_svc.tp_worker import create_runner
+from worker_svc.parallel.tp_worker import create_runner
 
 Prompt = str | dict[str, Any]  # a string, or {"prompt_token_ids": [...]}
 
@@ -92,6 +92,7 @@ class LLM:
                  num_gpu_blocks_override: int | None = None, enable_prefix_caching: bool = True,
                  seed: int = 0, kv_cache_memory_bytes: int | None = None,
                  attention_backend: str = "auto", tensor_parallel_size: int = 1, device: str = "auto",
+                 pipeline_parallel_size: int = 1, distributed_executor_backend: str = "mp",
                  long_prefill_token_threshold: int = 0,
                  speculative_config: dict | str | None = None,
                  pinned_prompts: Sequence[str | list[int]] | None = None, enable_lora: bool = False,
@@ -110,8 +111,9 @@ class LLM:
         # Swap preemption (scheduler_svc/core/swap.py), vLLM's names: swap_space GiB of host memory,
         # preemption_mode "recompute" / "swap" / None (by cost). Checked before loading.
         check_preemption_mode(preemption_mode, has_host_pool=swap_space > 0)
-        if speculative is not None and tensor_parallel_size > 1:
-            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet")
+        if speculative is not None and (tensor_parallel_size > 1 or pipeline_parallel_size > 1):
+            raise ValueError("speculative decoding with tensor_parallel_size or pipeline_parallel_size > 1 "
+                             "is not supported yet")
         # quantization (vLLM's name, docs/quantization.md): None/"auto" serves a GGUF's quantized
         # linears as stored, "int8"/"int4" quantize an HF directory at load, "none" dequantises.
         worker_config = WorkerConfig(
@@ -119,7 +121,8 @@ class LLM:
             num_gpu_blocks_override=num_gpu_blocks_override,
             kv_cache_memory_bytes=kv_cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
             attention_backend=attention_backend, seed=seed, tensor_parallel_size=tensor_parallel_size,
-            enable_lora=enable_lora,
+            pipeline_parallel_size=pipeline_parallel_size,
+            distributed_executor_backend=distributed_executor_backend, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             swap_space=swap_space, pooling_type=pooling_type, normalize_embeddings=normalize_embeddings,
             batch_invariant=batch_invariant, kv_offloading_size=kv_offloading_size,

@@ -92,6 +92,10 @@ class SchedulerConfig:
     # the device pool evicted, so its turn is cheap to serve first; FCFS otherwise.
     admission_order: Literal["auto", "fcfs", "cached-first"] = "auto"
     max_inflight_steps: int = 2  # 2 = the next plan goes out before the last result is back
+    # The worker's pipeline stages (worker_svc/parallel/pipeline.py). Above 1: up to that many plans in
+    # flight (one per stage: vLLM's virtual engines), each with about 1/N of the running sequences,
+    # and a sequence whose sampled token is in flight waits for it (stage 0 embeds that token).
+    pipeline_parallel_size: int = 1
     # A request that took part in this many failed steps is failed (poison.py); one that fails a
     # step alone, after failing one batched, is failed at once.
     max_step_failures: int = 3

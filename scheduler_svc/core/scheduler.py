@@ -472,10 +472,17 @@ class Scheduler:
         spec = self._spec
         drafts = spec.propose(running) if spec is not None else {}
         window = kv.window
+        # Pipeline stages: about 1/N of the sequences per plan, none whose sampled token is in
+        # flight (the first stage embeds it before the last stage has drawn it).
+        group = -(-len(running) // self.max_inflight_steps) if self.config.pipeline_parallel_size > 1 else 0
         i = 0
         while i < len(running):
             seq = running[i]
             i += 1
+            if group and (seq.num_placeholders or draft.num_scheduled + num_decode >= group) \
+                    and seq.request.beam is None:
+                counts[seq.seq_id] = 0
+                continue
             if window and kv.window_freeable(seq):
                 self._free_out_of_window(seq)
             start = seq.num_computed_tokens

@@ -14,7 +14,7 @@ import transformers
 
 from tests.worker.gguf_files import GGUF_ARCH, Q, hf_to_gguf, write_gguf
 from tests.worker.hf_models import VOCAB, PagedSequence, build_hf_model, hf_logits
-from worker_svc.distributed import TensorParallel
+from worker_svc.parallel.distributed import TensorParallel
 from worker_svc.model_loader import gguf_loader
 from worker_svc.model_loader.errors import UnsupportedModelError
 from worker_svc.model_loader.gguf_loader import UnsupportedTensorTypeError

@@ -15,7 +15,7 @@ from tests.smollm2_fixtures import MAX_TOKENS, REPO
 from tests.worker.gguf_files import Q, write_gguf
 from tests.worker.hf_models import PagedSequence
 from worker_svc.config import WorkerConfig
-from worker_svc.distributed import TensorParallel
+from worker_svc.parallel.distributed import TensorParallel
 from worker_svc.model_loader import gguf_quants
 from worker_svc.model_loader.loader import load_model
 from worker_svc.model_runner import ModelRunner

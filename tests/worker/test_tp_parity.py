@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from pagoda import LLM, SamplingParams
-from worker_svc.distributed import TensorParallelError
+from worker_svc.parallel.distributed import TensorParallelError
 
 SYSTEM_LEN = 40
 LOGPROB_TOLERANCE = 1e-4

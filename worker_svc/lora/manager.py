@@ -25,11 +25,12 @@ from torch import nn
 
 from pagoda.contract.lora import LoRARequest
 from pagoda.runtime.logging import get_logger
-from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.input_batch import ScheduledSeq
 from worker_svc.lora.layers import LoRABatch, LoRALinear, build_lora_batch
 from worker_svc.lora.weights import AdapterWeights, fused_shapes, load_adapter
 from worker_svc.model_loader.model_config import ModelConfig
+from worker_svc.models.llama import MissingLayer
+from worker_svc.parallel.distributed import SINGLE, TensorParallel
 
 log = get_logger(__name__)
 
@@ -63,6 +64,8 @@ class LoRAManager:
         shapes = fused_shapes(self.cfg, self.tp.size)  # this rank's share of each projection
         wrapped = []
         for index, layer in enumerate(model.model.layers):
+            if isinstance(layer, MissingLayer):  # another pipeline stage's layer
+                continue
             for parent_name, attr, proj in _PROJECTIONS:
                 parent = getattr(layer, parent_name)
                 shape = shapes[proj]

@@ -37,7 +37,6 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pagoda.runtime.model_files import is_gguf_file
-from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.model_loader import gguf_loader
 from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.model_loader.quant_format import QUANTIZATION_METHODS, QuantizedWeight
@@ -51,6 +50,8 @@ from worker_svc.models.quant_linear import (
     keep_half_scales,
     quantize_linears,
 )
+from worker_svc.parallel.distributed import SINGLE, TensorParallel
+from worker_svc.parallel.pipeline import SINGLE_STAGE, PipelineStage
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -71,9 +72,11 @@ def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
-               tp: TensorParallel = SINGLE, quantization: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               tp: TensorParallel = SINGLE, quantization: str | None = None,
+               stage: PipelineStage = SINGLE_STAGE) -> tuple[LlamaForCausalLM, ModelConfig]:
     """`model_dir`: an HF-format directory or a `.gguf` file. `quantization`: None (float weights),
-    "gguf" (a GGUF's quantized linears kept as stored) or "int8" / "int4" (computed at load)."""
+    "gguf" (a GGUF's quantized linears kept as stored) or "int8" / "int4" (computed at load).
+    `stage`: a pipeline stage loads only its own layers' (and ends') tensors."""
     if quantization not in (None, "gguf", *QUANTIZATION_METHODS):
         raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATION_METHODS)}")
     with gguf_loader.shared_readers():  # a GGUF's metadata parsed once for the whole load
@@ -83,6 +86,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
         # On meta, and with the modules' init functions off: every parameter is overwritten by the checkpoint
         with torch.device("meta"), _no_weight_init():
             model = model_class(cfg)(cfg, tp)
+            model.keep_stage(stage)
             if keep:
                 swap_quantized_linears(model, gguf_loader.quantized_names(model_dir))
         # Cast on meta first (free), so the device holds only `dtype` storage, never an fp32 copy.
@@ -218,7 +222,8 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, keep_quantized: bool 
                else _safetensors(model_dir, tp))
     tensors = _unfused(_renamed(tensors), cfg, tp)
     for name, read in tensors:
-        if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+        if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight") \
+                or not model.holds(name):  # another pipeline stage's
             continue
         target, shard, expert, start, rows = _target(name, fused, targets)
         tensor = read()

@@ -77,6 +77,8 @@ def _refusal(model: nn.Module, s: Setting) -> str | None:
         return "needs the CPU worker with the compiled attention backend"
     if s.tensor_parallel_size != 1 or s.lora or s.batch_invariant:
         return "tensor parallelism, LoRA and --batch-invariant keep the module loop"
+    if getattr(model, "stage", None) is not None and model.stage.size != 1:
+        return "pipeline parallelism keeps the module loop (a stage holds some layers)"
     if s.dtype not in (torch.float32, torch.bfloat16) or s.cache_dtype != s.dtype:
         return "needs fp32 or bf16 activations and a KV cache of the same dtype"
     if type(model).forward is not LlamaForCausalLM.forward or not isinstance(model, LlamaForCausalLM):

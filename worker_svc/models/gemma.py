@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.models.common import AttentionMetadata, RMSNorm, RotaryEmbedding
 from worker_svc.models.llama import MLP, Attention, LlamaForCausalLM, row_parallel
+from worker_svc.parallel.distributed import SINGLE, TensorParallel
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -83,14 +83,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
         local = self.model.rotary_local is not None and self.config.layer_window(layer_idx) is not None
         return self.model.rotary_local if local else self.model.rotary
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        # input_ids, positions: [T] int64 -> final-normed hidden states [T, hidden]
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # rounded as HF rounds it
-        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            x = layer(x, positions, self.layer_rotary(i), attn, kv_cache)
-        return self.model.norm(x)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] -> [T, hidden]
+        x = self.model.embed_tokens(input_ids)
+        return x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # rounded as HF rounds it
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] float32; capped in the model dtype, as HF does

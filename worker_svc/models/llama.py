@@ -12,6 +12,12 @@ Tensor parallelism (Megatron style, `tp.size` ranks): qkv_proj and gate_up_proj 
 row-parallel (partial products summed by one all-reduce each). The hidden state is replicated after
 every all-reduce; embedding, norms and lm_head are replicated. With tp.size == 1 no collective runs.
 
+Pipeline parallelism (worker_svc/parallel/pipeline.py): `keep_stage` drops, while the model is still on the
+meta device, the layers other stages hold (a `MissingLayer` keeps each one's place, so parameter
+names stay the checkpoint's `model.layers.N`), the embedding off the first stage (unless a tied LM
+head needs it) and the final norm and LM head off all but the last. A later stage's forward takes
+the previous stage's hidden states instead of token ids and returns its own, un-normed.
+
 Usage (one prefill step of a 5-token prompt into blocks 3 and 7 of a block_size-16 cache):
 
     model, cfg = load_model("models/pagoda-tiny", torch.float32, torch.device("cpu"))
@@ -33,9 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.models.common import AttentionMetadata, RMSNorm, RotaryEmbedding, silu_and_mul
+from worker_svc.parallel.distributed import SINGLE, TensorParallel
+from worker_svc.parallel.pipeline import SINGLE_STAGE, PipelineStage
 
 
 def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -134,6 +141,10 @@ class DecoderLayer(nn.Module):
         return MLP(cfg, tp)
 
 
+class MissingLayer(nn.Identity):
+    """The place of a layer another pipeline stage holds (no parameters, never called)."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE,
                  layer: type[nn.Module] = DecoderLayer, norm: type[nn.Module] = RMSNorm) -> None:
@@ -159,9 +170,37 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
+        self.stage = SINGLE_STAGE
         self.model = LlamaModel(cfg, tp, self.decoder_layer, self.final_norm)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+
+    def keep_stage(self, stage: PipelineStage) -> None:
+        """Keep only what pipeline stage `stage` computes (on meta, before the weights load)."""
+        self.stage = stage
+        if stage.size == 1:
+            return
+        layers = self.model.layers
+        for i in range(len(layers)):
+            if not stage.holds_layer(i):
+                layers[i] = MissingLayer()
+        if not stage.is_first and not (stage.is_last and self.config.tie_word_embeddings):
+            self.model.embed_tokens = None
+        if not stage.is_last:
+            self.model.norm = None
+            self.lm_head = None
+
+    def holds(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to this stage's modules."""
+        if name.startswith("model.layers."):
+            return self.stage.holds_layer(int(name.split(".")[2]))
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None
+        if name.startswith("model.norm."):
+            return self.model.norm is not None
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
+        return True
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the checkpoint ties them (call again after
@@ -172,17 +211,28 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        # input_ids, positions: [T] int64; kv_caches[layer] = (k, v) [num_blocks, BS, Hkv, D]
-        # -> final-normed hidden states [T, hidden]
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        if self.config.embedding_multiplier != 1.0:  # Granite
-            x = x * self.config.embedding_multiplier
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        # input_ids, positions: [T] int64; kv_caches[i] = (k, v) [num_blocks, BS, Hkv, D] of this
+        # stage's i-th layer; hidden: [T, hidden] from the previous pipeline stage (None on the
+        # first) -> final-normed hidden states [T, hidden] (un-normed before the last stage)
+        x = self.embed(input_ids) if hidden is None else hidden  # [T, hidden]
         if self.fused_decode is not None:
             return self.fused_decode(x, positions, attn, kv_caches)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.model.rotary, attn, kv_cache)
-        return self.model.norm(x)
+        layers = self.model.layers
+        for i, kv_cache in zip(self.stage.layers(len(layers)), kv_caches, strict=True):
+            x = layers[i](x, positions, self.layer_rotary(i), attn, kv_cache)
+        return x if self.model.norm is None else self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] -> [T, hidden]
+        x = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            x = x * self.config.embedding_multiplier
+        return x
+
+    def layer_rotary(self, layer_idx: int) -> RotaryEmbedding:
+        return self.model.rotary
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] float32

@@ -23,11 +23,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.models.common import silu_and_mul
 from worker_svc.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from worker_svc.models.olmo2 import Olmo2Attention, Olmo2RMSNorm
+from worker_svc.parallel.distributed import SINGLE, TensorParallel
 
 
 def expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker_svc.distributed import SINGLE, TensorParallel
 from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.models.common import AttentionMetadata, RMSNorm, RotaryEmbedding
 from worker_svc.models.llama import MLP, Attention, LlamaForCausalLM
+from worker_svc.parallel.distributed import SINGLE, TensorParallel
 
 
 class Olmo2RMSNorm(RMSNorm):

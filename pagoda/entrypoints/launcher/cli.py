@@ -27,6 +27,7 @@ GROUPS = {
     "gateway": "the gateway (python -m gateway): the OpenAI-compatible HTTP API and its gRPC twin",
     "ports": "every service binds 127.0.0.1; replica i takes the worker and scheduler ports + 10·i",
     "process": "replicas, start-up and shutdown",
+    "nodes": "one instance over several hosts (torchrun's contract: one launch per host; docs/multi_node.md)",
 }
 
 
@@ -60,6 +61,11 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
                         "int8 / int4 (an HF directory, quantized at load), none (docs/quantization.md)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="GPUs (worker ranks) per replica (default: 1)")
+    g.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
+                   help="pipeline stages: the layers split over N ranks (x TP), up to N plans in flight")
+    g.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
+                   help="mp: ranks are processes (each host's launch starts its own); ray: the worker "
+                        "places them as actors on the running Ray cluster (pip install 'pagoda[ray]')")
     g.add_argument("--batch-invariant", action="store_true",
                    help="CPU bf16: results independent of the batch shape (greedy outputs equal with "
                         "and without speculation), slower GEMMs")
@@ -134,11 +140,30 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
     g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="seconds the gateway and the scheduler may each drain requests in flight (default: 30)")
 
+    g = groups["nodes"]
+    g.add_argument("--nnodes", type=int, default=1, metavar="N", help="hosts the instance spans (default: 1)")
+    g.add_argument("--node-rank", type=int, default=0, metavar="R",
+                   help="this host: 0 runs rank 0 with the scheduler and gateway; above 0 only its ranks")
+    g.add_argument("--master-addr", default="127.0.0.1", metavar="ADDR",
+                   help="node 0's address, where every rank meets rank 0 (default: 127.0.0.1)")
+    g.add_argument("--master-port", type=int, default=None, metavar="PORT",
+                   help="rank 0's rendezvous port (needed with --nnodes > 1)")
+
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse itself cannot check; exits through parser.error."""
     if args.data_parallel_size < 1:
         parser.error("--data-parallel-size must be at least 1")
+    if args.pipeline_parallel_size < 1 or args.tensor_parallel_size < 1:
+        parser.error("--tensor-parallel-size and --pipeline-parallel-size must be at least 1")
+    if not 0 <= args.node_rank < args.nnodes:
+        parser.error(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes})")
+    if args.nnodes > 1 and args.master_port is None:
+        parser.error("--nnodes > 1 needs --master-port (and --master-addr): where every node meets rank 0")
+    if args.nnodes > 1 and (args.data_parallel_size > 1 or args.extra_model):
+        parser.error("--nnodes > 1 spans one instance: no --data-parallel-size or --extra-model with it")
+    if (args.tensor_parallel_size * args.pipeline_parallel_size) % args.nnodes:
+        parser.error("the ranks (tensor x pipeline parallel sizes) must split evenly over --nnodes")
 
 
 def build_parser(prog: str = "python -m pagoda.entrypoints.launcher") -> argparse.ArgumentParser:

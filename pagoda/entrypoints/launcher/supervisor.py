@@ -106,6 +106,8 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
     def ready(self) -> bool:
+        if not self.health_target:  # no server (another node's ranks): running is ready
+            return self.alive()
         serving, status = check_serving(self.health_target, timeout_s=1.0)
         if self.needs_serving:
             return serving

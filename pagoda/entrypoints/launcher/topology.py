@@ -43,8 +43,28 @@ def replica_devices(args: argparse.Namespace, replica: int) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(mine)} if mine else {}
 
 
+def distributed_flags(args: argparse.Namespace) -> list[str]:
+    """The worker's pipeline / multi-node flags, only where they differ from one local rank."""
+    flags = []
+    if args.pipeline_parallel_size != 1:
+        flags += ["--pipeline-parallel-size", str(args.pipeline_parallel_size)]
+    if args.distributed_executor_backend != "mp":
+        flags += ["--distributed-executor-backend", args.distributed_executor_backend]
+    if args.nnodes > 1:
+        flags += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank),
+                  "--master-addr", args.master_addr, "--master-port", str(args.master_port)]
+    return flags
+
+
 def build_children(args: argparse.Namespace) -> list[Child]:
-    """Worker, scheduler per replica, then the gateway over every scheduler."""
+    """Worker, scheduler per replica, then the gateway over every scheduler. Node r > 0 of a
+    multi-node instance: only its ranks (a worker child without a server)."""
+    if args.node_rank > 0:
+        model = ["--model", args.model]
+        return [Child(f"worker-node{args.node_rank}",
+                      ["worker_svc", *model, "--tensor-parallel-size", str(args.tensor_parallel_size),
+                       "--device", args.device, "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype,
+                       *distributed_flags(args)], "", needs_serving=False)]
     children: list[Child] = []
     schedulers = []
     several = len(replica_ports(args)) > 1
@@ -112,7 +132,7 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
     return [
         Child(f"worker{suffix}", ["worker_svc", *model, "--port", str(worker_port),
                                   "--tensor-parallel-size", str(args.tensor_parallel_size),
-                                  "--device", args.device, "--dtype", args.dtype,
+                                  *distributed_flags(args), "--device", args.device, "--dtype", args.dtype,
                                   "--kv-cache-dtype", args.kv_cache_dtype, *quant, *swap, *invariant, *pooling, *lora], worker,
               needs_serving=False),
         Child(f"scheduler{suffix}", ["scheduler_svc", "--workers", worker, "--port", str(scheduler_port),
@@ -124,6 +144,8 @@ def taken_ports(args: argparse.Namespace) -> list[str]:
     """The launcher's ports that something already listens on, as 'flag PORT' lines. Checked before
     any child starts: otherwise the readiness probes would find the *other* stack's servers and
     report this one as serving while its children die on 'address in use'."""
+    if args.node_rank > 0:  # another node's ranks listen on nothing of the launcher's
+        return []
     ports = {}
     for i, (worker_port, scheduler_port) in enumerate(replica_ports(args)):
         offset = f" + {REPLICA_PORT_STRIDE * i}" if i else ""  # extra models follow the replicas
@@ -142,6 +164,10 @@ def taken_ports(args: argparse.Namespace) -> list[str]:
 
 
 def print_addresses(args: argparse.Namespace, children: list[Child]) -> None:
+    if args.node_rank > 0:
+        print(f"Pagoda node {args.node_rank} of {args.nnodes}: its ranks meet rank 0 at "
+              f"{args.master_addr}:{args.master_port}.\nCtrl-C stops them.", flush=True)
+        return
     lines = []
     for i, ((worker_port, scheduler_port), (pool, _)) in enumerate(
             zip(replica_ports(args), replica_models(args), strict=True)):

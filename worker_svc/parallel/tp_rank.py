@@ -1,6 +1,7 @@
-"""`python -m worker_svc.tp_rank --rank R ...`: a follower rank of a tensor-parallel worker group.
+"""`python -m worker_svc.parallel.tp_rank --rank R ...`: a follower rank of a TP x PP worker group.
 
-Spawned by rank 0 (worker_svc/tp_worker.py), never by hand. It joins the group, loads its shard,
+Spawned by rank 0 (worker_svc/parallel/tp_worker.py) or by another node's launch (worker_svc/parallel/multinode.py),
+never by hand. It joins the group, loads its shard,
 then runs rank 0's commands until "stop". It has no gRPC server: rank 0 alone talks to the
 scheduler. Any error, or rank 0 going away, ends the process non-zero (rank 0 then fails too).
 """
@@ -16,12 +17,12 @@ import threading
 
 from pagoda.runtime.logging import configure_logging, get_logger
 
-log = get_logger("worker_svc.tp_rank")
+log = get_logger("worker_svc.parallel.tp_rank")
 PARENT_POLL_S = 1.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m worker_svc.tp_rank", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m worker_svc.parallel.tp_rank", description=__doc__)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--init-method", required=True, help="tcp://127.0.0.1:PORT (rank 0's rendezvous)")
@@ -40,26 +41,42 @@ def exit_when_orphaned(parent_pid: int) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from worker_svc.config import WorkerConfig
+
+    serve_rank(args.rank, args.world_size, args.init_method, WorkerConfig(**json.loads(args.config)))
+
+
+def serve_rank(rank: int, world_size: int, init_method: str, config) -> None:
+    """Join the world as `rank`, load this rank's shard of its stage, run rank 0's commands until
+    "stop" (a process of the mp backend, or a Ray actor's method)."""
     import torch
 
-    from worker_svc.config import WorkerConfig
-    from worker_svc.distributed import ControlChannel, destroy_group, init_group
+    from worker_svc.model_loader.model_config import ModelConfig
     from worker_svc.model_runner import ModelRunner, resolve_device
-    from worker_svc.tp_worker import cpu_threads_per_rank
+    from worker_svc.parallel.distributed import (
+        ControlChannel,
+        cpu_threads_per_rank,
+        destroy_group,
+        init_groups,
+    )
+    from worker_svc.parallel.pipeline import stage_of
 
-    config = WorkerConfig(**json.loads(args.config))
-    device = resolve_device(config.device, args.rank, args.world_size)
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    device = resolve_device(config.device, rank, world_size)
     if device.type == "cpu":
-        torch.set_num_threads(cpu_threads_per_rank(args.world_size))
-    tp = init_group(args.rank, args.world_size, args.init_method, device)
-    runner = ModelRunner(config, tp=tp)
-    channel = ControlChannel(tp)
-    log.info("tp_rank_ready", rank=args.rank, device=str(runner.device))
+        torch.set_num_threads(cpu_threads_per_rank(world_size // config.nnodes))
+    groups = init_groups(rank, world_size, tp_size, init_method, device)
+    stage = stage_of(rank, tp_size, pp_size, ModelConfig.from_dir(config.model).num_layers,
+                     groups.pipe_group, groups.result_group)
+    runner = ModelRunner(config, tp=groups.tp, stage=stage)
+    channel = ControlChannel(groups.tp)
+    log.info("tp_rank_ready", rank=rank, stage=stage.index, layers=f"{stage.start_layer}-{stage.end_layer}",
+             device=str(runner.device))
     while True:
         command, *payload = channel.receive()
         if command == "step":
-            plan, previous_tokens = payload
-            runner.append_sampled(previous_tokens)
+            plan, sampled = payload
+            runner.append_sampled(sampled)
             runner.execute(plan)
         elif command == "init":
             runner.max_num_batched_tokens = payload[0]
@@ -71,7 +88,7 @@ def run(args: argparse.Namespace) -> None:
         else:
             raise ValueError(f"unknown command {command!r} from rank 0")
     destroy_group()
-    log.info("tp_rank_stopped", rank=args.rank)
+    log.info("tp_rank_stopped", rank=rank)
 
 
 def main(argv: list[str] | None = None) -> None:
