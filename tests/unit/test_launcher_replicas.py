@@ -135,3 +135,16 @@ def test_every_replica_shares_the_one_session_snapshot_folder():
     workers = [c for c in children if "--kv-snapshot-dir" in c.argv]
     assert len(workers) == 2 and all(c.argv[c.argv.index("--kv-snapshot-dir") + 1] == "/var/snap" for c in workers)
     assert not any("--kv-snapshot-dir" in c.argv for c in build_children(parse_args(["--fake"])))
+
+
+def test_host_moves_only_the_gateway():
+    """`--host 0.0.0.0` (a pod behind a Service: deploy/k8s/multihost) binds the gateway there; the
+    worker and the scheduler stay on loopback, and the default stays 127.0.0.1."""
+    def gateway_host(children):
+        [gateway] = [c for c in children if c.name == "gateway"]
+        return gateway.argv[gateway.argv.index("--host") + 1]
+
+    children = build_children(parse_args(["--fake", "--host", "0.0.0.0"]))
+    assert gateway_host(children) == "0.0.0.0"
+    assert all("--host" not in c.argv for c in children if c.name != "gateway")
+    assert gateway_host(build_children(parse_args(["--fake"]))) == "127.0.0.1"

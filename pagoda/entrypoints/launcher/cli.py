@@ -25,7 +25,7 @@ GROUPS = {
     "worker": "the worker (python -m worker_svc): device, precision, memory, LoRA",
     "scheduler": "the scheduler (python -m scheduler_svc)",
     "gateway": "the gateway (python -m gateway): the OpenAI-compatible HTTP API and its gRPC twin",
-    "ports": "every service binds 127.0.0.1; replica i takes the worker and scheduler ports + 10·i",
+    "ports": "every service binds 127.0.0.1 (the gateway: --host); replica i takes the worker and scheduler ports + 10·i",
     "process": "replicas, start-up and shutdown",
     "nodes": "one instance over several hosts (torchrun's contract: one launch per host; docs/multi_node.md)",
 }
@@ -127,6 +127,9 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
                    help="the gateway adds per-request timings to its responses")
 
     g = groups["ports"]
+    g.add_argument("--host", default="127.0.0.1", metavar="ADDR",
+                   help="the gateway's bind address, vLLM's --host (default: 127.0.0.1; 0.0.0.0 in a container "
+                        "whose API is reached from outside it); the worker and the scheduler stay on 127.0.0.1")
     g.add_argument("--worker-port", type=int, default=50061, metavar="PORT", help="gRPC (default: 50061)")
     g.add_argument("--scheduler-port", type=int, default=50052, metavar="PORT", help="gRPC, pagoda.v1.Engine (default: 50052)")
     g.add_argument("--gateway-port", type=int, default=8000, metavar="PORT", help="HTTP, the OpenAI API (default: 8000)")

@@ -86,7 +86,7 @@ def build_children(args: argparse.Namespace) -> list[Child]:
         reasoning = ["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []
         timings = ["--enable-request-timings"] if args.enable_request_timings else []
         children.append(Child("gateway", ["gateway", "--scheduler", ",".join(schedulers),
-                                          "--port", str(args.gateway_port),
+                                          "--host", args.host, "--port", str(args.gateway_port),
                                           "--grpc-port", str(args.grpc_port), *tokenizer, *drain,
                                           *api_keys, *routing, *fallbacks, *loras, *reasoning, *timings],
                               f"127.0.0.1:{args.grpc_port}", needs_serving=True))
