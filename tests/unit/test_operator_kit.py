@@ -275,17 +275,15 @@ def test_the_keda_kit_replaces_the_hpa(kustomize: list[str]) -> None:
 
 
 def serve_args(container: dict):
-    """`pagoda serve ...` parsed by the real parser; flags it does not know yet come back apart."""
+    """`pagoda serve ...` parsed by the real parser, and its --flag value pairs as written."""
     from pagoda.entrypoints.cli.serve import parse_args
 
     command = container["command"]
     assert command[:2] == ["pagoda", "serve"], shlex.join(command)
     argv = command[2:]
-    multi_node = {"--pipeline-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port"}
     flags = {argv[i]: argv[i + 1] for i in range(1, len(argv) - 1, 2)}  # MODEL, then --flag value pairs
     try:
-        parsed = parse_args([a for i, a in enumerate(argv)
-                             if not (a in multi_node or (i and argv[i - 1] in multi_node))])
+        parsed = parse_args(argv)
     except SystemExit as error:
         raise AssertionError(f"pagoda serve rejects {shlex.join(argv)}") from error
     return parsed, flags
@@ -306,6 +304,7 @@ def test_the_leaderworkerset_is_one_tp_by_pp_instance_over_two_pods() -> None:
         assert flags["--master-addr"] == "$(LWS_LEADER_ADDRESS)"  # set by LWS, expanded by the kubelet
         assert flags["--master-port"] == lead["--master-port"]
         assert (flags["--tensor-parallel-size"], flags["--pipeline-parallel-size"]) == ("2", "2")
+    assert (leader_args.nnodes, leader_args.node_rank, worker_args.node_rank) == (2, 0, 1)
     ranks_per_pod = 2 * 2 // size
     for container in (leader, worker):
         limits = container["resources"]["limits"]

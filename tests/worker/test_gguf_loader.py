@@ -14,12 +14,12 @@ import transformers
 
 from tests.worker.gguf_files import GGUF_ARCH, Q, hf_to_gguf, write_gguf
 from tests.worker.hf_models import VOCAB, PagedSequence, build_hf_model, hf_logits
-from worker_svc.parallel.distributed import TensorParallel
 from worker_svc.model_loader import gguf_loader
 from worker_svc.model_loader.errors import UnsupportedModelError
 from worker_svc.model_loader.gguf_loader import UnsupportedTensorTypeError
 from worker_svc.model_loader.loader import load_model, resolve_dtype
 from worker_svc.model_loader.model_config import ModelConfig
+from worker_svc.parallel.distributed import TensorParallel
 
 SUPPORTED = "supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"
 

@@ -15,11 +15,11 @@ from tests.smollm2_fixtures import MAX_TOKENS, REPO
 from tests.worker.gguf_files import Q, write_gguf
 from tests.worker.hf_models import PagedSequence
 from worker_svc.config import WorkerConfig
-from worker_svc.parallel.distributed import TensorParallel
 from worker_svc.model_loader import gguf_quants
 from worker_svc.model_loader.loader import load_model
 from worker_svc.model_runner import ModelRunner
 from worker_svc.models.quant_linear import QuantEmbedding, QuantLinear, _ops, interleaving_default
+from worker_svc.parallel.distributed import TensorParallel
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
