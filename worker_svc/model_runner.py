@@ -154,8 +154,9 @@ class ModelRunner:
         self.migration: MigrationStore | None = None  # --kv-migrate-dir: live migration's files
         self._import_payloads: list[torch.Tensor] = []  # the validated plan's migrated blocks, read
         self._last_step_id: int | None = None
-        # A follower's sampling states by step id, awaiting the tokens the sampling rank drew
-        self.unsampled: dict[int, list[CachedRequestState]] = {}
+        # A follower's sampling states (and drafted sequences) by step id, awaiting the tokens the
+        # sampling rank drew (and the drafts it accepted)
+        self.unsampled: dict[int, tuple[list[CachedRequestState], list[tuple[CachedRequestState, list[int]]]]] = {}
         self._embeddings: list = []  # the pooling requests' vectors of the step being executed
         self.marks = StepMarks()  # the last step's instants, for the worker's step timeline
 
@@ -270,8 +271,6 @@ class ModelRunner:
             raise NotInitializedError("initialize() must run before any step")
         if self._last_step_id is not None and plan.step_id != self._last_step_id + 1:
             raise PlanError(f"step {plan.step_id} does not follow step {self._last_step_id}")
-        if plan.draft_token_ids and self._grouped:
-            raise PlanError("speculative decoding with tensor or pipeline parallelism is not supported yet")
         validate_plan(plan, self.requests, self.kv_cache.num_blocks, self.config.block_size,
                       self.host_pool.num_blocks if self.host_pool is not None else 0, self.disk is not None)
         if self.lora is None and any(new.lora is not None for new in plan.new_requests):
@@ -333,8 +332,8 @@ class ModelRunner:
         result.prompt_logprobs = prompt_logprobs
         result.embeddings = self._embeddings
         if logits is None:  # a follower: the sampling rank's tokens come with a later plan
-            if states:
-                self.unsampled[plan.step_id] = states
+            if states or drafted:
+                self.unsampled[plan.step_id] = (states, drafted)
             return result
         sampled_at = self._sync_clock()
         output = self.sampler(logits[:len(rows)], rows)
@@ -360,26 +359,38 @@ class ModelRunner:
             history = len(state.token_ids) - len(drafts)
             items.append((SamplingRow(state.sampling, state.token_ids[:history], state.num_prompt_tokens,
                                       state.seq_index, state.grammar), drafts))
-        bs = self.config.block_size
         for (state, drafts), tokens in zip(drafted, self.verifier(logits, items), strict=True):
-            history = len(state.token_ids) - len(drafts)
-            del state.token_ids[history:]
-            state.token_ids.extend(tokens)
-            state.num_computed_tokens = len(state.token_ids) - 1
-            del state.block_ids[state.num_computed_tokens // bs + 1:]
+            self._settle_drafts(state, drafts, tokens)
             result.request_ids.extend([state.request_id] * len(tokens))
             result.token_ids.extend(tokens)
             if result.logprobs:  # drafted requests never ask for logprobs: keep the list parallel
                 result.logprobs.extend([None] * len(tokens))
 
-    def append_sampled(self, sampled: list[tuple[int, list[int]]]) -> None:
-        """Follower: (step id, tokens) the sampling rank drew for `unsampled[step id]`, in order."""
-        for step_id, token_ids in sampled:
-            states = self.unsampled.pop(step_id, None)
-            if states is None:  # the sampling rank itself, or tokens this rank appended already
+    def _settle_drafts(self, state: CachedRequestState, drafts: list[int], tokens: list[int]) -> None:
+        """A drafted sequence keeps `tokens` (its accepted drafts and its own) in place of its drafts."""
+        history = len(state.token_ids) - len(drafts)
+        del state.token_ids[history:]
+        state.token_ids.extend(tokens)
+        state.num_computed_tokens = len(state.token_ids) - 1
+        del state.block_ids[state.num_computed_tokens // self.config.block_size + 1:]
+
+    def append_sampled(self, sampled: list[tuple[int, list[int], list[RequestId] | None]]) -> None:
+        """Follower: (step id, tokens, their request ids when the step verified drafts) the sampling
+        rank drew for `unsampled[step id]`, in order: first one token per sampling state, then
+        each drafted sequence's kept tokens."""
+        for step_id, token_ids, request_ids in sampled:
+            entry = self.unsampled.pop(step_id, None)
+            if entry is None:  # the sampling rank itself, or tokens this rank appended already
                 continue
-            for state, token in zip(states, token_ids, strict=True):
+            states, drafted = entry
+            for state, token in zip(states, token_ids[:len(states)], strict=True):
                 state.token_ids.append(token)
+            if drafted:
+                kept: dict[RequestId, list[int]] = {}
+                for rid, token in zip(request_ids[len(states):], token_ids[len(states):], strict=True):
+                    kept.setdefault(rid, []).append(token)
+                for state, drafts in drafted:
+                    self._settle_drafts(state, drafts, kept[state.request_id])
 
     def _apply(self, plan: StepPlan) -> list[ScheduledSeq]:
         """Apply the plan's changes; return the sequences computed this step, in resident order."""

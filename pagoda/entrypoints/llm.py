@@ -111,9 +111,6 @@ class LLM:
         # Swap preemption (scheduler_svc/core/swap.py), vLLM's names: swap_space GiB of host memory,
         # preemption_mode "recompute" / "swap" / None (by cost). Checked before loading.
         check_preemption_mode(preemption_mode, has_host_pool=swap_space > 0)
-        if speculative is not None and (tensor_parallel_size > 1 or pipeline_parallel_size > 1):
-            raise ValueError("speculative decoding with tensor_parallel_size or pipeline_parallel_size > 1 "
-                             "is not supported yet")
         # quantization (vLLM's name, docs/quantization.md): None/"auto" serves a GGUF's quantized
         # linears as stored, "int8"/"int4" quantize an HF directory at load, "none" dequantises.
         worker_config = WorkerConfig(

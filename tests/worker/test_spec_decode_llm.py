@@ -58,9 +58,21 @@ def test_greedy_with_speculation_matches_without(tiny_model_dir: str, num_blocks
     assert spec_core.stats().num_used_blocks == 0
 
 
-def test_speculation_with_tensor_parallelism_is_refused(tiny_model_dir: str) -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
-        LLM(tiny_model_dir, tensor_parallel_size=2, speculative_config=SPEC)
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_speculation_with_tensor_or_pipeline_parallelism_matches_one_rank(tiny_model_dir: str, tp: int,
+                                                                         pp: int) -> None:
+    """The followers learn which drafts the sampling rank accepted and roll back alike (a wrong
+    rollback on any rank would change the next steps' tokens)."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = []
+    for sizes in ((1, 1), (tp, pp)):
+        with LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks_override=24,
+                 max_num_batched_tokens=64, long_prefill_token_threshold=16, speculative_config=SPEC,
+                 tensor_parallel_size=sizes[0], pipeline_parallel_size=sizes[1]) as llm:
+            outputs.append([r.outputs[0].token_ids for r in llm.generate(mixed_prompts(), params, use_tqdm=False)])
+            assert llm.scheduler.spec_num_accepted_tokens > 0 and llm.scheduler.stats().num_preemptions > 0
+    assert outputs[1] == outputs[0]
 
 
 def test_rejection_sampling_keeps_the_distribution() -> None:

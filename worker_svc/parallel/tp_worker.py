@@ -80,7 +80,9 @@ class TPDriver:
         self._lock = threading.Lock()  # one command at a time on the control group
         self._stopping = False
         self._failure: str | None = None
-        self._sampled: list[tuple[int, list[int]]] = []  # (step id, tokens) not yet sent to the followers
+        # (step id, tokens, their request ids where the step verified drafts): not yet sent to the followers
+        self._sampled: list[tuple[int, list[int], list | None]] = []
+        self._drafting: set[int] = set()  # submitted steps that carry drafts
         self._sampled_lock = threading.Lock()
         self._inflight: list[Future] = []  # submitted steps whose result has not come back
         device = resolve_device(config.device, 0, placement.world_size)
@@ -177,6 +179,8 @@ class TPDriver:
                     self._sampled = sampled + self._sampled
                 raise
             future: Future = Future()
+            if plan.draft_token_ids:
+                self._drafting.add(plan.step_id)
             if self.pipeline_depth > 1:
                 self._inflight = [f for f in self._inflight if not f.done()] + [future]
                 self._expected.put((plan.step_id, future))
@@ -215,7 +219,9 @@ class TPDriver:
     def _note_sampled(self, result: StepResult) -> None:
         if result.token_ids:
             with self._sampled_lock:
-                self._sampled.append((result.step_id, result.token_ids))
+                drafted = result.step_id in self._drafting
+                self._drafting.discard(result.step_id)
+                self._sampled.append((result.step_id, result.token_ids, result.request_ids if drafted else None))
 
     def _collect_results(self) -> None:
         """The last stage's results, in step order, to the futures `submit` returned. The tokens
