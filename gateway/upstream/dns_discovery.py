@@ -169,5 +169,8 @@ class DnsDiscovery:
         while True:
             targets, wait_s = await self.resolve_once()
             if targets is not None:
-                apply(targets)
+                try:
+                    apply(targets)
+                except Exception as error:  # noqa: BLE001 - a bug must not stop the discovery for good
+                    log.error("scheduler_dns_apply_failed", target=str(self.target), error=repr(error))
             await asyncio.sleep(wait_s)

@@ -388,8 +388,8 @@ class ReplicaSet:
         """Move a stream under way to `target` (None: the least loaded other replica) with its KV;
         the move's figures once the target streamed its first token. None: no replica streams it."""
         holder = self._holders.get(request_id)
-        if holder is None:
-            return None
+        if holder is None or (target is not None and not self.replicas[target].in_set):
+            return None  # nothing to move, or the target left the set (DNS)
         move = self._moves.start(request_id, target, holder.index)
         try:
             accepted = await holder.client.migrate(request_id)
@@ -440,6 +440,8 @@ class ReplicaSet:
         """Load the snapshot into `replica` (None: the least loaded in rotation), which becomes the
         session's home: its next turn is routed there. The answer and the replica's index."""
         index = self.router.least_loaded(self.available()) if replica is None else replica
+        if not self.replicas[index].in_set:
+            raise UpstreamError(grpc.StatusCode.UNAVAILABLE, f"replica {index} has left the set (DNS)")
         restored = await self.replicas[index].client.restore_session(session_id, cache_salt, ttl_s, tenant)
         self.sessions.set(cache_salt, session_id, index)
         return restored, index

@@ -105,6 +105,9 @@ async def test_a_replica_that_left_and_comes_back_rejoins_with_a_new_channel():
     async with membership(a, b) as (replicas, (ta, tb)):
         replicas.apply_membership(frozenset({tb}))
         assert _states(replicas) == {ta: "removed", tb: "down"}  # idle: closed at once; b not probed yet
+        with pytest.raises(UpstreamError) as error:  # an operator naming it gets a clear refusal
+            await replicas.restore_session("s", "", 60.0, replica=0)
+        assert error.value.grpc_code == grpc.StatusCode.UNAVAILABLE
         assert replicas.apply_membership(frozenset({ta, tb})) == Reconcile(add=(ta,))
         assert [r.index for r in replicas.replicas] == [0, 1]  # the same index, not a new replica
         for i in range(4):
