@@ -10,6 +10,7 @@ from gateway.openai.reasoning_parsers import ReasoningParserManager
 from gateway.openai.tool_parsers import ToolParserManager
 from gateway.server import serve
 from gateway.tenancy.tenants import TenantFileError, load_tenant_file
+from gateway.upstream.dns_discovery import DEFAULT_REFRESH_S
 from gateway.upstream.lora_adapters import parse_lora_module
 from gateway.upstream.routing import POLICIES, RoutingConfig
 from pagoda.runtime import event_loop
@@ -22,7 +23,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     parser.add_argument("--scheduler", action="append", default=None,
                         help="scheduler host:port (default 127.0.0.1:50052); repeat it, or separate them "
                              "with commas, for data-parallel replicas behind this gateway; MODEL=HOST:PORT "
-                             "puts that scheduler in the pool serving MODEL (docs/gateway.md#model-pools)")
+                             "puts that scheduler in the pool serving MODEL (docs/gateway.md#model-pools); "
+                             "dns:///NAME:PORT (or dns://DNSSERVER:PORT/NAME:PORT): the replicas are NAME's "
+                             "A records, kept up to date (docs/fleet.md)")
     parser.add_argument("--fallback-model", action="append", default=[], metavar="A=B",
                         help="serve model B when model A's pool is unavailable or shedding (repeatable)")
     _add_routing_args(parser)
@@ -76,6 +79,9 @@ def _add_routing_args(parser: argparse.ArgumentParser) -> None:
                        help="consecutive failures that take a replica out of rotation")
     group.add_argument("--breaker-cooldown", type=float, default=defaults.breaker_cooldown_s,
                        help="seconds before a replica out of rotation is probed again")
+    group.add_argument("--scheduler-dns-refresh-s", type=float, default=DEFAULT_REFRESH_S,
+                       help="seconds between re-resolutions of a dns:// --scheduler (sooner when the "
+                            "answer's TTL is shorter)")
     group.add_argument("--max-stream-failovers", type=int, default=defaults.max_stream_failovers,
                        help="times a stream under way may move to another replica when its replica "
                             "fails (0: never)")
@@ -92,6 +98,7 @@ def _config(args: argparse.Namespace, api_keys) -> GatewayConfig:
     scheduler = ",".join(args.scheduler or ["127.0.0.1:50052"])
     fallbacks = tuple(_pair(text) for text in args.fallback_model)
     return GatewayConfig(scheduler=scheduler, fallback_models=fallbacks, routing=_routing(args),
+                         scheduler_dns_refresh_s=args.scheduler_dns_refresh_s,
                          host=args.host, port=args.port,
                          grpc_port=args.grpc_port,
                          tokenizer=args.tokenizer, served_model_name=args.served_model_name,

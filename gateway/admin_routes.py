@@ -1,4 +1,4 @@
-"""Operator endpoints for live migration (docs/reliability.md#live-migration).
+"""Operator endpoints for live migration (docs/reliability.md#live-migration) and the replicas' state.
 
 - `POST /admin/migrate {"request_id": ..., "target": replica index or null}`: move a stream under way
   to another replica of its pool with its KV (the target computes no prefill); answers once the
@@ -6,6 +6,9 @@
 - `POST /admin/drain {"replica": i}`: take replica i out of rotation and move every stream it
   serves elsewhere; then it can be stopped (or upgraded) with nothing lost. `{"replica": i,
   "undrain": true}` puts it back.
+- `GET /admin/replicas`: every pool's replicas (index, target, state: serving / down / draining /
+  removed, streams in flight, breaker); with `--scheduler dns://...`, the name's current addresses
+  and the ones that left (docs/fleet.md).
 
 The request id is the response's `id` (`cmpl-...`, `chatcmpl-...`). Behind the API key when
 the gateway has one, as every non-public path.
@@ -43,6 +46,17 @@ class DrainBody(BaseModel):
 def add_admin_routes(app: FastAPI, state: GatewayState) -> None:
     def replica_sets() -> list[ReplicaSet]:
         return [pool.client for pool in state.pools.pools if isinstance(pool.client, ReplicaSet)]
+
+    @app.get("/admin/replicas")
+    async def replicas() -> dict:
+        pools = []
+        for pool in state.pools.pools:
+            client = pool.client
+            entry = {"model": pool.name, "target": client.target}
+            if isinstance(client, ReplicaSet):
+                entry["replicas"] = client.describe()
+            pools.append(entry)
+        return {"pools": pools}
 
     @app.post("/admin/migrate")
     async def migrate(body: MigrateBody) -> dict:

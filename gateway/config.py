@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from gateway.openai.reasoning_parsers import ReasoningParserManager
 from gateway.openai.tool_parsers import ToolParserManager
 from gateway.tenancy.tenants import TenantTable, tenant_table
+from gateway.upstream.dns_discovery import DEFAULT_REFRESH_S, is_dns_target, parse_dns_target
 from gateway.upstream.routing import RoutingConfig
 
 
@@ -15,7 +16,11 @@ class GatewayConfig:
     scheduler: str = "127.0.0.1:50052"
     """host:port of the scheduler's pagoda.v1.Engine service; several, comma-separated: data-parallel
     replicas, each request routed to one (gateway/upstream/routing.py). `MODEL=host:port`: a replica of the
-    pool serving MODEL (gateway/upstream/model_pools.py); entries without a name form the default pool."""
+    pool serving MODEL (gateway/upstream/model_pools.py); entries without a name form the default pool.
+    `dns:///NAME:PORT` (or `dns://DNSSERVER:PORT/NAME:PORT`): the pool's replicas are NAME's A records,
+    re-resolved (gateway/upstream/dns_discovery.py); such an entry is its pool's only one."""
+    scheduler_dns_refresh_s: float = DEFAULT_REFRESH_S
+    """How often a dns:// scheduler name is re-resolved (sooner when its TTL is shorter)."""
     fallback_models: tuple[tuple[str, str], ...] = ()
     """(A, B) pairs: a request for model A is served by B when A's pool is unavailable or shedding."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -74,6 +79,7 @@ class GatewayConfig:
         if not self.schedulers:
             raise ValueError("at least one scheduler host:port is needed")
         self._check_fallbacks()
+        self._check_dns()
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if self.api_key is not None and not self.api_key:
@@ -107,6 +113,19 @@ class GatewayConfig:
                 raise ValueError(f"a scheduler entry is [MODEL=]HOST:PORT, got {entry!r}")
             entries.append((name.strip() or None, target.strip()))
         return tuple(entries)
+
+    def _check_dns(self) -> None:
+        if self.scheduler_dns_refresh_s <= 0:
+            raise ValueError(f"scheduler_dns_refresh_s must be positive, got {self.scheduler_dns_refresh_s}")
+        pools: dict[str | None, list[str]] = {}
+        for name, target in self.scheduler_entries:
+            pools.setdefault(name, []).append(target)
+        for name, targets in pools.items():
+            if any(is_dns_target(t) for t in targets):
+                parse_dns_target(next(t for t in targets if is_dns_target(t)))  # raises on a bad one
+                if len(targets) > 1:
+                    which = f"model {name!r}" if name else "the default pool"
+                    raise ValueError(f"a dns:// scheduler is the only --scheduler of {which}, got {targets}")
 
     def _check_fallbacks(self) -> None:
         requested = [a for a, _ in self.fallback_models]

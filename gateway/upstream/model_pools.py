@@ -4,7 +4,8 @@
 by --served-model-name or else by the model path its scheduler reports; each named entry joins the
 pool of that name. A pool of one scheduler is an EngineClient, of several a ReplicaSet (routing,
 breakers, failover inside the pool); with more than one pool every pool is a ReplicaSet, so each
-scheduler has a breaker and a `pagoda:replica_up` series (labels: positions in --scheduler).
+scheduler has a breaker and a `pagoda:replica_up` series (labels: positions in --scheduler). A
+`dns://` entry is a ReplicaSet whose replicas are the name's addresses (labels: the addresses).
 
 `ModelPools.resolve()` is the one place a request's `model` becomes a pool (an unknown one is a 404);
 `route()` adds the fallback (`--fallback-model A=B`): B answers when A's pool is unavailable (never
@@ -24,6 +25,7 @@ from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.errors import EngineNotReadyError, ModelNotFoundError, UpstreamError
 from gateway.tokenizer import Tokenizer
+from gateway.upstream.dns_discovery import DnsDiscovery, is_dns_target, parse_dns_target
 from gateway.upstream.engine_client import EngineClient
 from gateway.upstream.lora_adapters import AdapterPool, LoRARegistry
 from gateway.upstream.replica_set import ReplicaSet
@@ -61,7 +63,7 @@ class ModelPool:
     def in_rotation(self) -> bool:
         """Connected, and (several replicas) at least one replica's breaker is closed."""
         replicas = getattr(self.client, "replicas", None)
-        return self.ready and (replicas is None or any(r.breaker.closed for r in replicas))
+        return self.ready and (replicas is None or any(r.breaker.closed and r.in_set for r in replicas))
 
     def answers_to(self, model: str) -> bool:
         return bool(self.name) and model in (self.name, os.path.basename(self.name))
@@ -221,7 +223,12 @@ def pools_from_config(config: GatewayConfig) -> ModelPools:
     for name in order:
         entries = groups[name]
         targets = [t for _, t in entries]
-        if len(entries) == 1 and not several:
+        if is_dns_target(targets[0]):  # the pool's one entry (GatewayConfig checks it)
+            discovery = DnsDiscovery(parse_dns_target(targets[0]), config.scheduler_dns_refresh_s,
+                                     timeout_s=config.engine_timeout_s)
+            client = ReplicaSet([], config.routing, config.engine_timeout_s, tls_ca=config.tls_ca,
+                                discovery=discovery)
+        elif len(entries) == 1 and not several:
             client = EngineClient(targets[0], config.engine_timeout_s, tls_ca=config.tls_ca)
         else:
             client = ReplicaSet(targets, config.routing, config.engine_timeout_s, tls_ca=config.tls_ca,

@@ -18,6 +18,11 @@ Live migration (`migrate`, `drain`; gateway/upstream/migration.py): a stream who
 with MIGRATED goes on on the target as the same continuation, carrying the exported KV handoff
 (`kv_import`), so the target computes no prefill; it counts neither as a failover nor as a try.
 A drained replica leaves the rotation until `undrain`.
+
+Membership (`--scheduler dns:///NAME:PORT`, gateway/upstream/dns_discovery.py): `apply_membership`
+makes the set equal to a DNS answer. A new address joins the routing at once; an address that left
+the answer is retired: out of rotation as a drain, its streams under way finish there, and once it
+holds none its channel closes (it keeps its index, and gets a fresh channel if it comes back).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import grpc
 
 from gateway import metrics
 from gateway.errors import UpstreamError
+from gateway.upstream.dns_discovery import DnsDiscovery, Reconcile, reconcile
 from gateway.upstream.engine_client import EngineClient
 from gateway.upstream.migration import Moves, migrated_handoff
 from gateway.upstream.routing import BreakerState, CircuitBreaker, Router, RoutingConfig, routing_key
@@ -80,11 +86,24 @@ def _as_continued(response: engine_pb2.GenerateResponse) -> engine_pb2.GenerateR
 
 
 class Replica:
-    __slots__ = ("index", "client", "breaker", "label", "serving")
+    __slots__ = ("index", "client", "breaker", "label", "serving", "retiring", "closed")
 
     def __init__(self, index: int, client: EngineClient, breaker: CircuitBreaker) -> None:
         self.index, self.client, self.breaker, self.label = index, client, breaker, str(index)
         self.serving = False  # its last health check said SERVING
+        self.retiring = False  # it left the DNS answer: no new request; those under way finish
+        self.closed = False  # retired and holding no stream: its channel is closed
+
+    @property
+    def in_set(self) -> bool:
+        return not (self.retiring or self.closed)
+
+    def state(self, drained: set[int]) -> str:
+        if self.closed:
+            return "removed"
+        if self.retiring or self.index in drained:
+            return "draining"
+        return "serving" if self.serving and self.breaker.closed else "down"
 
 
 class ReplicaSet:
@@ -92,40 +111,128 @@ class ReplicaSet:
 
     def __init__(self, targets: Sequence[str], routing: RoutingConfig, timeout_s: float = 5.0,
                  tls_ca: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 clients: Sequence[EngineClient] | None = None, labels: Sequence[str] | None = None) -> None:
+                 clients: Sequence[EngineClient] | None = None, labels: Sequence[str] | None = None,
+                 discovery: DnsDiscovery | None = None) -> None:
         """`labels`: each replica's metric label (default its index; model pools pass the position
-        of its scheduler in --scheduler, unique across pools)."""
-        if len(targets) < 1:
+        of its scheduler in --scheduler, unique across pools). `discovery`: the replicas are a DNS
+        name's addresses (`targets` empty; each one's label is its address)."""
+        if len(targets) < 1 and discovery is None:
             raise ValueError("a replica set needs at least one scheduler")
+        self._timeout_s, self._tls_ca, self._clock = timeout_s, tls_ca, clock
         clients = clients or [EngineClient(t, timeout_s, tls_ca=tls_ca) for t in targets]
         self.replicas = [Replica(i, c, CircuitBreaker(routing.breaker_failures, routing.breaker_cooldown_s,
                                                       clock)) for i, c in enumerate(clients)]
         for replica, label in zip(self.replicas, labels or (), strict=False):
             replica.label = label
         self.router = Router(targets, routing)
-        self.target = ",".join(targets)
+        self.target = str(discovery.target) if discovery is not None else ",".join(targets)
+        self.discovery = discovery
+        self._discovering: asyncio.Task | None = None
+        self._known = asyncio.Event()  # at least one replica (set at once without discovery)
+        if self.replicas:
+            self._known.set()
+        self._closing: set[asyncio.Task] = set()  # retired replicas' channels being closed
         self.block_size = 0  # from GetInfo; 0 (no key) until a replica answered
         self._config = routing
         self._holders: dict[str, Replica] = {}  # request id -> the replica streaming it
         self._moves = Moves()  # live migrations asked and not complete yet
         self.drained: set[int] = set()  # out of rotation (drain): new requests go elsewhere
         self.sessions = SessionHomes()  # session -> the replica holding its lease (session_homes.py)
-        self._refreshers: list[asyncio.Task] = []
+        self._refreshers: dict[int, asyncio.Task] = {}  # replica index -> its refresher
+        self._started = False
         for replica in self.replicas:
             metrics.REPLICA_UP.labels(replica.label).set(1)
 
     def start(self) -> None:
-        if not self._refreshers:
-            self._refreshers = [asyncio.create_task(self._refresh_forever(r)) for r in self.replicas]
+        if not self._started:
+            self._started = True
+            for replica in self.replicas:
+                self._refreshers[replica.index] = asyncio.create_task(self._refresh_forever(replica))
+            if self.discovery is not None:
+                self._discovering = asyncio.create_task(self.discovery.run(self.apply_membership))
 
     async def close(self) -> None:
-        for task in self._refreshers:
+        tasks = [*self._refreshers.values(), *([self._discovering] if self._discovering else [])]
+        for task in tasks:
             task.cancel()
-        for task in self._refreshers:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for replica in self.replicas:
-            await replica.client.close()
+            if not replica.closed:
+                await replica.client.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+    # -- membership (DNS discovery) ------------------------------------------------------------
+
+    def apply_membership(self, targets: frozenset[str]) -> Reconcile:
+        """Make the replicas in the set equal to `targets` (a DNS answer): add, rejoin, retire."""
+        change = reconcile((r.client.target for r in self.replicas if r.in_set), targets)
+        known = {r.client.target: r for r in self.replicas}
+        for target in change.add:
+            if target in known:
+                self._rejoin(known[target])
+            else:
+                self.add_replica(target)
+        for target in change.drain:
+            self.retire_replica(known[target].index)
+        return change
+
+    def add_replica(self, target: str, label: str | None = None) -> Replica:
+        """A new replica (index: the next one), in rotation at once; `label` defaults to `target`."""
+        breaker = CircuitBreaker(self._config.breaker_failures, self._config.breaker_cooldown_s, self._clock)
+        replica = Replica(len(self.replicas), EngineClient(target, self._timeout_s, tls_ca=self._tls_ca), breaker)
+        replica.label = label or target
+        self.replicas.append(replica)
+        self.router.add(target)
+        self._known.set()
+        self._joined(replica)
+        return replica
+
+    def _rejoin(self, replica: Replica) -> None:
+        """A retired replica back in the answer: under way, it just stays; closed, a new channel."""
+        replica.retiring = False
+        if replica.closed:
+            replica.closed, replica.serving = False, False
+            replica.client = EngineClient(replica.client.target, self._timeout_s, tls_ca=self._tls_ca)
+            replica.breaker = CircuitBreaker(self._config.breaker_failures, self._config.breaker_cooldown_s,
+                                             self._clock)
+        self._joined(replica)
+
+    def _joined(self, replica: Replica) -> None:
+        metrics.REPLICA_UP.labels(replica.label).set(1)
+        if self._started and replica.index not in self._refreshers:
+            self._refreshers[replica.index] = asyncio.create_task(self._refresh_forever(replica))
+        log.info("replica_joined", replica=replica.index, target=replica.client.target)
+
+    def retire_replica(self, index: int) -> None:
+        """Out of rotation for good (it left the answer): the streams it serves finish there,
+        then its channel closes (`_close_if_idle`, called as each stream leaves it)."""
+        replica = self.replicas[index]
+        replica.retiring = True
+        log.info("replica_draining", replica=index, target=replica.client.target,
+                 in_flight=sum(h is replica for h in self._holders.values()))
+        self._close_if_idle(replica)
+
+    def _close_if_idle(self, replica: Replica) -> None:
+        if not replica.retiring or replica.closed or any(h is replica for h in self._holders.values()):
+            return
+        replica.retiring, replica.closed = False, True
+        refresher = self._refreshers.pop(replica.index, None)
+        if refresher is not None:
+            refresher.cancel()
+        closing = asyncio.create_task(replica.client.close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+        with contextlib.suppress(KeyError):  # no series for a replica that is gone
+            metrics.REPLICA_UP.remove(replica.label)
+        log.info("replica_removed", replica=replica.index, target=replica.client.target)
+
+    def describe(self) -> list[dict]:
+        """Every replica as the admin endpoint lists it (removed ones included: indexes stay)."""
+        return [{"replica": r.index, "target": r.client.target, "label": r.label, "state": r.state(self.drained),
+                 "in_flight": sum(h is r for h in self._holders.values()),
+                 "breaker": r.breaker.state.value} for r in self.replicas]
 
     # -- health, load and the breakers -------------------------------------------------------
 
@@ -137,7 +244,7 @@ class ReplicaSet:
     async def refresh(self, replica: Replica) -> None:
         """One probe: health, then stats. While its breaker is open (cooling down) it is skipped;
         half-open, this probe decides."""
-        if replica.breaker.state is BreakerState.OPEN:
+        if replica.breaker.state is BreakerState.OPEN or replica.closed:
             return
         replica.serving = await replica.client.is_serving()
         stats = None
@@ -165,7 +272,8 @@ class ReplicaSet:
     def available(self, exclude: set[int] = frozenset()) -> list[int]:
         """Replicas in rotation (closed breakers); when none is, every one not excluded (a request
         then fails fast with the replica's own error rather than a made-up one)."""
-        candidates = [r.index for r in self.replicas if r.index not in exclude and r.index not in self.drained]
+        candidates = [r.index for r in self.replicas
+                      if r.in_set and r.index not in exclude and r.index not in self.drained]
         closed = [i for i in candidates if self.replicas[i].breaker.closed]
         return closed or candidates
 
@@ -236,7 +344,7 @@ class ReplicaSet:
                 # before its first (a continuation refused for load is re-submitted as it is).
                 if started or (produced and error.grpc_code == grpc.StatusCode.UNAVAILABLE):
                     if (error.grpc_code != grpc.StatusCode.UNAVAILABLE or not can_continue(request, produced)
-                            or failovers >= self._config.max_stream_failovers or len(tried) == len(self.replicas)):
+                            or failovers >= self._config.max_stream_failovers or not self.available(tried)):
                         metrics.ROUTER_STREAMS_FAILED.labels(replica.label).inc()
                         raise
                     failovers += 1
@@ -245,7 +353,7 @@ class ReplicaSet:
                     log.warning("stream_failed_over", request_id=request.request_id, failed_replica=replica.index,
                                 tokens_streamed=len(produced), failover=failovers, reason=str(error))
                     continue
-                if len(tried) == len(self.replicas):
+                if not self.available(tried):  # every replica in rotation tried
                     raise
                 metrics.ROUTER_RESUBMITTED.labels(replica.label).inc()
                 log.info("request_resubmitted", request_id=request.request_id, failed_replica=replica.index,
@@ -253,11 +361,12 @@ class ReplicaSet:
             finally:
                 if self._holders.get(request.request_id) is replica:
                     del self._holders[request.request_id]
+                self._close_if_idle(replica)  # a retired replica's last stream: its drain is complete
             if handoff is not None:
                 attempt = continuation(request, produced)
                 attempt.kv_import.CopyFrom(handoff)
                 move = self._moves.exported(request.request_id, handoff)
-                others = self.available({replica.index}) if len(self.replicas) > 1 else [replica.index]
+                others = self.available({replica.index}) or [replica.index]
                 asked = move.target if move is not None else None
                 moved_to = asked if asked is not None else self.router.least_loaded(others)
                 if move is not None:
@@ -271,7 +380,7 @@ class ReplicaSet:
         holder = self._holders.get(request_id)
         if holder is not None:
             return await holder.client.abort(request_id)
-        found = await asyncio.gather(*(r.client.abort(request_id) for r in self.replicas),
+        found = await asyncio.gather(*(r.client.abort(request_id) for r in self._open()),
                                      return_exceptions=True)
         return any(f is True for f in found)
 
@@ -279,8 +388,8 @@ class ReplicaSet:
         """Move a stream under way to `target` (None: the least loaded other replica) with its KV;
         the move's figures once the target streamed its first token. None: no replica streams it."""
         holder = self._holders.get(request_id)
-        if holder is None:
-            return None
+        if holder is None or (target is not None and not self.replicas[target].in_set):
+            return None  # nothing to move, or the target left the set (DNS)
         move = self._moves.start(request_id, target, holder.index)
         try:
             accepted = await holder.client.migrate(request_id)
@@ -306,7 +415,7 @@ class ReplicaSet:
     async def end_session(self, session_id: str, cache_salt: str) -> bool:
         """On every replica: the session's turns may have been routed to any of them."""
         self.sessions.drop(cache_salt, session_id)
-        found = await asyncio.gather(*(r.client.end_session(session_id, cache_salt) for r in self.replicas),
+        found = await asyncio.gather(*(r.client.end_session(session_id, cache_salt) for r in self._open()),
                                      return_exceptions=True)
         return any(f is True for f in found)
 
@@ -314,7 +423,7 @@ class ReplicaSet:
         """Saved by the replica holding its lease: its home first, then the others in turn (one at
         a time: they write one snapshot folder). NOT_FOUND when none holds it."""
         home = self.sessions.get(cache_salt, session_id)
-        order = sorted(self.replicas, key=lambda r: r.index != home)
+        order = sorted(self._open(), key=lambda r: r.index != home)
         error: UpstreamError | None = None
         for replica in order:
             try:
@@ -331,6 +440,8 @@ class ReplicaSet:
         """Load the snapshot into `replica` (None: the least loaded in rotation), which becomes the
         session's home: its next turn is routed there. The answer and the replica's index."""
         index = self.router.least_loaded(self.available()) if replica is None else replica
+        if not self.replicas[index].in_set:
+            raise UpstreamError(grpc.StatusCode.UNAVAILABLE, f"replica {index} has left the set (DNS)")
         restored = await self.replicas[index].client.restore_session(session_id, cache_salt, ttl_s, tenant)
         self.sessions.set(cache_salt, session_id, index)
         return restored, index
@@ -339,16 +450,20 @@ class ReplicaSet:
         return await self._first(lambda r: r.client.get_info())
 
     async def wait_for_info(self, timeout_s: float) -> engine_pb2.EngineInfo:
-        """The first replica's GetInfo to answer (startup order); starts the background refresh."""
+        """The first replica's GetInfo to answer (startup order); starts the background refresh
+        (and the discovery, whose first answer it waits for)."""
         self.start()
+        await asyncio.wait_for(self._known.wait(), timeout_s)
         info = await self._first(lambda r: r.client.wait_for_info(timeout_s))
         self.block_size = info.block_size
         return info
 
     async def get_stats(self) -> engine_pb2.EngineStats:
         """Every answering replica's stats, summed (kv_cache_usage: used / total blocks)."""
-        results = await asyncio.gather(*(r.client.get_stats() for r in self.replicas), return_exceptions=True)
+        results = await asyncio.gather(*(r.client.get_stats() for r in self._open()), return_exceptions=True)
         answered = [s for s in results if isinstance(s, engine_pb2.EngineStats)]
+        if not results:
+            raise _no_replica()
         if not answered:
             raise next(e for e in results if isinstance(e, BaseException))
         return merge_stats(answered)
@@ -356,7 +471,7 @@ class ReplicaSet:
     async def is_serving(self) -> bool:
         """At least one replica says SERVING (answers as soon as one does: a hung replica does
         not hold /ready for its whole timeout)."""
-        tasks = [asyncio.create_task(r.client.is_serving()) for r in self.replicas]
+        tasks = [asyncio.create_task(r.client.is_serving()) for r in self.replicas if r.in_set]
         try:
             for done in asyncio.as_completed(tasks):
                 if await done:
@@ -366,9 +481,13 @@ class ReplicaSet:
             for task in tasks:
                 task.cancel()
 
+    def _open(self) -> list[Replica]:
+        """Replicas with a channel: in the set, or retired and still finishing streams."""
+        return [r for r in self.replicas if not r.closed]
+
     async def _first(self, call):
-        tasks = [asyncio.create_task(call(r)) for r in self.replicas]
-        error: BaseException | None = None
+        tasks = [asyncio.create_task(call(r)) for r in self.replicas if r.in_set]
+        error: BaseException = _no_replica()
         try:
             for done in asyncio.as_completed(tasks):
                 try:
@@ -379,6 +498,10 @@ class ReplicaSet:
         finally:
             for task in tasks:
                 task.cancel()
+
+
+def _no_replica() -> UpstreamError:
+    return UpstreamError(grpc.StatusCode.UNAVAILABLE, "the scheduler is unavailable: no replica is known yet")
 
 
 def merge_stats(stats: Sequence[engine_pb2.EngineStats]) -> engine_pb2.EngineStats:

@@ -111,6 +111,15 @@ class Router:
         self.loads = [ReplicaLoad() for _ in names]
         self._names = [name.encode() for name in names]
         self._turn = 0
+        self._config = config
+
+    def add(self, name: str) -> int:
+        """A replica that joined (DNS discovery): the next index; the default policy becomes prefix
+        once there are several."""
+        self.loads.append(ReplicaLoad())
+        self._names.append(name.encode())
+        self.policy = self._config.policy_for(len(self._names))
+        return len(self._names) - 1
 
     def on_stats(self, replica: int, num_waiting: int, num_running: int) -> None:
         self.loads[replica] = ReplicaLoad(num_waiting, num_running)
