@@ -101,6 +101,9 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
                    help="adapters kept in host memory (default: --max-loras)")
 
     g = groups["scheduler"]
+    g.add_argument("--worker-timeout", type=float, default=None, metavar="S",
+                   help="the scheduler's: seconds a lost worker (a dead rank restarts it) may take to come "
+                        "back before its requests fail (default: the scheduler's, 30)")
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
                    help="the scheduler's: recompute or swap a preempted sequence (default: by cost)")
     g.add_argument("--admission-order", choices=["auto", "fcfs", "cached-first"], default="auto",

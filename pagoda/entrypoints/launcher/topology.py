@@ -123,6 +123,8 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
     if getattr(args, "tenant_fairness", None):
         preemption += ["--tenant-fairness", args.tenant_fairness]
     preemption += ["--admission-order", args.admission_order] if args.admission_order != "auto" else []
+    if getattr(args, "worker_timeout", None) is not None:
+        preemption += ["--worker-timeout", str(args.worker_timeout)]
     # Like the flags above, only what differs from the worker's defaults (last, normalised).
     pooling = [*(["--pooling-type", args.pooling_type] if args.pooling_type != "last" else []),
                *([] if args.normalize_embeddings else ["--no-normalize-embeddings"])]
