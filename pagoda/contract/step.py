@@ -261,3 +261,4 @@ class WorkerInfo:
     disk_blocks: tuple[DiskBlock, ...] = ()
     kv_migration: bool = False  # it exports and imports migrated KV (--kv-migrate-dir)
     kv_snapshot_dir: str = ""  # session snapshots' folder (--kv-snapshot-dir); "": no save / restore
+    kv_transfer_address: str = ""  # --kv-transfer grpc: where its exports are fetched; "": the folder
