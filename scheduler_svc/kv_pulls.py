@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import grpc
+
 from pagoda.contract.step import WorkerInfo
 from pagoda.runtime.logging import get_logger
 from scheduler_svc.core.request import EngineRequest
@@ -43,8 +45,10 @@ class KvPulls:
                                                   self.timeout_s)
         except Exception as error:  # noqa: BLE001 - any failure recomputes; it never fails the request
             self.num_fallbacks += 1
+            reason = (f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError)
+                      else str(error))
             log.warning("kv_pull_failed", request_id=request.request_id, migration_id=handoff.migration_id,
-                        source=handoff.source, error=str(error), fallback="recompute",
+                        source=handoff.source, error=reason, fallback="recompute",
                         seconds=round(time.perf_counter() - started, 4))
             return dataclasses.replace(request, kv_import=None)
         self.num_pulls += 1

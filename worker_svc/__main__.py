@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-transfer", default="dir", choices=("dir", "grpc"),
                    help="how live migration's KV goes between replicas' workers: dir (files in the shared "
                         "--kv-migrate-dir) or grpc (worker to worker over this worker's gRPC port, no "
-                        "shared folder: the replicas may be on different hosts; docs/kv_tiers.md)")
+                        "shared folder: the replicas may be on different hosts; docs/reliability.md#live-migration)")
     p.add_argument("--kv-transfer-address", default=None, metavar="HOST:PORT",
                    help="--kv-transfer grpc: the address other workers fetch this one's exports at "
                         "(default: --host:--port; set it when binding 0.0.0.0 or behind NAT)")

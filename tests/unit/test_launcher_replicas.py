@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagoda.entrypoints.launcher.cli import parse_args
 from pagoda.entrypoints.launcher.topology import build_children, replica_devices, taken_ports
 
@@ -135,3 +137,22 @@ def test_every_replica_shares_the_one_session_snapshot_folder():
     workers = [c for c in children if "--kv-snapshot-dir" in c.argv]
     assert len(workers) == 2 and all(c.argv[c.argv.index("--kv-snapshot-dir") + 1] == "/var/snap" for c in workers)
     assert not any("--kv-snapshot-dir" in c.argv for c in build_children(parse_args(["--fake"])))
+
+
+def test_grpc_transport_reaches_every_worker_and_each_advertises_its_own_port():
+    from worker_svc.__main__ import build_config
+    from worker_svc.__main__ import parse_args as worker_args
+
+    children = build_children(parse_args(["--data-parallel-size", "2", "--kv-transfer", "grpc"]))
+    workers = [c for c in children if c.argv[0] == "worker_svc"]
+    assert len(workers) == 2 and all("--kv-transfer" in c.argv and "--kv-migrate-dir" not in c.argv for c in workers)
+    configs = [build_config(worker_args(c.argv[1:])) for c in workers]
+    assert [c.kv_transfer for c in configs] == ["grpc", "grpc"]
+    ports = [c.argv[c.argv.index("--port") + 1] for c in workers]
+    assert [c.kv_transfer_address for c in configs] == [f"127.0.0.1:{p}" for p in ports]
+    with pytest.raises(SystemExit, match="needs none"):
+        build_config(worker_args(["--model", "m", "--kv-transfer", "grpc", "--kv-migrate-dir", "/x"]))
+    assert build_config(worker_args(["--model", "m", "--host", "0.0.0.0", "--kv-transfer", "grpc"])
+                        ).kv_transfer_address.endswith(":50061")
+    assert build_config(worker_args(["--model", "m", "--kv-transfer-address", "w3.internal:7000"])
+                        ).kv_transfer_address == "w3.internal:7000"
