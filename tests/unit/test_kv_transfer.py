@@ -233,3 +233,20 @@ def test_a_staged_import_nobody_loads_expires():
     clock.now = 61.0
     inbox.pull("src:1", "m2", 2, 5.0, _pull_from(outbox))  # a pull sweeps the expired ones
     assert not inbox.holds("m1") and inbox.holds("m2")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_blocks_move_bit_for_bit_between_device_caches(device, dtype):
+    from worker_svc.kv_cache import raw_view
+
+    source = raw_view(torch.randn(CACHE_SHAPE).to(dtype).to(device))  # the runner's raw integer view
+    outbox = _outbox()
+    outbox.export(source, [KvExport("r1", "m1", [5, 2, 9], 11)], TOKENS)
+    inbox = KvInbox(FP, BS, 1 << 30, ttl_s=60.0)
+    inbox.pull("src:1", "m1", 3, 5.0, _pull_from(outbox, chunk_bytes=1 << 20))
+    load = KvImport("r9", "m1", 0, [0, 1, 4], 11)
+    target = torch.zeros_like(source)
+    inbox.place(target, [load], inbox.read([load], {"r9": TOKENS["r1"]}))
+    assert torch.equal(target[:, :, [0, 1, 4]], source[:, :, [5, 2, 9]])
