@@ -3,7 +3,7 @@ scheduler each) that share NO folder (each its own tmp dir, no --kv-migrate-dir;
 --kv-transfer grpc) behind one gateway. A stream with a 1,920-token prompt is moved mid-stream with
 POST /admin/migrate: the target's worker pulls the KV from the source's worker (KvTransfer.FetchKv),
 computes 0 prefill tokens, and the client's stream (the real `openai` client) equals an undisturbed
-run's token for token. Then, on the same processes, continuations whose handoff cannot be served
+run's token for token; a drain of the replica serving a stream does the same. Then, on the same processes, continuations whose handoff cannot be served
 (an export the source does not hold; a source that is gone) recompute instead: the same tokens,
 counted as fallbacks, never a hung or failed request. `-s` prints the time to move.
 """
@@ -129,3 +129,32 @@ def test_a_handoff_that_cannot_be_pulled_recomputes_the_same_tokens(replicas, ex
     after = target.wait_idle()
     assert (after.kv_pulls - before.kv_pulls, after.kv_pull_fallbacks - before.kv_pull_fallbacks) == (0, 1)
     assert after.invariant_ok
+
+
+def test_a_drain_moves_the_running_stream_over_grpc(replicas, expected):
+    stacks, url = replicas
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    before = [stack.stats() for stack in stacks]
+    chunks, drained, drainer = [], {}, None
+    for chunk in _stream(client, client.models.list().data[0].id):
+        chunks.append(chunk)
+        if drainer is None and len(_tokens(chunks)) >= MOVE_AFTER:
+            holder = next(i for i, stack in enumerate(stacks) if stack.stats().num_running)
+
+            def drain(replica=holder):
+                reply = httpx.post(f"{url}/admin/drain", json={"replica": replica}, timeout=60)
+                drained.update(reply.json(), status=reply.status_code)
+            drainer = threading.Thread(target=drain)
+            drainer.start()
+    drainer.join(60)
+    try:
+        assert drained.get("status") == 200 and drained["drained"], drained
+        [move] = drained["moves"]
+        assert move["migrated"] and move["source"] == drained["replica"] != move["target"], drained
+        i = move["target"]
+        after = stacks[i].wait_idle()
+        assert after.prefill_tokens_computed - before[i].prefill_tokens_computed == 0
+        assert (after.kv_pulls - before[i].kv_pulls, after.kv_pull_fallbacks - before[i].kv_pull_fallbacks) == (1, 0)
+        assert _tokens(chunks) == expected
+    finally:
+        httpx.post(f"{url}/admin/drain", json={"replica": drained.get("replica", 0), "undrain": True}, timeout=10)
