@@ -5,6 +5,9 @@ the target's prefill tokens computed for it (0 expected), whether the tokens equ
 run's, and that undisturbed run's time to first token: what moving by recomputation would cost.
 
     python -m benchmarks.migration [--model models/smollm2-135m-instruct] [--prompt-tokens 2000]
+                                   [--kv-transfer dir|grpc]
+
+--kv-transfer grpc: no shared folder, the target's worker pulls the KV from the source's worker.
 """
 
 from __future__ import annotations
@@ -58,11 +61,14 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--move-after", type=int, default=8, help="tokens streamed before the move")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--kv-transfer", default="dir", choices=("dir", "grpc"),
+                   help="dir: the workers share a --kv-migrate-dir; grpc: worker to worker, no folder")
     args = p.parse_args()
     http, sched = free_port(), free_port()
     folder = tempfile.mkdtemp(prefix="pagoda-migrate-")
     cmd = [sys.executable, "-m", "pagoda.entrypoints.launcher", "--model", args.model, "--dtype", args.dtype,
-           "--data-parallel-size", "2", "--kv-migrate-dir", folder, "--gateway-port", str(http),
+           "--data-parallel-size", "2", "--gateway-port", str(http),
+           *(["--kv-migrate-dir", folder] if args.kv_transfer == "dir" else ["--kv-transfer", "grpc"]),
            "--grpc-port", str(free_port()), "--scheduler-port", str(sched), "--worker-port", str(free_port())]
     log = Path(folder) / "launcher.log"
     proc = start_server(cmd, dict(os.environ), log)
@@ -89,7 +95,12 @@ def main() -> None:
         target = moved.get("target", -1)
         prefill = _stats(schedulers[target]).prefill_tokens_computed - before[target].prefill_tokens_computed \
             if target >= 0 else None
-        print(json.dumps({"model": args.model, "prompt_tokens": args.prompt_tokens, "move": moved,
+        after = _stats(schedulers[target]) if target >= 0 else None
+        pulled = {"kv_pulls": after.kv_pulls - before[target].kv_pulls,
+                  "kv_pull_fallbacks": after.kv_pull_fallbacks - before[target].kv_pull_fallbacks,
+                  "kv_pull_bytes": after.kv_pull_bytes - before[target].kv_pull_bytes} if after else {}
+        print(json.dumps({"model": args.model, "prompt_tokens": args.prompt_tokens, "kv_transfer": args.kv_transfer,
+                          "move": moved, **pulled,
                           "target_prefill_tokens_computed": prefill, "tokens_identical": tokens == expected,
                           "undisturbed_ttft_seconds": round(ttft, 3)}, indent=2))
     finally:

@@ -101,6 +101,11 @@ _COUNTERS = (
     ("pagoda:disk_dropped_blocks", "blocks_disk_dropped", "Disk tier files deleted when it was full, or blocks it had no room for."),
     ("pagoda:brownout_capped_requests", "brownout_capped_requests",
      "Requests whose max_tokens brownout lowered at admission."),
+    ("pagoda:kv_pulls", "kv_pulls", "Migrated continuations whose KV this replica's worker pulled from the source "
+     "worker over gRPC (--kv-transfer grpc)."),
+    ("pagoda:kv_pull_fallbacks", "kv_pull_fallbacks", "Migrated continuations whose KV pull failed (source gone, "
+     "export unknown or expired, refused block, deadline): they recomputed their context."),
+    ("pagoda:kv_pull_bytes", "kv_pull_bytes", "Bytes of migrated KV pulled worker to worker over gRPC."),
 )
 
 

@@ -47,12 +47,12 @@ def request_from_pb(pb: engine_pb2.GenerateRequest, arrival_time: float,
 
 
 def handoff_from_pb(pb: common_pb2.KvHandoff) -> KvHandoff:
-    return KvHandoff(pb.migration_id, pb.num_tokens, pb.num_blocks)
+    return KvHandoff(pb.migration_id, pb.num_tokens, pb.num_blocks, source=pb.source)
 
 
 def handoff_to_pb(handoff: KvHandoff) -> common_pb2.KvHandoff:
     return common_pb2.KvHandoff(migration_id=handoff.migration_id, num_tokens=handoff.num_tokens,
-                                num_blocks=handoff.num_blocks)
+                                num_blocks=handoff.num_blocks, source=handoff.source)
 
 
 def request_to_pb(request: EngineRequest) -> engine_pb2.GenerateRequest:

@@ -97,7 +97,7 @@ def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> Scheduler
         num_disk_blocks=info.num_disk_blocks if config.enable_prefix_caching else 0,
         sliding_window=info.sliding_window, tenant_kv_share=config.tenant_kv_share,
         tenant_fairness=config.tenant_fairness, kv_migration=info.kv_migration,
-        kv_snapshots=bool(info.kv_snapshot_dir))
+        kv_snapshots=bool(info.kv_snapshot_dir), kv_transfer_address=info.kv_transfer_address)
 
 
 @dataclass(slots=True)

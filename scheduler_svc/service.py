@@ -21,6 +21,7 @@ from pagoda.runtime.telemetry import context_from_grpc_metadata
 from pagoda.v1 import engine_pb2, engine_pb2_grpc
 from scheduler_svc import convert
 from scheduler_svc.engine_loop import EngineLoop
+from scheduler_svc.kv_pulls import KvPulls
 from scheduler_svc.session_snapshots import SessionSnapshots
 from scheduler_svc.worker_client import WorkerClient
 
@@ -42,10 +43,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._engine_or_none: EngineLoop | None = None
         self._info: WorkerInfo | None = None
         self._snapshots: SessionSnapshots | None = None
+        self._kv_pulls = KvPulls(None, None)
 
     def attach(self, engine: EngineLoop, info: WorkerInfo, client: WorkerClient | None = None) -> None:
         self._engine_or_none, self._info = engine, info
         self._snapshots = SessionSnapshots(engine, client) if client is not None else None
+        self._kv_pulls = KvPulls(client, info)  # --kv-transfer grpc: continuations' KV, worker to worker
 
     @property
     def _engine(self) -> EngineLoop:
@@ -57,6 +60,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         try:
             engine_request = convert.request_from_pb(
                 request, arrival_time=time.time(), vocab_size=self._info.vocab_size if self._info else 0)
+            engine_request = await self._kv_pulls.prepare(engine_request)  # before admission: off the steps
             stream = self._engine.add_request(  # the gateway's span is the parent (traceparent)
                 engine_request, trace_parent=context_from_grpc_metadata(context.invocation_metadata()))
         except Exception as error:  # noqa: BLE001 - mapped by the error table
@@ -136,4 +140,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             request_success=engine.request_success, worker_connected=engine.connected,
             step_seconds_sum=engine.step_seconds_sum)
         stats.worker_resident_requests = engine.worker_resident_requests
+        pulls = self._kv_pulls
+        stats.kv_pulls, stats.kv_pull_fallbacks, stats.kv_pull_bytes = pulls.num_pulls, pulls.num_fallbacks, pulls.num_bytes
         return stats

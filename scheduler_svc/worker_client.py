@@ -23,7 +23,7 @@ from pagoda.contract.errors import (
 from pagoda.contract.step import StepPlan, StepResult, WorkerInfo
 from pagoda.runtime.logging import get_logger
 from pagoda.runtime.tls import aio_channel
-from pagoda.v1 import worker_pb2, worker_pb2_grpc
+from pagoda.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = get_logger(__name__)
 CHANNEL_OPTIONS = [
@@ -89,6 +89,7 @@ class WorkerClient:
         self.target = target
         self._channel = aio_channel(target, tls_ca, options=CHANNEL_OPTIONS)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._kv_transfer = kv_transfer_pb2_grpc.KvTransferStub(self._channel)
         self._init_request = worker_pb2.InitRequest(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         self.epoch: int | None = None
@@ -128,6 +129,14 @@ class WorkerClient:
         except grpc.aio.AioRpcError as error:
             mapped = _SNAPSHOT_ERRORS.get(error.code(), WorkerUnavailableError)
             raise mapped(error.details() or error.code().name) from None
+
+    async def pull_kv(self, migration_id: str, source: str, num_blocks: int, timeout_s: float
+                      ) -> kv_transfer_pb2.PullKvResponse:
+        """Live migration over gRPC (scheduler_svc/kv_pulls.py): the worker fetches an export from the
+        source worker into its memory. Raises grpc.aio.AioRpcError with the worker's status."""
+        return await self._kv_transfer.PullKv(
+            kv_transfer_pb2.PullKvRequest(migration_id=migration_id, source=source, num_blocks=num_blocks,
+                                          timeout_s=timeout_s), timeout=timeout_s + 5.0)
 
     def open_stream(self) -> StepStream:
         assert self.epoch is not None, "connect() first"

@@ -49,6 +49,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="live migration: where migrated requests' KV blocks go between replicas; give every "
                         "replica's worker the same folder (one host or a shared volume). Default: none "
                         "(a migrated request recomputes on its target)")
+    p.add_argument("--kv-transfer", default="dir", choices=("dir", "grpc"),
+                   help="how live migration's KV goes between replicas' workers: dir (files in the shared "
+                        "--kv-migrate-dir) or grpc (worker to worker over this worker's gRPC port, no "
+                        "shared folder: the replicas may be on different hosts; docs/reliability.md#live-migration)")
+    p.add_argument("--kv-transfer-address", default=None, metavar="HOST:PORT",
+                   help="--kv-transfer grpc: the address other workers fetch this one's exports at "
+                        "(default: --host:--port; set it when binding 0.0.0.0 or behind NAT)")
+    p.add_argument("--kv-transfer-buffer-size", type=float, default=4.0, metavar="GiB",
+                   help="--kv-transfer grpc: host memory for exports waiting to be fetched (and as much "
+                        "for fetched imports waiting to load); an export that does not fit recomputes")
+    p.add_argument("--kv-transfer-ttl", type=float, default=300.0, metavar="SECONDS",
+                   help="--kv-transfer grpc: an export (or fetched import) unused this long is dropped")
+    p.add_argument("--kv-transfer-tls-ca", default=None, metavar="PEM",
+                   help="--kv-transfer grpc: CA that verifies the other workers' ports (when they use TLS)")
     p.add_argument("--kv-snapshot-dir", default=None, metavar="DIR",
                    help="session save / restore (POST /v1/sessions/{id}/save|restore): where session "
                         "snapshots are written and read; give the replicas that may restore a session the "
@@ -109,7 +123,18 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
                    help="rank 0's rendezvous port (needed with --nnodes > 1)")
 
 
+def advertised_address(host: str, port: int) -> str:
+    """Where other workers reach this one: the bind host, or this host's name for a wildcard bind."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        import socket
+
+        host = socket.getfqdn()
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def build_config(args: argparse.Namespace) -> WorkerConfig:
+    if args.kv_transfer == "grpc" and args.kv_migrate_dir:
+        raise SystemExit("--kv-migrate-dir is the folder of --kv-transfer dir; --kv-transfer grpc needs none")
     return WorkerConfig(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -127,7 +152,10 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         max_cpu_loras=args.max_cpu_loras, swap_space=args.swap_space, pooling_type=args.pooling_type,
         kv_offloading_size=args.kv_offloading_size, kv_offload_dir=args.kv_offload_dir,
         kv_offload_dir_size=args.kv_offload_dir_size, kv_migrate_dir=args.kv_migrate_dir,
-        kv_snapshot_dir=args.kv_snapshot_dir,
+        kv_snapshot_dir=args.kv_snapshot_dir, kv_transfer=args.kv_transfer,
+        kv_transfer_address=args.kv_transfer_address or advertised_address(args.host, args.port),
+        kv_transfer_buffer_size=args.kv_transfer_buffer_size, kv_transfer_ttl_s=args.kv_transfer_ttl,
+        kv_transfer_tls_ca=args.kv_transfer_tls_ca,
         normalize_embeddings=args.normalize_embeddings)
 
 

@@ -73,6 +73,15 @@ class WorkerConfig:
     # where a migrated request's KV blocks go from the source to the target. None: no migration
     # of KV (a migrated request recomputes on its target).
     kv_migrate_dir: str | None = None
+    # Live migration without a shared folder (worker_svc/kv_transfer/): "grpc" keeps exports in host
+    # memory (kv_transfer_buffer_size GiB, each for 'kv_transfer_ttl_s' seconds; as much again for
+    # pulled imports) served on this worker's port at kv_transfer_address, and pulls imports from
+    # the source worker named in the handoff. "dir": the shared folder above.
+    kv_transfer: Literal["dir", "grpc"] = "dir"
+    kv_transfer_address: str = ""  # host:port other workers reach this one at (--kv-transfer-address)
+    kv_transfer_buffer_size: float = 4.0
+    kv_transfer_ttl_s: float = 300.0
+    kv_transfer_tls_ca: str | None = None  # PEM CA of the other workers' ports, when they use TLS
     # Session save / restore (worker_svc/disk_tier/snapshots.py): the folder of session snapshots,
     # shared by the replicas that may restore them (llama.cpp's --slot-save-path). None: no save.
     kv_snapshot_dir: str | None = None

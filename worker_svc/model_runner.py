@@ -52,6 +52,7 @@ from worker_svc.kv_cache import (
     raw_view,
 )
 from worker_svc.kv_cache import num_cpu_blocks as num_host_blocks_for
+from worker_svc.kv_transfer.store import migration_transport
 from worker_svc.lora.manager import LoRAManager
 from worker_svc.model_loader import gguf_loader
 from worker_svc.model_loader.loader import load_model, resolve_dtype
@@ -208,7 +209,8 @@ class ModelRunner:
                           disk_blocks=self.disk.listing() if self.disk else (),
                           kv_migration=self.migration is not None and self.migration.migration is not None,
                           kv_snapshot_dir=str(self.snapshots.dir) if self.snapshots else "",
-                          pipeline_parallel_size=self.stage.size)
+                          pipeline_parallel_size=self.stage.size,
+                          kv_transfer_address=getattr(self.migration and self.migration.migration, "address", ""))
 
     @property
     def snapshots(self) -> SnapshotStore | None:
@@ -218,12 +220,12 @@ class ModelRunner:
         """Live migration's folder (--kv-migrate-dir) and the session snapshots' (--kv-snapshot-dir);
         not with TP yet (each rank holds some heads)."""
         config = self.config
-        if not (config.kv_migrate_dir or config.kv_snapshot_dir) or self._grouped:
+        if not (config.kv_migrate_dir or config.kv_snapshot_dir or config.kv_transfer == "grpc") or self._grouped:
             return None
         fingerprint = model_fingerprint(config.model, self.dtype, self.cache_dtype, str(self.quantization),
                                         shape.block_size, shape.num_layers, shape.num_kv_heads, shape.head_dim)
         return KvFiles(
-            MigrationStore(config.kv_migrate_dir, fingerprint, shape.block_size) if config.kv_migrate_dir else None,
+            migration_transport(config, fingerprint, shape.block_size),  # the folder's or gRPC's (kv_transfer/)
             SnapshotStore(config.kv_snapshot_dir, fingerprint, shape.block_size) if config.kv_snapshot_dir else None)
 
     def _disk_store(self, shape: CacheShape, num_offload_blocks: int) -> DiskStore | None:

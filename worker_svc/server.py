@@ -12,11 +12,13 @@ from pagoda.runtime.grpc_health import HealthState
 from pagoda.runtime.logging import get_logger
 from pagoda.runtime.shutdown import EXIT_MARGIN_S, install_stop_handlers
 from pagoda.runtime.tls import add_port, new_server
-from pagoda.v1 import worker_pb2, worker_pb2_grpc
+from pagoda.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from worker_svc.kv_transfer.service import KvTransferServicer
 from worker_svc.service import StepRunner, WorkerServicer
 
 log = get_logger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+KV_TRANSFER_NAME = kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name
 # Plans with big prompts and results with logprobs can pass the 4 MB default.
 MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.max_send_message_length", 64 << 20)]
@@ -41,8 +43,9 @@ async def start_worker_server(runner: StepRunner, host: str, port: int, tls_cert
     health = HealthState(SERVICE_NAME)
     servicer = WorkerServicer(runner, health)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(KvTransferServicer(runner), server)  # --kv-transfer grpc
     health.add_to_server(server)
-    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection((SERVICE_NAME, KV_TRANSFER_NAME, reflection.SERVICE_NAME), server)
     await server.start()
     await health.set_serving(False)
     log.info("worker_listening", address=f"{host}:{bound_port}")

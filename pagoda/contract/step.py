@@ -264,3 +264,4 @@ class WorkerInfo:
     # Pipeline stages (worker_svc/parallel/pipeline.py): the scheduler keeps up to this many plans in
     # flight, never one sequence in two of them while its sampled token is unknown.
     pipeline_parallel_size: int = 1
+    kv_transfer_address: str = ""  # --kv-transfer grpc: where its exports are fetched; "": the folder

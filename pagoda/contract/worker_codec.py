@@ -168,7 +168,8 @@ def info_to_pb(info: WorkerInfo, epoch: int) -> worker_pb2.InitResponse:
         num_cpu_blocks=info.num_cpu_blocks, sliding_window=info.sliding_window,
         num_offload_blocks=info.num_offload_blocks, num_disk_blocks=info.num_disk_blocks,
         disk_blocks=[disk_block_to_pb(b) for b in info.disk_blocks], kv_migration=info.kv_migration,
-        kv_snapshot_dir=info.kv_snapshot_dir, pipeline_parallel_size=info.pipeline_parallel_size)
+        kv_snapshot_dir=info.kv_snapshot_dir, pipeline_parallel_size=info.pipeline_parallel_size,
+        kv_transfer_address=info.kv_transfer_address)
 
 
 def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
@@ -180,4 +181,5 @@ def info_from_pb(pb: worker_pb2.InitResponse) -> tuple[int, WorkerInfo]:
         sliding_window=pb.sliding_window, num_offload_blocks=pb.num_offload_blocks,
         num_disk_blocks=pb.num_disk_blocks, disk_blocks=tuple(disk_block_from_pb(b) for b in pb.disk_blocks),
         kv_migration=pb.kv_migration, kv_snapshot_dir=pb.kv_snapshot_dir,
-        pipeline_parallel_size=max(1, pb.pipeline_parallel_size))
+        pipeline_parallel_size=max(1, pb.pipeline_parallel_size),
+        kv_transfer_address=pb.kv_transfer_address)

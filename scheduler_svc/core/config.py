@@ -131,6 +131,9 @@ class SchedulerConfig:
     vtc_output_weight: float = 2.0
     # The worker exports and imports migrated requests' KV (its Init; core/tiers/migration.py).
     kv_migration: bool = False
+    # --kv-transfer grpc (worker_svc/kv_transfer/): where other workers fetch this worker's exports
+    # (handoffs carry it); "": exports and imports go through the shared folder.
+    kv_transfer_address: str = ""
     kv_snapshots: bool = False  # the worker saves and restores session snapshots (--kv-snapshot-dir)
 
     def __post_init__(self) -> None:

@@ -32,13 +32,16 @@ def child_seq_id(request_id: RequestId, seq_index: int) -> RequestId:
 @dataclass(frozen=True, slots=True)
 class KvHandoff:
     """A migrated request's KV (tiers/migration.py): `num_blocks` block files under `migration_id` in
-    the workers' shared migration folder, holding its first `num_tokens` tokens' KV. An export's
-    answer on the source; a continuation's import on the target. num_blocks 0: nothing exported."""
+    the workers' shared migration folder, holding its first `num_tokens` tokens' KV, or (`source`
+    set, --kv-transfer grpc) those blocks in the source worker's memory, fetched from that address.
+    An export's answer on the source; a continuation's import on the target. num_blocks 0: nothing
+    exported."""
 
     migration_id: str
     num_tokens: int
     num_blocks: int
     snapshot: bool = False  # a session restore: `migration_id` names a session snapshot (tiers/snapshots.py)
+    source: str = ""  # host:port of the source worker's KvTransfer service; "": the shared folder
 
 
 @dataclass(frozen=True, slots=True)

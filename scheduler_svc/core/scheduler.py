@@ -101,7 +101,7 @@ class Scheduler:
         self._swap = SwapManager(config.num_cpu_blocks, bs, config.preemption_mode, self._threshold)
         self._tenants = Tenants(self._kv.pool, config.tenant_kv_share, config.tenant_fairness,
                                 config.vtc_prompt_weight, config.vtc_output_weight)
-        self._migrator = Migrator(bs, config.kv_migration)
+        self._migrator = Migrator(bs, config.kv_migration, config.kv_transfer_address)
         self._saves = SessionSaves(bs, config.kv_snapshots)
         self._migrated_after_loss: list[SequenceDelta] = []  # reset_after_worker_loss's, for the loop
         self._admission = Admission(config, self._threshold, self._kv, self._queues, self._swap,
@@ -451,6 +451,8 @@ class Scheduler:
         if handoff is None or not handoff.num_blocks or \
                 not (self.config.kv_snapshots if handoff.snapshot else self.config.kv_migration):
             return None
+        if not handoff.snapshot and bool(handoff.source) != bool(self.config.kv_transfer_address):
+            return None  # exported in the folder, imported over gRPC or the reverse: recompute
         bs = self.config.block_size
         if not 0 < handoff.num_tokens <= len(request.prompt_token_ids) or \
                 handoff.num_blocks != -(-handoff.num_tokens // bs) or request.sampling.n != 1:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagoda.entrypoints.launcher.cli import parse_args
 from pagoda.entrypoints.launcher.topology import build_children, replica_devices, taken_ports
 
@@ -148,3 +150,22 @@ def test_host_moves_only_the_gateway():
     assert gateway_host(children) == "0.0.0.0"
     assert all("--host" not in c.argv for c in children if c.name != "gateway")
     assert gateway_host(build_children(parse_args(["--fake"]))) == "127.0.0.1"
+
+
+def test_grpc_transport_reaches_every_worker_and_each_advertises_its_own_port():
+    from worker_svc.__main__ import build_config
+    from worker_svc.__main__ import parse_args as worker_args
+
+    children = build_children(parse_args(["--data-parallel-size", "2", "--kv-transfer", "grpc"]))
+    workers = [c for c in children if c.argv[0] == "worker_svc"]
+    assert len(workers) == 2 and all("--kv-transfer" in c.argv and "--kv-migrate-dir" not in c.argv for c in workers)
+    configs = [build_config(worker_args(c.argv[1:])) for c in workers]
+    assert [c.kv_transfer for c in configs] == ["grpc", "grpc"]
+    ports = [c.argv[c.argv.index("--port") + 1] for c in workers]
+    assert [c.kv_transfer_address for c in configs] == [f"127.0.0.1:{p}" for p in ports]
+    with pytest.raises(SystemExit, match="needs none"):
+        build_config(worker_args(["--model", "m", "--kv-transfer", "grpc", "--kv-migrate-dir", "/x"]))
+    assert build_config(worker_args(["--model", "m", "--host", "0.0.0.0", "--kv-transfer", "grpc"])
+                        ).kv_transfer_address.endswith(":50061")
+    assert build_config(worker_args(["--model", "m", "--kv-transfer-address", "w3.internal:7000"])
+                        ).kv_transfer_address == "w3.internal:7000"

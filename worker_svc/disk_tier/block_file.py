@@ -10,7 +10,8 @@ that says what it is and proves it is intact.
   those three fields (a flipped bit anywhere is refused).
 
 Written to a temporary name and renamed into place, so a crash mid-write leaves no half file
-under a block's name.
+under a block's name. The same bytes travel between workers in live migration over gRPC
+(`block_bytes` / `read_block_bytes`, worker_svc/kv_transfer/), verified the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load, save, save_file
 
 from pagoda.contract.prefix_hash import extra_keys_from_json, extra_keys_to_json
 from pagoda.contract.step import DiskBlock
@@ -64,15 +65,35 @@ def _checksum(payload: torch.Tensor, block_hash: str, token_ids: str, extra_keys
     return digest.hexdigest()
 
 
+def _metadata(payload: torch.Tensor, block: DiskBlock, fingerprint: str) -> dict[str, str]:
+    fields = (block.block_hash.hex(), json.dumps(list(block.token_ids)), extra_keys_to_json(block.extra_keys))
+    return {"format": FORMAT, "fingerprint": fingerprint, "block_hash": fields[0], "token_ids": fields[1],
+            "extra_keys": fields[2], "sha256": _checksum(payload, *fields)}
+
+
 def write_block_file(path: Path, payload: torch.Tensor, block: DiskBlock, fingerprint: str) -> None:
     """`payload`: the block's raw (integer view) K and V, [num_layers, 2, block_size, H, D], on CPU."""
     payload = payload.contiguous()
-    fields = (block.block_hash.hex(), json.dumps(list(block.token_ids)), extra_keys_to_json(block.extra_keys))
-    metadata = {"format": FORMAT, "fingerprint": fingerprint, "block_hash": fields[0], "token_ids": fields[1],
-                "extra_keys": fields[2], "sha256": _checksum(payload, *fields)}
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"kv": payload}, str(tmp), metadata=metadata)
+    save_file({"kv": payload}, str(tmp), metadata=_metadata(payload, block, fingerprint))
     os.replace(tmp, path)
+
+
+def block_bytes(payload: torch.Tensor, block: DiskBlock, fingerprint: str) -> bytes:
+    """What `write_block_file` would write, as bytes (a block sent to another worker)."""
+    payload = payload.contiguous()
+    return save({"kv": payload}, metadata=_metadata(payload, block, fingerprint))
+
+
+def read_block_bytes(data: bytes, fingerprint: str) -> tuple[torch.Tensor, DiskBlock]:
+    """`read_block_file` for bytes `block_bytes` made: the same checks but the file's name."""
+    try:
+        size = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8:8 + size]).get("__metadata__") or {}
+        payload = load(data)["kv"]
+    except Exception as error:  # noqa: BLE001 - any unreadable block is refused the same way
+        raise BlockFileRefused(f"unreadable: {error}") from error
+    return payload, _verified(meta, payload, fingerprint)
 
 
 def read_block_file(path: Path, fingerprint: str) -> tuple[torch.Tensor, DiskBlock]:
@@ -84,17 +105,22 @@ def read_block_file(path: Path, fingerprint: str) -> tuple[torch.Tensor, DiskBlo
             payload = f.get_tensor("kv")
     except Exception as error:  # noqa: BLE001 - any unreadable file is refused the same way
         raise BlockFileRefused(f"unreadable: {error}") from error
+    return payload, _verified(meta, payload, fingerprint, path.name)
+
+
+def _verified(meta: dict, payload: torch.Tensor, fingerprint: str, name: str | None = None) -> DiskBlock:
+    """The block `meta` describes; BlockFileRefused unless format, fingerprint, file name (when
+    read from a file) and checksum hold."""
     if meta.get("format") != FORMAT:
         raise BlockFileRefused(f"format {meta.get('format')!r}, not {FORMAT}")
     if meta.get("fingerprint") != fingerprint:
         raise BlockFileRefused("another model's block (fingerprint differs)")
     fields = (meta.get("block_hash", ""), meta.get("token_ids", ""), meta.get("extra_keys", ""))
-    if path.name != fields[0] + SUFFIX:
-        raise BlockFileRefused(f"named {path.name} but holds block {fields[0][:16]}")
+    if name is not None and name != fields[0] + SUFFIX:
+        raise BlockFileRefused(f"named {name} but holds block {fields[0][:16]}")
     if meta.get("sha256") != _checksum(payload, *fields):
         raise BlockFileRefused("checksum mismatch")
     try:
-        block = DiskBlock(bytes.fromhex(fields[0]), tuple(json.loads(fields[1])), extra_keys_from_json(fields[2]))
+        return DiskBlock(bytes.fromhex(fields[0]), tuple(json.loads(fields[1])), extra_keys_from_json(fields[2]))
     except ValueError as error:
         raise BlockFileRefused(f"bad metadata: {error}") from error
-    return payload, block

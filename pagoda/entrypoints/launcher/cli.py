@@ -83,6 +83,9 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
                    help="live migration: every replica's worker shares this folder, where a migrated "
                         "request's KV goes (POST /admin/migrate, /admin/drain; default: none, a moved "
                         "request recomputes)")
+    g.add_argument("--kv-transfer", default="dir", choices=("dir", "grpc"),
+                   help="live migration's transport between the replicas' workers: dir (--kv-migrate-dir) "
+                        "or grpc (worker to worker on the workers' ports, no shared folder)")
     g.add_argument("--kv-snapshot-dir", default=None, metavar="DIR",
                    help="session save / restore: every replica's worker shares this folder of session "
                         "snapshots (POST /v1/sessions/{id}/save, /restore; default: none, they answer 400)")

@@ -112,6 +112,8 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
         swap += ["--kv-offload-dir", disk_dir, "--kv-offload-dir-size", str(args.kv_offload_dir_size)]
     if getattr(args, "kv_migrate_dir", None):  # one folder for all replicas: exports meet imports there
         swap += ["--kv-migrate-dir", args.kv_migrate_dir]
+    if getattr(args, "kv_transfer", "dir") == "grpc":  # exports fetched from each worker's own port
+        swap += ["--kv-transfer", "grpc"]
     if getattr(args, "kv_snapshot_dir", None):  # one folder for all replicas: a snapshot restores anywhere
         swap += ["--kv-snapshot-dir", args.kv_snapshot_dir]
     if args.num_gpu_blocks_override is not None:

@@ -36,9 +36,10 @@ class Migrator:
     """The Scheduler holds one: exports asked and not yet planned, deltas held until their export's
     step reports, and the counters."""
 
-    def __init__(self, block_size: int, enabled: bool) -> None:
+    def __init__(self, block_size: int, enabled: bool, source: str = "") -> None:
         self._block_size = block_size
         self.enabled = enabled  # the worker exports and imports KV (its Init's kv_migration)
+        self.source = source  # --kv-transfer grpc: the worker's KvTransfer address, in every handoff
         self.asked: dict[Sequence, str] = {}  # running sequence -> migration id, detached next plan
         self._held: dict[int, list[SequenceDelta]] = {}  # step id -> MIGRATED deltas it releases
         self.num_exported = 0  # requests whose KV left (with blocks)
@@ -56,7 +57,7 @@ class Migrator:
         plan.kv_exports.append(KvExport(seq.seq_id, migration_id, list(blocks), num_tokens))
         self.num_exported += 1
         self.blocks_exported += len(blocks)
-        return KvHandoff(migration_id, num_tokens, len(blocks))
+        return KvHandoff(migration_id, num_tokens, len(blocks), source=self.source)
 
     def hold(self, step_id: int, deltas: list[SequenceDelta]) -> None:
         self._held.setdefault(step_id, []).extend(deltas)
