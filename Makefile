@@ -22,11 +22,12 @@ KERNEL_OUT := build/torch_extensions/.built
 setup: $(VENV)/.installed $(PROTO_OUT) $(KERNEL_OUT)
 
 # The `cuda` extra brings CuPy and NVRTC: CPU machines use them only to compile the kernels
-# for sm_90 in the tests, never to run them.
+# for sm_90 in the tests, never to run them. The `ray` extra: the multi-node tests' two-node Ray
+# cluster (tests/reliability/test_multinode.py); serving needs it only with the ray backend.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,cuda]'
+	$(BIN)/pip install -q -e '.[dev,cuda,ray]'
 	touch $@
 
 # The compiled CPU attention ops, built once here so that tests and services only load them

@@ -60,9 +60,15 @@ def test_pp2_and_tp2_x_pp2_match_one_rank(kind: str, tmp_path) -> None:
     assert_same(base, generate(model_dir, 2, 2))
 
 
-@pytest.mark.parametrize("num_blocks", [256, 12], ids=["roomy", "cramped"])
-def test_pp2_with_chunked_prefill_prefix_hits_forks_and_preemption(tiny_model_dir: str, num_blocks: int) -> None:
-    engine = {"max_num_batched_tokens": 32, "long_prefill_token_threshold": 16, "max_num_seqs": 8}
+# Swap preemption and the prefix cache's host tier: each stage copies its own layers' blocks.
+TIERS = {"swap_space": 0.01, "preemption_mode": "swap", "kv_offloading_size": 0.01}
+
+
+@pytest.mark.parametrize("num_blocks,tiers", [(256, {}), (12, {}), (12, TIERS)],
+                         ids=["roomy", "cramped", "cramped-swap-host-tier"])
+def test_pp2_with_chunked_prefill_prefix_hits_forks_and_preemption(tiny_model_dir: str, num_blocks: int,
+                                                                   tiers: dict) -> None:
+    engine = {"max_num_batched_tokens": 32, "long_prefill_token_threshold": 16, "max_num_seqs": 8, **tiers}
     base = generate(tiny_model_dir, 1, 1, num_blocks, n=2, **engine)
     pp = generate(tiny_model_dir, 1, 2, num_blocks, n=2, **engine)
     assert_same(base, pp)
@@ -70,6 +76,8 @@ def test_pp2_with_chunked_prefill_prefix_hits_forks_and_preemption(tiny_model_di
     assert stats.prefix_hits > 0
     if num_blocks == 12:
         assert stats.num_preemptions > 0
+    if tiers:
+        assert stats.num_swap_preemptions > 0
 
 
 def test_pp2_serves_lora_adapters_as_one_rank(tmp_path) -> None:

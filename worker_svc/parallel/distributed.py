@@ -132,7 +132,7 @@ def init_groups(rank: int, world_size: int, tp_size: int, init_method: str,
     pipe = result = None
     if stages > 1:
         pipe = dist.new_group(backend=backend, timeout=DATA_TIMEOUT)
-        result = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        result = dist.new_group(backend="gloo", timeout=DATA_TIMEOUT)  # waited on only while a step is out
     tp = TensorParallel(rank=rank % tp_size, size=tp_size, data_group=data, control_group=control)
     return Groups(tp, rank, world_size, pipe, result)
 
