@@ -157,12 +157,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """The awaitable of this plan's result proto (done at once when the plan is refused)."""
         done = asyncio.get_running_loop().create_future()
         with bound_contextvars(step_id=plan_pb.step_id):
-            rejection = self._check_order(plan_pb)
-            if rejection is None:
-                try:
-                    _, plan = convert.plan_from_pb(plan_pb)
-                except InvalidRequestError as error:
-                    rejection = (Code.INVALID_PLAN, f"bad sampling params: {error}")
+            rejection, plan = self._decode_in_order(plan_pb)
             if rejection is None:
                 try:
                     future = await self._on_runner_thread(self._runner.submit, plan)
@@ -233,16 +228,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _run_step(self, plan_pb: worker_pb2.StepPlan) -> worker_pb2.StepResult:
         step_id = plan_pb.step_id
         with bound_contextvars(step_id=step_id):
-            rejection = self._check_order(plan_pb)
-            if rejection is None:
-                try:
-                    _, plan = convert.plan_from_pb(plan_pb)
-                except InvalidRequestError as error:
-                    rejection = (Code.INVALID_PLAN, f"bad sampling params: {error}")
+            rejection, plan = self._decode_in_order(plan_pb)
             if rejection is not None:
                 log.warning("plan_rejected", code=Code.Name(rejection[0]), reason=rejection[1])
                 return convert.error_result_pb(step_id, *rejection)
             return await self._on_runner_thread(self._execute, plan)
+
+    def _decode_in_order(self, plan_pb: worker_pb2.StepPlan) -> tuple[tuple[int, str] | None, StepPlan | None]:
+        """(rejection, None) for a plan out of order or with bad sampling params, else (None, plan)."""
+        rejection = self._check_order(plan_pb)
+        if rejection is not None:
+            return rejection, None
+        try:
+            return None, convert.plan_from_pb(plan_pb)[1]
+        except InvalidRequestError as error:
+            return (Code.INVALID_PLAN, f"bad sampling params: {error}"), None
 
     async def _on_runner_thread(self, fn, *args):
         # CPU: on the event loop's own thread, blocking it, on purpose. With the steps on a helper

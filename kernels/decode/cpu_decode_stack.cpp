@@ -204,6 +204,7 @@ at::Tensor run_stack(const at::Tensor& x_in, const at::Tensor& positions, const 
     at::Tensor down = run_linear(linear(layer, 3), act, padded_rows).contiguous();
     add_into<T>(xp, down.const_data_ptr<T>(), M * H);
   }
+  if (norms.size() == static_cast<size_t>(2 * L)) return x;  // a pipeline stage before the last: no final norm
   rms_norm<T>(xp, norms[2 * L].const_data_ptr<T>(), hp, M, H, feps);
   return h;
 }
@@ -222,7 +223,8 @@ at::Tensor decode_stack(const at::Tensor& x, const at::Tensor& positions, const 
   const std::vector<std::optional<at::Tensor>> scales = unpack(scales_in), mins = unpack(mins_in),
                                                biases = unpack(biases_in);
   TORCH_CHECK(L > 0 && v_caches.size() == k_caches.size(), "one (k, v) cache pair per layer");
-  TORCH_CHECK(norms.size() == static_cast<size_t>(2 * L + 1), "2 norms per layer + the final one expected");
+  TORCH_CHECK(norms.size() == static_cast<size_t>(2 * L + 1) || norms.size() == static_cast<size_t>(2 * L),
+              "2 norms per layer, then the final one (absent on a pipeline stage before the last) expected");
   TORCH_CHECK(weights.size() == n_lin && scales.size() == n_lin && mins.size() == n_lin && biases.size() == n_lin &&
                   meta.size() == n_lin * kMetaPerLinear,
               "4 linears per layer (qkv, o, gate_up, down), each with its scales, mins, bias and 4 meta ints");

@@ -87,11 +87,13 @@ def test_tp2_worker_serves_tp1_tokens_and_stops_cleanly(tiny_model_dir, tmp_path
     assert served == offline_tp1(tiny_model_dir, workload)
 
 
-def test_dead_follower_makes_the_worker_exit_nonzero(tiny_model_dir, tmp_path) -> None:
+@pytest.mark.parametrize("sizes", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_dead_follower_makes_the_worker_exit_nonzero(tiny_model_dir, tmp_path, sizes) -> None:
+    """A TP follower, or the last pipeline stage (which samples and reports): either way rank 0 exits."""
     import os
     import signal
 
-    worker = start_worker(tiny_model_dir, tmp_path, tensor_parallel_size=2, **WORKER_FLAGS)
+    worker = start_worker(tiny_model_dir, tmp_path, **sizes, **WORKER_FLAGS)
     try:
         [follower] = follower_pids(worker.proc.pid)
         os.kill(follower, signal.SIGKILL)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pagoda.entrypoints.launcher.cli import parse_args
@@ -48,7 +50,8 @@ def test_each_replica_sees_its_own_gpus(monkeypatch):
     args = parse_args(["--data-parallel-size", "2", "--tensor-parallel-size", "2"])
     assert [replica_devices(args, i) for i in range(2)] == [{"CUDA_VISIBLE_DEVICES": "4,5"},
                                                             {"CUDA_VISIBLE_DEVICES": "6,7"}]
-    assert replica_devices(parse_args(["--data-parallel-size", "2", "--device", "cpu"]), 1) == {}
+    cores = str(max(1, (os.cpu_count() or 1) // 2))  # CPU replicas share the host's cores
+    assert replica_devices(parse_args(["--data-parallel-size", "2", "--device", "cpu"]), 1) == {"OMP_NUM_THREADS": cores}
 
 
 def test_every_replica_port_is_checked_before_starting():

@@ -59,7 +59,7 @@ def test_greedy_with_speculation_matches_without(tiny_model_dir: str, num_blocks
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
 def test_speculation_with_tensor_or_pipeline_parallelism_matches_one_rank(tiny_model_dir: str, tp: int,
                                                                          pp: int) -> None:
     """The followers learn which drafts the sampling rank accepted and roll back alike (a wrong

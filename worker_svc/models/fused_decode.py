@@ -3,7 +3,8 @@
 Why (issue 35, one request at a time): at batch 1 the matmuls of SmolLM2's 30 layers take ~10 ms,
 and the Python module loop around them (RMSNorm, RoPE, split/view, silu, residual adds: ~50 aten
 ops and ~15 module calls per layer) took about as long again. `pagoda_cpu::decode_stack`
-(kernels/decode/cpu_decode_stack.cpp) runs every layer and the final norm in C++, through the
+(kernels/decode/cpu_decode_stack.cpp) runs every layer (a pipeline stage's: worker_svc/parallel/pipeline.py)
+and the final norm (on the last stage) in C++, through the
 same linear and attention functions as the module path; the embedding and the logits stay here.
 
 `fused_decode_for` decides once, after loading / packing, whether the model qualifies and then
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from worker_svc.models.common import AttentionMetadata, RMSNorm, RotaryEmbedding
-from worker_svc.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from worker_svc.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, MissingLayer
 from worker_svc.models.packed_linear import PackedLinear
 from worker_svc.models.quant_linear import QuantLinear
 from worker_svc.models.row_buckets import RowBucketedLinear, bucket_rows
@@ -77,8 +78,6 @@ def _refusal(model: nn.Module, s: Setting) -> str | None:
         return "needs the CPU worker with the compiled attention backend"
     if s.tensor_parallel_size != 1 or s.lora or s.batch_invariant:
         return "tensor parallelism, LoRA and --batch-invariant keep the module loop"
-    if getattr(model, "stage", None) is not None and model.stage.size != 1:
-        return "pipeline parallelism keeps the module loop (a stage holds some layers)"
     if s.dtype not in (torch.float32, torch.bfloat16) or s.cache_dtype != s.dtype:
         return "needs fp32 or bf16 activations and a KV cache of the same dtype"
     if type(model).forward is not LlamaForCausalLM.forward or not isinstance(model, LlamaForCausalLM):
@@ -90,14 +89,19 @@ def _refusal(model: nn.Module, s: Setting) -> str | None:
     if any(cfg.layer_window(i) is not None for i in range(cfg.num_layers)):
         return "sliding-window layers keep the module loop"
     inner = model.model
-    if type(inner.norm) is not RMSNorm or type(inner.rotary) is not RotaryEmbedding:
+    if type(inner.norm) not in (RMSNorm, type(None)) or type(inner.rotary) is not RotaryEmbedding:
         return "needs the plain RMSNorm and RoPE"
-    for layer in inner.layers:
+    for layer in held_layers(model):
         if (type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
                 or type(layer.mlp) is not MLP or type(layer.input_layernorm) is not RMSNorm
                 or type(layer.post_attention_layernorm) is not RMSNorm):
             return f"layer {type(layer).__name__} is not the plain Llama decoder layer"
     return None
+
+
+def held_layers(model: LlamaForCausalLM) -> list[nn.Module]:
+    """The decoder layers this rank computes: all, or its pipeline stage's."""
+    return [layer for layer in model.model.layers if not isinstance(layer, MissingLayer)]
 
 
 class FusedDecode:
@@ -109,14 +113,17 @@ class FusedDecode:
     def __init__(self, model: LlamaForCausalLM, ops: object, linears: list[list], bucketed: bool) -> None:
         inner, cfg = model.model, model.config
         self.ops, self.rotary, self.bucketed = ops, inner.rotary, bucketed
-        self.norms = [n.weight.detach() for layer in inner.layers
-                      for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [inner.norm.weight.detach()]
+        layers = held_layers(model)
+        # A pipeline stage before the last has no final norm: the op then returns the residual stream.
+        self.norms = [n.weight.detach() for layer in layers
+                      for n in (layer.input_layernorm, layer.post_attention_layernorm)
+                      ] + ([] if inner.norm is None else [inner.norm.weight.detach()])
         self.weights = [entry[0].detach() for entry in linears]  # nn.Linear's: a Parameter
         self.scales = [entry[1] for entry in linears]
         self.mins = [entry[2] for entry in linears]
         self.biases = [None if entry[3] is None else entry[3].detach() for entry in linears]
         self.meta = [value for entry in linears for value in entry[4]]
-        first = inner.layers[0].self_attn
+        first = layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.scale, self.eps = first.scale, cfg.rms_norm_eps
         self._caches: tuple[list, list, list] | None = None  # (kv_caches, ks, vs): split once per cache
@@ -145,7 +152,7 @@ def fused_decode_for(model: nn.Module, setting: Setting) -> tuple[FusedDecode | 
     if not toolchain_available():
         return None, "no C++ toolchain for the compiled ops"
     linears, bucketed = [], set()
-    for layer in model.model.layers:
+    for layer in held_layers(model):
         for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                        layer.mlp.down_proj):
             entry = _linear(module)

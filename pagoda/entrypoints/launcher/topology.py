@@ -33,10 +33,13 @@ def replica_models(args: argparse.Namespace) -> list[tuple[str | None, str]]:
 
 def replica_devices(args: argparse.Namespace, replica: int) -> dict[str, str]:
     """With several replicas on GPUs (extra models' too): replica i sees GPUs [i·tp, (i+1)·tp) of the
-    visible ones."""
+    visible ones. On CPU each replica's worker takes its share of the host's cores (OMP_NUM_THREADS):
+    each taking all of them oversubscribed a 2-core machine 2x at DP=2 (benchmarks.parallel_shapes)."""
     replicas = len(replica_ports(args))
-    if replicas == 1 or args.device == "cpu":
+    if replicas == 1:
         return {}
+    if args.device == "cpu":
+        return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // replicas))}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(replicas * args.tensor_parallel_size)]
     mine = gpus[replica * args.tensor_parallel_size:(replica + 1) * args.tensor_parallel_size]
