@@ -46,7 +46,7 @@ from gateway.openai.responses import (
     usage_info,
 )
 from gateway.openai.streaming import sse_stream, until_disconnected
-from gateway.openai.tool_parsers import ToolParser, ToolParserManager
+from gateway.openai.tool_parsers import AUTO, ToolParser, ToolParserManager, selected_tool_parser
 from gateway.openai.tool_protocol import NamedToolChoice, ToolDef
 from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizer
@@ -73,11 +73,21 @@ class ToolPlan:
         return [self.parser(parallel_tool_calls) for _ in range(n)] if self.tools is not None else None
 
 
-def tool_plan(body: ChatCompletionRequest, config: GatewayConfig) -> ToolPlan:
+def tool_parser_class(config: GatewayConfig, tokenizer: Tokenizer | None) -> type[ToolParser]:
+    """The --tool-call-parser's class; with `auto`, the one `tokenizer`'s chat template names
+    (tool_parsers/auto_select.py; no tokenizer yet: hermes)."""
+    name = config.tool_call_parser
+    if name == AUTO:
+        name = selected_tool_parser(getattr(tokenizer.hf, "chat_template", None) if tokenizer is not None else None)
+    return ToolParserManager.get_tool_parser(name)
+
+
+def tool_plan(body: ChatCompletionRequest, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> ToolPlan:
     """tool_choice "none" calls nothing; "auto" lets the model choose (needs
     --enable-auto-tool-choice, as vLLM); "required" and a named function force a call in the
-    parser's format with a grammar whose arguments follow the function's JSON schema."""
-    parser = ToolParserManager.get_tool_parser(config.tool_call_parser)
+    parser's format with a grammar whose arguments follow the function's JSON schema. `tokenizer`:
+    the model's, whose chat template picks the format under `--tool-call-parser auto`."""
+    parser = tool_parser_class(config, tokenizer)
     tools, tool_choice = body.tools, body.tool_choice
     if not tools or tool_choice == "none":
         return ToolPlan(parser)
@@ -148,7 +158,9 @@ async def start_chat(body: ChatCompletionRequest, http: Request, state: GatewayS
     /v1/messages."""
     route = state.route(body.model)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    plan = tool_plan(body, state.config)
+    # The requested model's template picks the format under --tool-call-parser auto (a fallback
+    # model answers in the same format: the plan, and a forced call's grammar, are made once).
+    plan = tool_plan(body, state.config, next((p.tokenizer for p in route.pools if p.tokenizer is not None), None))
     admit_once = AdmitOnce(lambda r, max_model_len: admit(http, r, max_model_len))
 
     async def start(pool: ModelPool, _attempt: int):  # the request prepared for `pool`'s model

@@ -9,6 +9,7 @@ import os
 import socket
 from pathlib import Path
 
+from pagoda.entrypoints.launcher.agent_flags import gateway_agent_argv
 from pagoda.entrypoints.launcher.supervisor import REPO, Child
 from pagoda.runtime.model_files import is_gguf_file
 
@@ -68,7 +69,8 @@ def build_children(args: argparse.Namespace) -> list[Child]:
         children.append(Child("gateway", ["gateway", "--scheduler", ",".join(schedulers),
                                           "--port", str(args.gateway_port),
                                           "--grpc-port", str(args.grpc_port), *tokenizer, *drain,
-                                          *api_keys, *routing, *fallbacks, *loras, *reasoning, *timings],
+                                          *api_keys, *routing, *fallbacks, *loras, *reasoning, *timings,
+                                          *gateway_agent_argv(args)],
                               f"127.0.0.1:{args.grpc_port}", needs_serving=True))
     return children
 
