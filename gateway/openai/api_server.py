@@ -15,7 +15,12 @@ from gateway.anthropic.routes import add_anthropic_routes
 from gateway.errors import GatewayError, UpstreamError, error_body, to_client_error
 from gateway.openai.json_body import IJSONRoute
 from gateway.openai.lora_routes import add_lora_routes
-from gateway.openai.middleware import BodySizeLimitMiddleware, RequestCounterMiddleware, TenancyMiddleware
+from gateway.openai.middleware import (
+    BodySizeLimitMiddleware,
+    ClientErrorLogMiddleware,
+    RequestCounterMiddleware,
+    TenancyMiddleware,
+)
 from gateway.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -81,10 +86,11 @@ def create_app(state: GatewayState) -> FastAPI:
     add_chat_page(app)  # GET /: the chat page (gateway/web/static/), outside the OpenAPI schema
     _add_error_handlers(app, state.config.retry_after_s)
     routes = frozenset(route.path for route in app.routes)
-    # Outermost first at run time: count, then auth, then the size cap.
+    # Outermost first at run time: the 4xx log, count, then auth, then the size cap.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.max_request_bytes)
     app.add_middleware(TenancyMiddleware, tenancy=state.tenancy)
     app.add_middleware(RequestCounterMiddleware, routes=routes)
+    app.add_middleware(ClientErrorLogMiddleware)
     return app
 
 

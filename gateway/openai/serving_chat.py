@@ -55,7 +55,10 @@ from gateway.upstream.model_pools import ModelPool
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.structured import StructuredOutputsParams
+from pagoda.runtime.logging import get_logger
 from pagoda.runtime.telemetry import context_from_headers
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,12 +153,23 @@ def chat_logprobs(tokenizer: Tokenizer, chunk: SequenceChunk) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
+def clamped(sampling: SamplingParams, prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """max_tokens cut to the room the prompt leaves in the context (agent clients send 32000 by habit
+    to an 8k model); a prompt that leaves no room keeps its max_tokens and gets the usual 400."""
+    room = max_model_len - prompt_tokens
+    if sampling.max_tokens is None or not 0 < room < sampling.max_tokens:
+        return sampling
+    log.debug("max_tokens_clamped", requested=sampling.max_tokens, served=room, prompt_tokens=prompt_tokens)
+    return dataclasses.replace(sampling, max_tokens=room)
+
+
 async def start_chat(body: ChatCompletionRequest, http: Request, state: GatewayState,
-                     request_id: str) -> tuple[Answer, ToolPlan]:
+                     request_id: str, clamp_max_tokens: bool = False) -> tuple[Answer, ToolPlan]:
     """Start `body` on the first pool of its model's route that answers (the fallback model when
     the first refuses), and the request's tool plan. The answer's context is (tokenizer, prompt ids).
     Every chat-shaped API starts here: /v1/chat/completions, /v1/responses and Anthropic's
-    /v1/messages."""
+    /v1/messages; the last two clamp max_tokens to the context's room (`clamped`), the chat route
+    keeps vLLM's 400."""
     route = state.route(body.model)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # The requested model's template picks the format under --tool-call-parser auto (a fallback
@@ -169,8 +183,10 @@ async def start_chat(body: ChatCompletionRequest, http: Request, state: GatewayS
                                   body.prompt_logprobs)
         sampling = with_forced_call(sampling, plan)
         await check_structured_outputs(sampling)
-        request = build_generation_input(body, request_id, chat_prompt_ids(body, tokenizer, plan), sampling,
-                                         info.max_model_len)
+        prompt_ids = chat_prompt_ids(body, tokenizer, plan)
+        if clamp_max_tokens:
+            sampling = clamped(sampling, len(prompt_ids), info.max_model_len)
+        request = build_generation_input(body, request_id, prompt_ids, sampling, info.max_model_len)
         request, lease = admit_once(request, info.max_model_len)
         span = start_request_span("chat", pool.name, context_from_headers(http.headers), request,
                                   lease.tenant.name, route.fallback_from(pool))
