@@ -41,6 +41,9 @@ class ToolUseBlock(_Forbid):
     name: str
     input: dict[str, Any] = Field(default_factory=dict)
     cache_control: CacheControl | None = None
+    # what the anthropic client's own ToolUseBlock echoes back (`block.model_dump()`): informational
+    caller: Any = None
+    toolset_name: str | None = None
 
 
 class ToolResultBlock(_Forbid):
