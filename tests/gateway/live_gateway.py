@@ -28,9 +28,9 @@ class RoundTripScripts(list):
     result (Hermes' `<tool_response>` or the result's text), then the answer; `calls=False`: the
     answer always. FakeEngine reads `scripts[i]` after recording the request."""
 
-    def __init__(self, engine: FakeEngine, tokenizer: Tokenizer, calls: bool = True) -> None:
+    def __init__(self, engine: FakeEngine, tokenizer: Tokenizer, calls: bool = True, call: str = CALL) -> None:
         self.engine, self.tokenizer = engine, tokenizer
-        self.call = tokenizer.encode(CALL, add_special_tokens=False)
+        self.call = tokenizer.encode(call, add_special_tokens=False)
         self.answer = tokenizer.encode(ANSWER, add_special_tokens=False)
         self.calls = calls
         super().__init__([self.answer])

@@ -17,7 +17,9 @@ from gateway.openai.responses_api import serving as responses_serving
 from gateway.openai.responses_api.protocol import ResponsesRequest
 
 REQUESTS = Path(__file__).parent / "agent_requests"
-CODEX = json.loads((REQUESTS / "codex_cli_responses.json").read_text())
+CODEX = json.loads((REQUESTS / "codex_cli_responses.json").read_text())  # its shape, every tool type
+# What `codex exec "say hello"` (0.171.0) sent, captured (ids zeroed, the model renamed)
+CODEX_CAPTURED = json.loads((REQUESTS / "codex_cli_0.171.0_responses.json").read_text())
 CLAUDE_CODE = json.loads((REQUESTS / "claude_code_messages.json").read_text())
 AGENT_DEFAULTS = {"enable_auto_tool_choice": True, "tool_call_parser": "auto"}  # pagoda serve's
 
@@ -76,6 +78,19 @@ async def test_a_codex_cli_request_streams_a_response(agent_gateway, upstream, t
             "text.verbosity"} <= set(ignored)
 
 
+async def test_a_captured_codex_cli_request_is_served(make_gateway, upstream, tokenizer):
+    upstream.engine.max_model_len = 32768  # its prompt: 12.7k tokens in the tiny test tokenizer
+    gateway = await make_gateway(**AGENT_DEFAULTS, served_model_name="pagoda-agent")
+    reply = await gateway.http.post("/v1/responses", json=CODEX_CAPTURED)
+    assert reply.status_code == 200, reply.text
+    events = _named_events(reply.text)
+    assert events[-1][0] == "response.completed"
+    prompt = _prompt(upstream, tokenizer)
+    offered = [t["name"] for t in CODEX_CAPTURED["tools"] if t["type"] == "function"]
+    assert "exec_command" in offered and all(f'"{name}"' in prompt for name in offered)
+    assert "multi_agent_v1" not in prompt  # a namespace of tools: not offered
+
+
 async def test_a_claude_code_request_streams_a_message(agent_gateway, upstream, tokenizer, monkeypatch):
     monkeypatch.setattr(serving_messages, "log", recorder := Recorder())
     reply = await agent_gateway.http.post("/v1/messages", json=CLAUDE_CODE)
@@ -98,12 +113,13 @@ async def test_a_claude_code_request_streams_a_message(agent_gateway, upstream, 
 async def test_a_clamped_reply_cut_by_the_context_says_so(make_gateway, upstream, tokenizer):
     """The clamp is reported as any length stop: stop_reason max_tokens / status incomplete, and
     usage counts the tokens served."""
-    gateway = await make_gateway(**AGENT_DEFAULTS)
     ask = [{"role": "user", "content": "say hello"}]
     prompt_tokens = len(tokenizer.encode_chat(ask, True))
-    upstream.engine.max_model_len = prompt_tokens + 3
+    upstream.engine.max_model_len = prompt_tokens + 3  # read by the gateway when it connects
+    gateway = await make_gateway(**AGENT_DEFAULTS)
     message = (await gateway.http.post("/v1/messages", json={"messages": ask, "max_tokens": 32000})).json()
     assert message["stop_reason"] == "max_tokens" and message["usage"]["output_tokens"] == 3, message
+    assert upstream.engine.requests[-1].sampling.max_tokens == 3  # the gateway's clamp
     response = (await gateway.http.post("/v1/responses", json={"input": ask, "max_output_tokens": 32000})).json()
     assert response["status"] == "incomplete" and response["usage"]["output_tokens"] == 3, response
     assert response["incomplete_details"] == {"reason": "max_output_tokens"}

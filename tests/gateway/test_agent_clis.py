@@ -12,6 +12,7 @@ check reaches the network (the environment below turns those off)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 from pathlib import Path
@@ -83,3 +84,46 @@ async def test_claude_p_says_hello(base_url, upstream, tmp_path):
     # Claude Code sends max_tokens 32000 with a mid-conversation system message and its betas'
     # fields: served, max_tokens clamped to the context's room when that is smaller
     assert all(r.sampling.max_tokens <= 32000 for r in upstream.engine.requests)
+
+
+def _call(name: str, arguments: dict) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+async def test_codex_exec_edits_a_file_through_its_shell_tool(make_gateway, upstream, tokenizer, tmp_path):
+    """One real edit through Codex's own tool: the (scripted) model calls `exec_command`, Codex runs
+    it and sends the output back as a function_call_output, the model answers."""
+    codex = find_cli("codex")
+    home, work = tmp_path / "codex-home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    upstream.engine.max_model_len = 262144
+    upstream.engine.scripts = RoundTripScripts(upstream.engine, tokenizer, call=_call(
+        "exec_command", {"cmd": "echo hello > hello.txt", "workdir": str(work)}))
+    gateway = await make_gateway(**AGENT_DEFAULTS)
+    async with serve_http(gateway.state) as url:
+        (home / "config.toml").write_text(
+            f'model = "{MODEL}"\nmodel_provider = "pagoda"\n\n[model_providers.pagoda]\nname = "Pagoda"\n'
+            f'base_url = "{url}/v1"\nwire_api = "responses"\n')
+        code, out, err = await _run([codex, "exec", "--skip-git-repo-check",
+                                     "--dangerously-bypass-approvals-and-sandbox", "write hello.txt"], work,
+                                    {"CODEX_HOME": str(home), "HOME": str(tmp_path)})
+    assert code == 0 and ANSWER in out, f"{out}\n{err}"
+    assert (work / "hello.txt").read_text() == "hello\n" and len(upstream.engine.requests) == 2
+
+
+async def test_claude_p_edits_a_file_through_its_bash_tool(make_gateway, upstream, tokenizer, tmp_path):
+    claude = find_cli("claude")
+    work = tmp_path / "work"
+    work.mkdir()
+    upstream.engine.max_model_len = 262144
+    upstream.engine.scripts = RoundTripScripts(upstream.engine, tokenizer, call=_call(
+        "Bash", {"command": "echo hello > hello.txt", "description": "Write hello.txt"}))
+    gateway = await make_gateway(**AGENT_DEFAULTS)
+    async with serve_http(gateway.state) as url:
+        env = {"HOME": str(tmp_path), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "unused",
+               "ANTHROPIC_MODEL": MODEL, "ANTHROPIC_SMALL_FAST_MODEL": MODEL, "IS_SANDBOX": "1",
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1"}
+        code, out, err = await _run([claude, "-p", "--dangerously-skip-permissions", "write hello.txt"], work, env)
+    assert code == 0 and out.strip() == ANSWER, f"{out}\n{err}"
+    assert (work / "hello.txt").read_text() == "hello\n"
