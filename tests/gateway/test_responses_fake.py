@@ -191,7 +191,8 @@ async def test_required_and_named_tool_choice_force_a_call(tools_gateway, upstre
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.function_call_output.call_id"),
     ({"input": "Hi", "store": True}, "store"),
     ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": "Hi", "reasoning": {"effort": "enormous"}}, "reasoning.effort"),  # known efforts: test_agent_clients.py
+    ({"input": "Hi", "reasoning": {"effort": 3}}, "reasoning.effort"),  # what efforts do: test_agent_clients.py
+    ({"input": "Hi", "reasoning": {"summary": "verbose"}}, "reasoning.summary"),
     ({"input": "Hi", "include": ["message.output_text.logprobs"]}, "include values not served"),
     ({"input": "Hi", "frequency_penalty": 1}, "frequency_penalty"),
     ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),

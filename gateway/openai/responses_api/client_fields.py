@@ -47,7 +47,8 @@ class BuiltinTool(BaseModel):
 
 class ReasoningConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # none / minimal: thinking off; any other (low ... xhigh, and efforts OpenAI adds later): ignored
+    effort: str | None = None
     summary: Literal["auto", "concise", "detailed", "none"] | None = None
     generate_summary: Literal["auto", "concise", "detailed", "none"] | None = None  # the older name
 

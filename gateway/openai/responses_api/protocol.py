@@ -5,7 +5,8 @@ system / developer, content a string or `input_text` / `output_text` parts), `fu
 `function_call_output` items (a tool round trip). `instructions` become the first system message,
 `text.format` the chat's `response_format`, function tools the chat's tools. Like the chat
 route, unknown fields are a 400 naming them, and fields Pagoda cannot honour are accepted only with
-their default values.
+their default values; what agent clients add (built-in tools, include, reasoning, client_metadata)
+is accepted as client_fields.py documents.
 """
 
 from __future__ import annotations
