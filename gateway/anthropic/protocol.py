@@ -217,6 +217,13 @@ class MessagesRequest(_Forbid):
         return stop
 
 
+class CountTokensRequest(MessagesRequest):
+    """`/v1/messages/count_tokens`: a Messages request without max_tokens (and nothing generated;
+    the default leaves any thinking budget below it)."""
+
+    max_tokens: int = Field(default=2**31 - 1, ge=1)
+
+
 # -- the reply -------------------------------------------------------------------------------------
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]

@@ -211,3 +211,13 @@ async def test_every_4xx_is_logged_with_its_field_and_request_id(agent_gateway, 
 async def test_head_of_the_root_answers_200(agent_gateway):
     reply = await agent_gateway.http.head("/")
     assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/html") and not reply.content
+
+
+async def test_count_tokens_counts_the_prompt_a_message_would_send(agent_gateway, upstream):
+    body = {"model": "pagoda-agent", "system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}],
+            "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]}
+    counted = await agent_gateway.http.post("/v1/messages/count_tokens", json=body)
+    assert counted.status_code == 200, counted.text
+    sent = await agent_gateway.http.post("/v1/messages", json={**body, "max_tokens": 4})
+    assert sent.status_code == 200 and counted.json() == {"input_tokens": len(upstream.engine.requests[-1].prompt_token_ids)}
+    assert (await agent_gateway.http.post("/v1/messages/count_tokens", json={"messages": []})).status_code == 400

@@ -18,10 +18,11 @@ TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "pythonic")
 
 
 def add_agent_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+    group.add_argument("--enable-auto-tool-choice", action="store_true", default=True,
                        help='the gateway serves tool_choice "auto" (and tools sent without tool_choice, '
-                            "OpenAI's and Anthropic's default); --no-enable-auto-tool-choice: a 400, as "
-                            "vLLM without the flag (default: on)")
+                            "OpenAI's and Anthropic's default); vLLM's flag, on by default here")
+    group.add_argument("--no-enable-auto-tool-choice", dest="enable_auto_tool_choice", action="store_false",
+                       help='tool_choice "auto" is a 400, as vLLM without --enable-auto-tool-choice')
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
                        help="the model's tool-call format (vLLM's names); auto: the one its chat template "
                             "names, hermes for a template that does not know tools (default: auto)")

@@ -68,9 +68,9 @@ def build_children(args: argparse.Namespace) -> list[Child]:
         timings = ["--enable-request-timings"] if args.enable_request_timings else []
         children.append(Child("gateway", ["gateway", "--scheduler", ",".join(schedulers),
                                           "--port", str(args.gateway_port),
-                                          "--grpc-port", str(args.grpc_port), *tokenizer, *drain,
-                                          *api_keys, *routing, *fallbacks, *loras, *reasoning, *timings,
-                                          *gateway_agent_argv(args)],
+                                          "--grpc-port", str(args.grpc_port), *gateway_agent_argv(args),
+                                          *tokenizer, *drain,
+                                          *api_keys, *routing, *fallbacks, *loras, *reasoning, *timings],
                               f"127.0.0.1:{args.grpc_port}", needs_serving=True))
     return children
 
