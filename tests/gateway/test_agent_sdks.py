@@ -99,3 +99,24 @@ async def test_anthropic_client_tools_round_trip(base_url):
         *ask, {"role": "assistant", "content": [use.model_dump()]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": TOOL_RESULT}]}])
     assert second.stop_reason == "end_turn" and second.content[0].text == ANSWER
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+async def test_llm_tool_chain_with_auto(base_url, tmp_path, monkeypatch, api):
+    """Simon Willison's `llm`, an OpenAI-compatible model of its extra-openai-models.yaml: a tool
+    chain (the call, the tool's result sent back, the answer)."""
+    llm = pytest.importorskip("llm")
+    (tmp_path / "extra-openai-models.yaml").write_text(
+        f"- model_id: pagoda\n  model_name: {MODEL}\n  api_base: {base_url}/v1\n  supports_tools: true\n"
+        + ("  responses: true\n" if api == "responses" else ""))
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
+    calls = []
+
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return TOOL_RESULT
+
+    model = llm.get_async_model("pagoda")
+    text = await model.chain(ASK, tools=[get_weather], key="unused").text()
+    assert calls == ["Paris"] and text == ANSWER
