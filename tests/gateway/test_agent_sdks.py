@@ -1,7 +1,7 @@
 """Real agent libraries against the gateway with `pagoda serve`'s defaults (auto tool choice, the
 parser picked from the chat template), over a real loopback port (live_gateway.py): the OpenAI
 Agents SDK (a function tool round trip, run and streamed, on a Responses and a chat model),
-LangChain's `bind_tools` and LiteLLM with tool_choice auto, and the anthropic client's tools. Each
+LangChain's `bind_tools`, LiteLLM and `llm` with tool_choice auto, and the anthropic client's tools. Each
 library is the dev extra's; a test skips where it is not installed."""
 
 from __future__ import annotations
