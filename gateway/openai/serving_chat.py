@@ -127,16 +127,51 @@ def with_forced_call(sampling: SamplingParams, plan: ToolPlan) -> SamplingParams
 
 
 def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer, plan: ToolPlan) -> list[int]:
-    """The prompt: the messages, with the plan's tools listed only when the model may call them."""
+    """The prompt: the messages, with the plan's tools listed only when the model may call them.
+    A template that refuses a system message after the first turn (Mistral's, Gemma's: roles must
+    alternate) gets each such message's text at the start of the next user turn instead (OpenAI's and
+    Anthropic's APIs take system messages anywhere: Claude Code sends them mid-conversation)."""
     messages, tool_kwargs = plan.parser.render_prompt([m.as_template_dict() for m in body.messages], plan.tools,
                                                       getattr(tokenizer.hf, "chat_template", None))
+    kwargs = {**tool_kwargs, **(body.chat_template_kwargs or {})}
     try:
-        return tokenizer.encode_chat(messages, body.add_generation_prompt,
-                                     **tool_kwargs, **(body.chat_template_kwargs or {}))
-    except ValueError as error:  # no template, or the template rejected the conversation
-        raise InvalidRequestError(str(error)) from None
-    except Exception as error:  # noqa: BLE001 - jinja's TemplateError and friends
+        return tokenizer.encode_chat(messages, body.add_generation_prompt, **kwargs)
+    except Exception as error:  # noqa: BLE001 - ValueError (no template, refused), jinja's TemplateError
+        folded = fold_late_system_messages(messages)
+        if folded is not None:
+            try:
+                ids = tokenizer.encode_chat(folded, body.add_generation_prompt, **kwargs)
+                log.debug("late_system_messages_folded", error=str(error))
+                return ids
+            except Exception:  # noqa: BLE001 - the first failure is the one to report
+                pass
+        if isinstance(error, ValueError):
+            raise InvalidRequestError(str(error)) from None
         raise InvalidRequestError(f"the chat template failed: {error}") from None
+
+
+def fold_late_system_messages(messages: list[dict]) -> list[dict] | None:
+    """Each system message after the first turn moved into the next user message's text (the last
+    user message when none follows); None when there is none to move."""
+    late = [i for i, m in enumerate(messages) if i > 0 and m.get("role") == "system"]
+    if not late:
+        return None
+    out, pending = [], []
+    for i, message in enumerate(messages):
+        if i in late:
+            pending.append(str(message.get("content") or ""))
+        elif pending and message.get("role") == "user" and isinstance(message.get("content"), str):
+            out.append({**message, "content": "\n\n".join([*pending, message["content"]])})
+            pending = []
+        else:
+            out.append(message)
+    if pending:  # no user turn after them: the last user turn takes them
+        last = next((j for j in range(len(out) - 1, -1, -1) if out[j].get("role") == "user"
+                     and isinstance(out[j].get("content"), str)), None)
+        if last is None:
+            return None
+        out[last] = {**out[last], "content": "\n\n".join([out[last]["content"], *pending])}
+    return out
 
 
 def _top(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:

@@ -221,3 +221,36 @@ async def test_count_tokens_counts_the_prompt_a_message_would_send(agent_gateway
     sent = await agent_gateway.http.post("/v1/messages", json={**body, "max_tokens": 4})
     assert sent.status_code == 200 and counted.json() == {"input_tokens": len(upstream.engine.requests[-1].prompt_token_ids)}
     assert (await agent_gateway.http.post("/v1/messages/count_tokens", json={"messages": []})).status_code == 400
+
+
+class _AlternatingTemplate:
+    """A tokenizer whose template refuses a system message after the first turn (Mistral's rule)."""
+
+    class hf:  # noqa: N801 - stands in for the HF tokenizer's attribute
+        chat_template = "roles must alternate"
+
+    def __init__(self) -> None:
+        self.rendered: list[list[dict]] = []
+
+    def encode_chat(self, messages, add_generation_prompt, **kwargs):
+        if any(i and m["role"] == "system" for i, m in enumerate(messages)):
+            raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
+        self.rendered.append(messages)
+        return [1] * len(messages)
+
+
+def test_a_late_system_message_joins_the_next_user_turn_where_the_template_refuses_it():
+    from gateway.openai.protocol import ChatCompletionRequest
+    from gateway.openai.serving_chat import ToolPlan, chat_prompt_ids, fold_late_system_messages
+    from gateway.openai.tool_parsers import HermesToolParser
+
+    tokenizer = _AlternatingTemplate()
+    body = ChatCompletionRequest(messages=[
+        {"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+        {"role": "system", "content": "Plan mode."}, {"role": "user", "content": "Go"}])
+    assert chat_prompt_ids(body, tokenizer, ToolPlan(HermesToolParser)) == [1, 1, 1, 1]
+    assert tokenizer.rendered[-1][-1] == {"role": "user", "content": "Plan mode.\n\nGo"}
+    # none after it: the last user turn takes it; nothing to fold: None (the template's error stands)
+    assert fold_late_system_messages([{"role": "user", "content": "Hi"}, {"role": "system", "content": "S"}]) == [
+        {"role": "user", "content": "Hi\n\nS"}]
+    assert fold_late_system_messages([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]) is None
