@@ -13,7 +13,7 @@ ARGS   ?=# more launcher flags: make run ARGS="--api-keys keys.jsonl --speculati
 PROTO_SRC := $(wildcard protos/pagoda/v1/*.proto)
 PROTO_OUT := pagoda/v1/.generated
 
-.PHONY: setup protos model tiny-model prometheus-tools k8s-tools chromium llama-server run test test-fast lint clean
+.PHONY: setup protos model tiny-model prometheus-tools k8s-tools chromium agent-clis llama-server run test test-fast lint clean
 
 KERNEL_SRC := kernels/cpu_extension.py $(wildcard kernels/paged_attention/cpu_attention*) $(wildcard kernels/linear/*.cpp) \
               $(wildcard kernels/linear/*.h) $(wildcard kernels/decode/*.cpp)
@@ -97,6 +97,20 @@ chromium:
 	unpacked=yes; for deb in *.deb; do dpkg -x $$deb . || unpacked=no; done; [ $$unpacked = yes ] && rm -f *.deb && \
 	echo "chromium, chromedriver: $(CHROMIUM_DIR)/usr/lib/chromium, $(CHROMIUM_DIR)/usr/bin" || \
 	{ rm -f *.deb; echo "chromium: Debian's chromium packages could not be fetched; the chat page's browser test will skip"; }
+
+# The Codex CLI and Claude Code, for tests/gateway/test_agent_clis.py (`codex exec`, `claude -p`
+# against the gateway): npm packages (Node binaries, ~650 MB) installed into build/agent-clis at
+# the versions tested. Best effort: without npm or the registry those tests skip.
+AGENT_CLIS_DIR := build/agent-clis
+AGENT_CLIS := @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.197
+agent-clis:
+	@if [ -x $(AGENT_CLIS_DIR)/node_modules/.bin/codex ] && [ -x $(AGENT_CLIS_DIR)/node_modules/.bin/claude ]; then \
+		exit 0; \
+	fi; \
+	mkdir -p $(AGENT_CLIS_DIR) && cd $(AGENT_CLIS_DIR) && \
+	npm install --no-audit --no-fund --loglevel=error $(AGENT_CLIS) >/dev/null 2>&1 && \
+	echo "codex, claude: $(AGENT_CLIS_DIR)/node_modules/.bin" || \
+	echo "agent-clis: npm could not install $(AGENT_CLIS); the Codex CLI / Claude Code tests will skip"
 
 # The peer of benchmarks.vs_llamacpp: llama.cpp's llama-server and llama-quantize built from the
 # sources the llama-cpp-python sdist vendors (into build/llama.cpp, ~15 min on 2 cores), and the

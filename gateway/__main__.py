@@ -7,7 +7,7 @@ import os
 
 from gateway.config import GatewayConfig
 from gateway.openai.reasoning_parsers import ReasoningParserManager
-from gateway.openai.tool_parsers import ToolParserManager
+from gateway.openai.tool_parsers import AUTO, ToolParserManager
 from gateway.server import serve
 from gateway.tenancy.tenants import TenantFileError, load_tenant_file
 from gateway.upstream.dns_discovery import DEFAULT_REFRESH_S
@@ -43,8 +43,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                         help="API keys -> tenants with optional limits, one JSON object per line "
                              "(docs/reliability.md#tenancy)")
     parser.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
-    parser.add_argument("--tool-call-parser", choices=ToolParserManager.names(), default="hermes",
-                        help="the model's tool-call format (vLLM's names)")
+    parser.add_argument("--tool-call-parser", choices=(*ToolParserManager.names(), AUTO), default="hermes",
+                        help="the model's tool-call format (vLLM's names); auto: the one the model's chat "
+                             "template names (docs/gateway.md#tool-calling)")
     parser.add_argument("--reasoning-parser", choices=ReasoningParserManager.names(), default=None,
                         help="split the model's <think> reasoning into reasoning_content (vLLM's names)")
     parser.add_argument("--enable-request-timings", action="store_true",

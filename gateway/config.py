@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.openai.reasoning_parsers import ReasoningParserManager
-from gateway.openai.tool_parsers import ToolParserManager
+from gateway.openai.tool_parsers import AUTO, ToolParserManager
 from gateway.tenancy.tenants import TenantTable, tenant_table
 from gateway.upstream.dns_discovery import DEFAULT_REFRESH_S, is_dns_target, parse_dns_target
 from gateway.upstream.routing import RoutingConfig
@@ -60,7 +60,8 @@ class GatewayConfig:
     """PEM CA bundle to verify the scheduler's certificate; None: plaintext channel."""
     tool_call_parser: str = "hermes"
     """The model's tool-call format, a registered ToolParser's name (vLLM's): hermes (`<tool_call>`
-    JSON) or llama3_json (gateway/openai/tool_parsers/)."""
+    JSON), llama3_json, mistral or pythonic (gateway/openai/tool_parsers/); `auto`: the one each
+    model's chat template names (tool_parsers/auto_select.py; `pagoda serve`'s default)."""
     enable_auto_tool_choice: bool = False
     """Let the model decide whether to call tools (tool_choice "auto"); required/named work without."""
     reasoning_parser: str | None = None
@@ -88,7 +89,7 @@ class GatewayConfig:
             raise ValueError("engine_timeout_s must be positive")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must not be negative")
-        if self.tool_call_parser not in (parsers := ToolParserManager.names()):
+        if self.tool_call_parser not in (parsers := (*ToolParserManager.names(), AUTO)):
             raise ValueError(f"tool_call_parser must be {' or '.join(parsers)}, got {self.tool_call_parser!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in (names := ReasoningParserManager.names()):
             raise ValueError(f"reasoning_parser must be {' or '.join(names)}, got {self.reasoning_parser!r}")

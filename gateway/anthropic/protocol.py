@@ -22,9 +22,10 @@ class _Forbid(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class CacheControl(_Forbid):
+class CacheControl(BaseModel):
+    model_config = ConfigDict(extra="allow")  # hints all (ttl, scope): the prefix cache is automatic
     type: Literal["ephemeral"] = "ephemeral"
-    ttl: str | None = None  # a hint: the prefix cache is automatic and keeps what fits
+    ttl: str | None = None
 
 
 class TextBlock(_Forbid):
@@ -40,6 +41,9 @@ class ToolUseBlock(_Forbid):
     name: str
     input: dict[str, Any] = Field(default_factory=dict)
     cache_control: CacheControl | None = None
+    # what the anthropic client's own ToolUseBlock echoes back (`block.model_dump()`): informational
+    caller: Any = None
+    toolset_name: str | None = None
 
 
 class ToolResultBlock(_Forbid):
@@ -71,18 +75,21 @@ _SERVED_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_think
 
 
 class InputMessage(_Forbid):
-    role: Literal["user", "assistant"]
+    # "system": a mid-conversation system message (Claude Code's beta), kept where it is (text only)
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
-    @field_validator("content", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _served_blocks(cls, content: Any) -> Any:
+    def _served_blocks(cls, message: Any) -> Any:
+        content = message.get("content") if isinstance(message, dict) else None
+        served = ("text",) if isinstance(message, dict) and message.get("role") == "system" else _SERVED_BLOCKS
         for block in content if isinstance(content, list) else ():
             kind = block.get("type") if isinstance(block, dict) else None
-            if kind not in _SERVED_BLOCKS:
+            if kind not in served:
                 raise PydanticCustomError("unsupported_content", f"content blocks of type {kind!r} are not "
-                                          f"supported (served: {', '.join(_SERVED_BLOCKS)})")
-        return content
+                                          f"supported (served: {', '.join(served)})")
+        return message
 
 
 class ToolSpec(_Forbid):
@@ -93,6 +100,12 @@ class ToolSpec(_Forbid):
     description: str | None = None
     input_schema: dict[str, Any]
     cache_control: CacheControl | None = None
+    # ignored (a debug log): strict is not enforced on calls the model chooses; the others are
+    # client-side hints (streaming, tool search, examples)
+    strict: bool | None = None
+    eager_input_streaming: bool | None = None
+    defer_loading: bool | None = None
+    input_examples: list[Any] | None = None
 
 
 class ToolChoice(_Forbid):
@@ -101,14 +114,17 @@ class ToolChoice(_Forbid):
     disable_parallel_tool_use: bool | None = None
 
 
-class Metadata(_Forbid):
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="allow")  # informational, whatever it holds
     user_id: str | None = None
 
 
 class ThinkingConfig(_Forbid):
     """`enabled` needs --reasoning-parser (checked by the route) and a budget_tokens below
     max_tokens (Anthropic's rule; its minimum of 1024 is not asked: small local models think
-    briefly). The thinking stops at the budget (thinking.py); `adaptive` has no budget."""
+    briefly). The thinking stops at the budget (thinking.py); `adaptive` has no budget: the model
+    thinks as its template says, shown as a thinking block with --reasoning-parser, and without one
+    it is ignored (a debug log), as the model decides anyway."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(default=None, ge=1)
@@ -126,7 +142,8 @@ class JsonOutputFormat(_Forbid):
 
 class OutputConfig(_Forbid):
     format: JsonOutputFormat | None = None
-    effort: None = None  # how long a model thinks is its chat template's business: only absent
+    # ignored (a debug log): how long a served model thinks is its chat template's business
+    effort: Literal["low", "medium", "high", "max"] | None = None
 
 
 class MessagesRequest(_Forbid):
@@ -148,6 +165,9 @@ class MessagesRequest(_Forbid):
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
     output_format: JsonOutputFormat | None = None  # the structured-outputs beta's output_config.format
+    # ignored (a debug log): Pagoda edits no context (old tool results and thinking stay in the
+    # prompt); a conversation too long for the context is the usual 400
+    context_management: dict[str, Any] | None = None
     stream: bool = False
 
     @model_validator(mode="after")
@@ -164,7 +184,20 @@ class MessagesRequest(_Forbid):
 
     @property
     def wants_thinking(self) -> bool:
-        return self.thinking is not None and self.thinking.type != "disabled"
+        """Thinking asked for in a way that needs a reasoning model: `enabled`, with its budget."""
+        return self.thinking is not None and self.thinking.type == "enabled"
+
+    def ignored_fields(self, reasoning_parser: str | None) -> list[str]:
+        """The fields present that are accepted and ignored (for the route's debug log)."""
+        names = ["context_management"] if self.context_management is not None else []
+        if self.output_config is not None and self.output_config.effort is not None:
+            names.append("output_config.effort")
+        if self.thinking is not None and self.thinking.type == "adaptive" and reasoning_parser is None:
+            names.append("thinking.adaptive")
+        names += [f"tools[{t.name}].{k}" for t in self.tools or ()
+                  for k in ("strict", "eager_input_streaming", "defer_loading", "input_examples")
+                  if getattr(t, k) is not None]
+        return names
 
     @property
     def thinking_budget(self) -> int | None:
@@ -182,6 +215,13 @@ class MessagesRequest(_Forbid):
         except InvalidRequestError as error:
             raise ValueError(str(error)) from None
         return stop
+
+
+class CountTokensRequest(MessagesRequest):
+    """`/v1/messages/count_tokens`: a Messages request without max_tokens (and nothing generated;
+    the default leaves any thinking budget below it)."""
+
+    max_tokens: int = Field(default=2**31 - 1, ge=1)
 
 
 # -- the reply -------------------------------------------------------------------------------------

@@ -47,6 +47,9 @@ from gateway.openai.tool_protocol import FunctionDef, NamedFunction, NamedToolCh
 from gateway.state import GatewayState
 from gateway.upstream.fallback import prepend
 from pagoda.contract.errors import InvalidRequestError
+from pagoda.runtime.logging import get_logger
+
+log = get_logger(__name__)
 
 
 def new_message_id() -> str:
@@ -71,6 +74,8 @@ def chat_messages(body: MessagesRequest) -> list[ChatMessage]:
 def _chat_turn(message: InputMessage) -> list[ChatMessage]:
     if isinstance(message.content, str):
         return [ChatMessage(role=message.role, content=message.content)]
+    if message.role == "system":  # text blocks only (protocol.py)
+        return [ChatMessage(role="system", content=_text(message.content))]
     texts = [b.text for b in message.content if isinstance(b, TextBlock)]
     uses = [b for b in message.content if isinstance(b, ToolUseBlock)]
     results = [b for b in message.content if isinstance(b, ToolResultBlock)]
@@ -144,7 +149,9 @@ async def create_message(body: MessagesRequest, http: Request, state: GatewaySta
                                   "constrains the whole reply, where the thinking would be")
     chat = to_chat_request(body)
     message_id = new_message_id()
-    answer, plan = await start_chat(chat, http, state, message_id)
+    if ignored := body.ignored_fields(state.config.reasoning_parser):
+        log.debug("request_fields_ignored", route="/v1/messages", request_id=message_id, fields=ignored)
+    answer, plan = await start_chat(chat, http, state, message_id, clamp_max_tokens=True)
     model, (tokenizer, prompt_ids) = answer.pool.name, answer.context
     parsers: list[ToolParser] | None = plan.parsers(1, chat.parallel_tool_calls)
     parser = parsers[0] if parsers else None

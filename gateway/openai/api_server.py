@@ -15,7 +15,12 @@ from gateway.anthropic.routes import add_anthropic_routes
 from gateway.errors import GatewayError, UpstreamError, error_body, to_client_error
 from gateway.openai.json_body import IJSONRoute
 from gateway.openai.lora_routes import add_lora_routes
-from gateway.openai.middleware import BodySizeLimitMiddleware, RequestCounterMiddleware, TenancyMiddleware
+from gateway.openai.middleware import (
+    BodySizeLimitMiddleware,
+    ClientErrorLogMiddleware,
+    RequestCounterMiddleware,
+    TenancyMiddleware,
+)
 from gateway.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,11 +29,10 @@ from gateway.openai.protocol import (
 )
 from gateway.openai.responses_api.protocol import ResponsesRequest
 from gateway.openai.responses_api.serving import create_response
-from gateway.openai.serving_chat import ToolPlan, chat_prompt_ids, create_chat_completion
+from gateway.openai.serving_chat import ToolPlan, chat_prompt_ids, create_chat_completion, tool_parser_class
 from gateway.openai.serving_completion import create_completion
 from gateway.openai.serving_embedding import EmbeddingRequest, create_embedding
 from gateway.openai.session_routes import add_session_routes
-from gateway.openai.tool_parsers import ToolParserManager
 from gateway.state import GatewayState
 from gateway.tenancy.rate_limit import retry_after_header
 from gateway.tokenizer import Tokenizer
@@ -82,10 +86,11 @@ def create_app(state: GatewayState) -> FastAPI:
     add_chat_page(app)  # GET /: the chat page (gateway/web/static/), outside the OpenAPI schema
     _add_error_handlers(app, state.config.retry_after_s)
     routes = frozenset(route.path for route in app.routes)
-    # Outermost first at run time: count, then auth, then the size cap.
+    # Outermost first at run time: the 4xx log, count, then auth, then the size cap.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.max_request_bytes)
     app.add_middleware(TenancyMiddleware, tenancy=state.tenancy)
     app.add_middleware(RequestCounterMiddleware, routes=routes)
+    app.add_middleware(ClientErrorLogMiddleware)
     return app
 
 
@@ -120,7 +125,7 @@ def _chat_tokens(body: TokenizeRequest, tokenizer: Tokenizer, state: GatewayStat
         kwargs["continue_final_message"] = True
     chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
                                  chat_template_kwargs=kwargs)
-    parser = ToolParserManager.get_tool_parser(state.config.tool_call_parser)
+    parser = tool_parser_class(state.config, tokenizer)
     tokens = chat_prompt_ids(chat, tokenizer, ToolPlan(parser, body.tools or None))
     if body.add_special_tokens:  # vLLM's opt-in: the tokenizer's specials (BOS) again in front of the
         # template's. What it adds to empty text is its prefix: the Llama family adds only a prefix.

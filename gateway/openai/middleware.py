@@ -1,4 +1,5 @@
-"""Pure ASGI middlewares: API key and tenant lease, request body size cap, request counting; and
+"""Pure ASGI middlewares: API key and tenant lease, request body size cap, request counting, the
+log line of every 4xx; and
 `admit`, how a handler admits its request through the lease the tenancy middleware opened.
 
 Written at the ASGI level (not BaseHTTPMiddleware) so streaming responses and client
@@ -8,16 +9,19 @@ disconnects pass through untouched.
 from __future__ import annotations
 
 import json
+import uuid
 from typing import TYPE_CHECKING
 
 from gateway import metrics
 from gateway.errors import error_body
 from gateway.tenancy.auth import OPEN_HTTP_PATHS, bearer_token
 from gateway.tenancy.leases import Lease, Tenancy
+from pagoda.runtime.logging import get_logger
 
 if TYPE_CHECKING:
     from gateway.generation import GenerationInput
 
+log = get_logger(__name__)
 LEASE_KEY = "pagoda_tenant_lease"  # in an HTTP request's scope["state"] (Starlette's request.state)
 
 
@@ -136,3 +140,50 @@ class RequestCounterMiddleware:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+class ClientErrorLogMiddleware:
+    """One info line per 4xx answer (`client_error`: method, route, status, error type, the field
+    and message, the request id), so a client a server refuses leaves a trace in its log. The id is
+    the request's `x-request-id` header or a new one, returned in the same header of the 4xx."""
+
+    MESSAGE_CHARS = 300
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0
+        request_id = _header(scope, b"x-request-id") or f"req_{uuid.uuid4().hex[:16]}"
+
+        async def logging_send(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start" and 400 <= message["status"] < 500:
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", request_id.encode("latin-1"))]}
+            elif message["type"] == "http.response.body" and status:
+                _log_client_error(scope, status, message.get("body", b""), request_id)
+                status = 0  # the first body message holds the whole error
+            await send(message)
+
+        await self.app(scope, receive, logging_send)
+
+
+def _log_client_error(scope, status: int, body: bytes, request_id: str) -> None:
+    error_type = field = message = None
+    try:
+        error = json.loads(body or b"{}").get("error") or {}
+        error_type, field, message = error.get("type"), error.get("param"), error.get("message")
+    except (ValueError, AttributeError):
+        pass
+    if field is None and isinstance(message, str) and ": " in message:  # "tools.4.type: Input should be ..."
+        head = message.split(": ", 1)[0]
+        field = head if " " not in head else None
+    log.info("client_error", method=scope.get("method"), route=scope.get("path"), status=status,
+             error_type=error_type, field=field,
+             message=message[:ClientErrorLogMiddleware.MESSAGE_CHARS] if isinstance(message, str) else None,
+             request_id=request_id)

@@ -46,7 +46,7 @@ from gateway.openai.responses import (
     usage_info,
 )
 from gateway.openai.streaming import sse_stream, until_disconnected
-from gateway.openai.tool_parsers import ToolParser, ToolParserManager
+from gateway.openai.tool_parsers import AUTO, ToolParser, ToolParserManager, selected_tool_parser
 from gateway.openai.tool_protocol import NamedToolChoice, ToolDef
 from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizer
@@ -55,7 +55,10 @@ from gateway.upstream.model_pools import ModelPool
 from pagoda.contract.errors import InvalidRequestError
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.structured import StructuredOutputsParams
+from pagoda.runtime.logging import get_logger
 from pagoda.runtime.telemetry import context_from_headers
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +76,21 @@ class ToolPlan:
         return [self.parser(parallel_tool_calls) for _ in range(n)] if self.tools is not None else None
 
 
-def tool_plan(body: ChatCompletionRequest, config: GatewayConfig) -> ToolPlan:
+def tool_parser_class(config: GatewayConfig, tokenizer: Tokenizer | None) -> type[ToolParser]:
+    """The --tool-call-parser's class; with `auto`, the one `tokenizer`'s chat template names
+    (tool_parsers/auto_select.py; no tokenizer yet: hermes)."""
+    name = config.tool_call_parser
+    if name == AUTO:
+        name = selected_tool_parser(getattr(tokenizer.hf, "chat_template", None) if tokenizer is not None else None)
+    return ToolParserManager.get_tool_parser(name)
+
+
+def tool_plan(body: ChatCompletionRequest, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> ToolPlan:
     """tool_choice "none" calls nothing; "auto" lets the model choose (needs
     --enable-auto-tool-choice, as vLLM); "required" and a named function force a call in the
-    parser's format with a grammar whose arguments follow the function's JSON schema."""
-    parser = ToolParserManager.get_tool_parser(config.tool_call_parser)
+    parser's format with a grammar whose arguments follow the function's JSON schema. `tokenizer`:
+    the model's, whose chat template picks the format under `--tool-call-parser auto`."""
+    parser = tool_parser_class(config, tokenizer)
     tools, tool_choice = body.tools, body.tool_choice
     if not tools or tool_choice == "none":
         return ToolPlan(parser)
@@ -114,16 +127,51 @@ def with_forced_call(sampling: SamplingParams, plan: ToolPlan) -> SamplingParams
 
 
 def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer, plan: ToolPlan) -> list[int]:
-    """The prompt: the messages, with the plan's tools listed only when the model may call them."""
+    """The prompt: the messages, with the plan's tools listed only when the model may call them.
+    A template that refuses a system message after the first turn (Mistral's, Gemma's: roles must
+    alternate) gets each such message's text at the start of the next user turn instead (OpenAI's and
+    Anthropic's APIs take system messages anywhere: Claude Code sends them mid-conversation)."""
     messages, tool_kwargs = plan.parser.render_prompt([m.as_template_dict() for m in body.messages], plan.tools,
                                                       getattr(tokenizer.hf, "chat_template", None))
+    kwargs = {**tool_kwargs, **(body.chat_template_kwargs or {})}
     try:
-        return tokenizer.encode_chat(messages, body.add_generation_prompt,
-                                     **tool_kwargs, **(body.chat_template_kwargs or {}))
-    except ValueError as error:  # no template, or the template rejected the conversation
-        raise InvalidRequestError(str(error)) from None
-    except Exception as error:  # noqa: BLE001 - jinja's TemplateError and friends
+        return tokenizer.encode_chat(messages, body.add_generation_prompt, **kwargs)
+    except Exception as error:  # noqa: BLE001 - ValueError (no template, refused), jinja's TemplateError
+        folded = fold_late_system_messages(messages)
+        if folded is not None:
+            try:
+                ids = tokenizer.encode_chat(folded, body.add_generation_prompt, **kwargs)
+                log.debug("late_system_messages_folded", error=str(error))
+                return ids
+            except Exception:  # noqa: BLE001 - the first failure is the one to report
+                pass
+        if isinstance(error, ValueError):
+            raise InvalidRequestError(str(error)) from None
         raise InvalidRequestError(f"the chat template failed: {error}") from None
+
+
+def fold_late_system_messages(messages: list[dict]) -> list[dict] | None:
+    """Each system message after the first turn moved into the next user message's text (the last
+    user message when none follows); None when there is none to move."""
+    late = [i for i, m in enumerate(messages) if i > 0 and m.get("role") == "system"]
+    if not late:
+        return None
+    out, pending = [], []
+    for i, message in enumerate(messages):
+        if i in late:
+            pending.append(str(message.get("content") or ""))
+        elif pending and message.get("role") == "user" and isinstance(message.get("content"), str):
+            out.append({**message, "content": "\n\n".join([*pending, message["content"]])})
+            pending = []
+        else:
+            out.append(message)
+    if pending:  # no user turn after them: the last user turn takes them
+        last = next((j for j in range(len(out) - 1, -1, -1) if out[j].get("role") == "user"
+                     and isinstance(out[j].get("content"), str)), None)
+        if last is None:
+            return None
+        out[last] = {**out[last], "content": "\n\n".join([out[last]["content"], *pending])}
+    return out
 
 
 def _top(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
@@ -140,15 +188,28 @@ def chat_logprobs(tokenizer: Tokenizer, chunk: SequenceChunk) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
+def clamped(sampling: SamplingParams, prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """max_tokens cut to the room the prompt leaves in the context (agent clients send 32000 by habit
+    to an 8k model); a prompt that leaves no room keeps its max_tokens and gets the usual 400."""
+    room = max_model_len - prompt_tokens
+    if sampling.max_tokens is None or not 0 < room < sampling.max_tokens:
+        return sampling
+    log.debug("max_tokens_clamped", requested=sampling.max_tokens, served=room, prompt_tokens=prompt_tokens)
+    return dataclasses.replace(sampling, max_tokens=room)
+
+
 async def start_chat(body: ChatCompletionRequest, http: Request, state: GatewayState,
-                     request_id: str) -> tuple[Answer, ToolPlan]:
+                     request_id: str, clamp_max_tokens: bool = False) -> tuple[Answer, ToolPlan]:
     """Start `body` on the first pool of its model's route that answers (the fallback model when
     the first refuses), and the request's tool plan. The answer's context is (tokenizer, prompt ids).
     Every chat-shaped API starts here: /v1/chat/completions, /v1/responses and Anthropic's
-    /v1/messages."""
+    /v1/messages; the last two clamp max_tokens to the context's room (`clamped`), the chat route
+    keeps vLLM's 400."""
     route = state.route(body.model)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    plan = tool_plan(body, state.config)
+    # The requested model's template picks the format under --tool-call-parser auto (a fallback
+    # model answers in the same format: the plan, and a forced call's grammar, are made once).
+    plan = tool_plan(body, state.config, next((p.tokenizer for p in route.pools if p.tokenizer is not None), None))
     admit_once = AdmitOnce(lambda r, max_model_len: admit(http, r, max_model_len))
 
     async def start(pool: ModelPool, _attempt: int):  # the request prepared for `pool`'s model
@@ -157,8 +218,10 @@ async def start_chat(body: ChatCompletionRequest, http: Request, state: GatewayS
                                   body.prompt_logprobs)
         sampling = with_forced_call(sampling, plan)
         await check_structured_outputs(sampling)
-        request = build_generation_input(body, request_id, chat_prompt_ids(body, tokenizer, plan), sampling,
-                                         info.max_model_len)
+        prompt_ids = chat_prompt_ids(body, tokenizer, plan)
+        if clamp_max_tokens:
+            sampling = clamped(sampling, len(prompt_ids), info.max_model_len)
+        request = build_generation_input(body, request_id, prompt_ids, sampling, info.max_model_len)
         request, lease = admit_once(request, info.max_model_len)
         span = start_request_span("chat", pool.name, context_from_headers(http.headers), request,
                                   lease.tenant.name, route.fallback_from(pool))

@@ -31,4 +31,5 @@ def _file_route(name: str, media_type: str):
 
 def add_chat_page(app: FastAPI) -> None:
     for url_path, (name, media_type) in PAGE_FILES.items():
-        app.add_api_route(url_path, _file_route(name, media_type), methods=["GET"], include_in_schema=False)
+        # HEAD too: uptime checks and clients probing the base URL (`HEAD /`) get 200, not 405
+        app.add_api_route(url_path, _file_route(name, media_type), methods=["GET", "HEAD"], include_in_schema=False)

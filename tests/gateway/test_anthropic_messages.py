@@ -67,7 +67,10 @@ async def test_stop_reasons(gateway):
     ({"messages": ASK}, 400, "max_tokens"),  # required, as Anthropic's
     ({"messages": ASK, "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": [], "max_tokens": 8}, 400, "messages"),
-    ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 8}, 400, "messages.0.role"),
+    ({"messages": [{"role": "tool", "content": "x"}], "max_tokens": 8}, 400, "messages.0.role"),
+    # a system message (served anywhere: test_agent_clients.py) holds text only
+    ({"messages": [{"role": "system", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],
+      "max_tokens": 8}, 400, "served: text"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 8}, 400, "image"),
     ({"messages": ASK, "max_tokens": 8, "frequency_penalty": 1}, 400, "frequency_penalty"),
     ({"messages": ASK, "max_tokens": 8, "temperature": -1}, 400, "temperature"),

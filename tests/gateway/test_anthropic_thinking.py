@@ -102,7 +102,7 @@ async def test_the_clients_parse_reads_the_structured_output(gateway, upstream, 
     ({"messages": ASK, "max_tokens": 64, "thinking": {"type": "enabled", "budget_tokens": 8, "display": "omitted"}},
      "display"),
     ({**thinking(8), "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}, "grammar"),
-    ({"messages": ASK, "max_tokens": 64, "output_config": {"effort": "high"}}, "effort"),
+    ({"messages": ASK, "max_tokens": 64, "output_config": {"effort": "extreme"}}, "effort"),  # low..max: ignored
     ({"messages": ASK, "max_tokens": 64, "output_format": {"type": "json_schema", "schema": SCHEMA},
       "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}, "not both"),
 ])

@@ -191,7 +191,9 @@ async def test_required_and_named_tool_choice_force_a_call(tools_gateway, upstre
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.function_call_output.call_id"),
     ({"input": "Hi", "store": True}, "store"),
     ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": "Hi", "reasoning": {"effort": "low"}}, "reasoning"),
+    ({"input": "Hi", "reasoning": {"effort": 3}}, "reasoning.effort"),  # what efforts do: test_agent_clients.py
+    ({"input": "Hi", "reasoning": {"summary": "verbose"}}, "reasoning.summary"),
+    ({"input": "Hi", "include": ["message.output_text.logprobs"]}, "include values not served"),
     ({"input": "Hi", "frequency_penalty": 1}, "frequency_penalty"),
     ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "Hi", "temperature": -1}, "temperature"),
@@ -203,7 +205,8 @@ async def test_required_and_named_tool_choice_force_a_call(tools_gateway, upstre
     ({"input": "Hi", "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "nope"}},
      "not in tools"),
     ({"input": "Hi", "tools": [WEATHER_TOOL]}, "--enable-auto-tool-choice"),
-    ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools"),
+    # built-in tools are accepted and not offered (test_agent_clients.py): they cannot be required
+    ({"input": "Hi", "tools": [{"type": "web_search"}], "tool_choice": "required"}, "needs a function tool"),
 ])
 async def test_bad_requests_are_400(gateway, upstream, body, part):
     assert_openai_error(await gateway.http.post(PATH, json=body), 400, part)

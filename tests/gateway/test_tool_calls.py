@@ -133,10 +133,10 @@ def test_every_format_is_a_registered_parser_class():
     from gateway.__main__ import parse_args
     from gateway.openai.tool_parsers import HermesToolParser, Llama3JsonToolParser, ToolParser
 
-    assert ToolParserManager.names() == ("hermes", "llama3_json")
+    assert ToolParserManager.names() == ("hermes", "llama3_json", "mistral", "pythonic")
     assert ToolParserManager.get_tool_parser("hermes") is HermesToolParser
     assert ToolParserManager.get_tool_parser("llama3_json") is Llama3JsonToolParser
     assert all(issubclass(cls, ToolParser) and cls.name == name for name, cls in ToolParserManager.parsers.items())
     assert parse_args(["--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
-    with pytest.raises(KeyError, match="known: hermes, llama3_json"):
-        ToolParserManager.get_tool_parser("mistral")
+    with pytest.raises(KeyError, match="known: hermes, llama3_json, mistral, pythonic"):
+        ToolParserManager.get_tool_parser("granite")

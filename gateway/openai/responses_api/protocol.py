@@ -5,7 +5,8 @@ system / developer, content a string or `input_text` / `output_text` parts), `fu
 `function_call_output` items (a tool round trip). `instructions` become the first system message,
 `text.format` the chat's `response_format`, function tools the chat's tools. Like the chat
 route, unknown fields are a 400 naming them, and fields Pagoda cannot honour are accepted only with
-their default values.
+their default values; what agent clients add (built-in tools, include, reasoning, client_metadata)
+is accepted as client_fields.py documents.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pydantic_core import PydanticCustomError
 
 from gateway.openai.chat_messages import ChatMessage, TextPart
 from gateway.openai.protocol import ChatCompletionRequest
+from gateway.openai.responses_api.client_fields import BuiltinTool, ReasoningConfig, check_include, tool_type
 from gateway.openai.structured_outputs import JsonSchemaFormat, ResponseFormat
 from gateway.openai.tool_protocol import FunctionDef, NamedFunction, NamedToolChoice, ToolDef
 from pagoda.contract.errors import InvalidRequestError
@@ -118,6 +120,11 @@ class FunctionTool(FunctionDef):
     type: Literal["function"]
 
 
+# Function tools reach the model; every other type is accepted and not offered (client_fields.py).
+Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[BuiltinTool, Tag("builtin")],
+                 Discriminator(tool_type)]
+
+
 class FunctionToolChoice(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
@@ -149,7 +156,7 @@ class TextFormat(BaseModel):
 class TextConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: TextFormat | None = None
-    verbosity: Any = None  # accepted only when absent (see _ONLY_DEFAULT)
+    verbosity: Literal["low", "medium", "high"] | None = None  # ignored (client_fields.py)
 
 
 def _absent(value: Any) -> bool:
@@ -167,14 +174,10 @@ _ONLY_DEFAULT = {
                                       "responses (send the conversation as input items)"),
     "conversation": (_absent, "conversation is not supported: Pagoda stores no conversations"),
     "background": (_only(False), "background responses are not supported"),
-    "reasoning": (_absent, "reasoning is not supported: a reasoning model thinks by its chat template "
-                           "(the gateway's --reasoning-parser shows its thinking)"),
     "truncation": (_only("disabled"), 'only truncation "disabled" is supported'),
-    "include": (_absent, "include is not supported"),
     "prompt": (_absent, "prompt templates are not supported"),
     "top_logprobs": (_only(0), "top_logprobs is not supported on /v1/responses"),
     "max_tool_calls": (_absent, "max_tool_calls is not supported"),
-    "text.verbosity": (_absent, "text.verbosity is not supported"),
 }
 
 
@@ -187,7 +190,7 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    tools: list[FunctionTool] | None = Field(default=None, max_length=128)
+    tools: list[Tool] | None = Field(default=None, max_length=256)
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
@@ -200,14 +203,16 @@ class ResponsesRequest(BaseModel):
     service_tier: Any = None
     prompt_cache_key: Any = None
     prompt_cache_retention: Any = None
+    client_metadata: Any = None  # Codex CLI's
+    # accepted, in part honoured (client_fields.py)
+    reasoning: ReasoningConfig | None = None
+    include: list[str] | None = None
     # accepted only with their defaults (_ONLY_DEFAULT)
     store: Any = None
     previous_response_id: Any = None
     conversation: Any = None
     background: Any = None
-    reasoning: Any = None
     truncation: Any = None
-    include: Any = None
     prompt: Any = None
     top_logprobs: Any = None
     max_tool_calls: Any = None
@@ -220,6 +225,12 @@ class ResponsesRequest(BaseModel):
         if not isinstance(value, list):
             raise PydanticCustomError("input_type", "input is a string or a list of items")
         return value
+
+    _include = field_validator("include")(check_include)
+
+    @property
+    def function_tools(self) -> list[FunctionTool]:
+        return [t for t in self.tools or () if isinstance(t, FunctionTool)]
 
     @model_validator(mode="after")
     def _only_defaults(self) -> ResponsesRequest:
@@ -259,14 +270,17 @@ class ResponsesRequest(BaseModel):
         tool_choice: Any = self.tool_choice
         if isinstance(tool_choice, FunctionToolChoice):
             tool_choice = NamedToolChoice(function=NamedFunction(name=tool_choice.name))
-        tools = ([ToolDef(function=FunctionDef(**t.model_dump(exclude={"type"}))) for t in self.tools]
-                 if self.tools is not None else None)
+        tools = [ToolDef(function=FunctionDef(**t.model_dump(exclude={"type"}))) for t in self.function_tools] or None
+        if tool_choice == "required" and self.tools and tools is None:
+            raise InvalidRequestError('tool_choice "required" needs a function tool: the built-in tools '
+                                      f"({', '.join(t.type for t in self.tools)}) are not run by Pagoda")
         text_format = self.text.format if self.text is not None else None
         try:
             return ChatCompletionRequest(
                 model=self.model, messages=self.chat_messages(), max_tokens=self.max_output_tokens,
                 temperature=self.temperature, top_p=self.top_p, tools=tools, tool_choice=tool_choice,
                 parallel_tool_calls=self.parallel_tool_calls, stream=self.stream,
+                chat_template_kwargs=self.reasoning.template_kwargs() or None if self.reasoning else None,
                 response_format=text_format.response_format() if text_format is not None else None)
         except ValidationError as error:
             first = error.errors()[0]
@@ -287,5 +301,6 @@ class ResponsesRequest(BaseModel):
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "text": {"format": format_}, "metadata": self.metadata, "user": self.user,
             "store": False, "previous_response_id": None, "truncation": "disabled",
-            "background": False, "reasoning": None,
+            "background": False,
+            "reasoning": self.reasoning.model_dump(exclude_none=True) if self.reasoning is not None else None,
         }

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gateway.generation import GenerationStep, SequenceChunk, Usage
 from gateway.openai.reasoning_parsers import ReasoningParser
 from gateway.openai.responses import timings_of
+from gateway.openai.responses_api.client_fields import ignored_fields
 from gateway.openai.responses_api.protocol import ResponsesRequest
 from gateway.openai.serving_chat import reasoning_parsers, start_chat
 from gateway.openai.streaming import sse_stream, until_disconnected
@@ -40,6 +41,9 @@ from gateway.openai.tool_protocol import DeltaToolCall, ToolCall
 from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizer
 from gateway.upstream.fallback import prepend
+from pagoda.runtime.logging import get_logger
+
+log = get_logger(__name__)
 
 
 def new_id(prefix: str) -> str:
@@ -286,7 +290,9 @@ class _EventStream:
 async def create_response(body: ResponsesRequest, http: Request, state: GatewayState) -> Response:
     chat = body.chat_request()
     response_id = new_id("resp")
-    answer, plan = await start_chat(chat, http, state, response_id)
+    if ignored := ignored_fields(body):
+        log.debug("request_fields_ignored", route="/v1/responses", request_id=response_id, fields=ignored)
+    answer, plan = await start_chat(chat, http, state, response_id, clamp_max_tokens=True)
     parsers = plan.parsers(1, chat.parallel_tool_calls)
     reasoners = reasoning_parsers(state.config, 1)
     writer = ResponseWriter(body, response_id, answer.pool.name, parsers[0] if parsers else None,

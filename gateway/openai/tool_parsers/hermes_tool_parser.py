@@ -46,14 +46,14 @@ class HermesToolParser(ToolParser):
         for message in messages:
             calls = message.pop("tool_calls", None)
             if calls:
-                text = "\n".join(f"<tool_call>\n{json.dumps(_call_json(c))}\n</tool_call>" for c in calls)
+                text = "\n".join(f"<tool_call>\n{json.dumps(_call_json(c), ensure_ascii=False)}\n</tool_call>" for c in calls)
                 message = {**message, "content": ((message.get("content") or "") + "\n" + text).strip()}
             if message["role"] == "tool":
                 message = {"role": "tool", "content": f"<tool_response>\n{message.get('content') or ''}\n"
                                                       "</tool_response>"}
             out.append(message)
         if specs:
-            block = HERMES_SYSTEM.format(tools=" ".join(json.dumps(s) for s in specs))
+            block = HERMES_SYSTEM.format(tools=" ".join(json.dumps(s, ensure_ascii=False) for s in specs))
             if out and out[0]["role"] == "system":
                 out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + block}
             else:

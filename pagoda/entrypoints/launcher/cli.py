@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 
+from pagoda.entrypoints.launcher.agent_flags import add_agent_flags
 from pagoda.entrypoints.launcher.supervisor import STOP_MARGIN_S, say, supervise, wait_ready
 from pagoda.entrypoints.launcher.topology import build_children, print_addresses, taken_ports
 from worker_svc.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
@@ -131,6 +132,7 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
                    help="the gateway splits the model's <think> reasoning into reasoning_content")
     g.add_argument("--enable-request-timings", action="store_true",
                    help="the gateway adds per-request timings to its responses")
+    add_agent_flags(g)  # tools on by default, --served-model-name (agent_flags.py)
 
     g = groups["ports"]
     g.add_argument("--host", default="127.0.0.1", metavar="ADDR",

@@ -9,6 +9,7 @@ import os
 import socket
 from pathlib import Path
 
+from pagoda.entrypoints.launcher.agent_flags import gateway_agent_argv
 from pagoda.entrypoints.launcher.supervisor import REPO, Child
 from pagoda.runtime.model_files import is_gguf_file
 
@@ -90,7 +91,8 @@ def build_children(args: argparse.Namespace) -> list[Child]:
         timings = ["--enable-request-timings"] if args.enable_request_timings else []
         children.append(Child("gateway", ["gateway", "--scheduler", ",".join(schedulers),
                                           "--host", args.host, "--port", str(args.gateway_port),
-                                          "--grpc-port", str(args.grpc_port), *tokenizer, *drain,
+                                          "--grpc-port", str(args.grpc_port), *gateway_agent_argv(args),
+                                          *tokenizer, *drain,
                                           *api_keys, *routing, *fallbacks, *loras, *reasoning, *timings],
                               f"127.0.0.1:{args.grpc_port}", needs_serving=True))
     return children
