@@ -474,22 +474,24 @@ class Scheduler:
         spec = self._spec
         drafts = spec.propose(running) if spec is not None else {}
         window = kv.window
-        # Pipeline stages: about 1/N of the sequences per plan, none whose sampled token is in
-        # flight (the first stage embeds it before the last stage has drawn it).
+        # Pipeline stages: none whose sampled token is in flight (the first stage embeds it before
+        # the last stage has drawn it), and about 1/N of the decodes per plan, so that N plans keep
+        # N stages busy. Prefill chunks are not capped: the budget bounds them, and a long prompt's
+        # chunks must not hold the decodes back.
         group = -(-len(running) // self.max_inflight_steps) if self.config.pipeline_parallel_size > 1 else 0
         i = 0
         while i < len(running):
             seq = running[i]
             i += 1
-            if group and (seq.num_placeholders or draft.num_scheduled + num_decode >= group) \
-                    and seq.request.beam is None:
+            start = seq.num_computed_tokens
+            total = len(seq.token_ids) + seq.num_placeholders
+            req = seq.request
+            if group and req.beam is None and (seq.num_placeholders
+                                               or (total - start == 1 and num_decode >= group)):
                 counts[seq.seq_id] = 0
                 continue
             if window and kv.window_freeable(seq):
                 self._free_out_of_window(seq)
-            start = seq.num_computed_tokens
-            total = len(seq.token_ids) + seq.num_placeholders
-            req = seq.request
             if req.beam is not None:  # the whole group at its first beam (beam_group.py)
                 budget -= self._beams.schedule(draft, seq, budget)
                 if seq.status is not SeqStatus.RUNNING:

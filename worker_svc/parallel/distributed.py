@@ -98,6 +98,7 @@ class Groups:
     world_size: int
     pipe_group: Any = None  # None with one stage
     result_group: Any = None
+    command_group: Any = None  # rank 0's commands by send/recv (worker_svc/parallel/channels.py)
 
 
 def init_group(rank: int, size: int, init_method: str, device: torch.device) -> TensorParallel:
@@ -129,12 +130,13 @@ def init_groups(rank: int, world_size: int, tp_size: int, init_method: str,
         group = dist.new_group(ranks=ranks, backend=backend, timeout=DATA_TIMEOUT)
         if rank in ranks:
             data = group
-    pipe = result = None
+    pipe = result = command = None
     if stages > 1:
         pipe = dist.new_group(backend=backend, timeout=DATA_TIMEOUT)
         result = dist.new_group(backend="gloo", timeout=DATA_TIMEOUT)  # waited on only while a step is out
+        command = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)  # followers idle on it
     tp = TensorParallel(rank=rank % tp_size, size=tp_size, data_group=data, control_group=control)
-    return Groups(tp, rank, world_size, pipe, result)
+    return Groups(tp, rank, world_size, pipe, result, command)
 
 
 DESTROY_TIMEOUT_S = 10.0
@@ -177,6 +179,9 @@ class ControlChannel:
         if len(payload) > INLINE_BYTES:
             rest = torch.frombuffer(bytearray(payload[INLINE_BYTES:]), dtype=torch.uint8)
             dist.broadcast(rest, src=0, group=self._group)
+
+    def flush(self) -> None:
+        """Nothing to wait for: a broadcast returns once every rank has it."""
 
     def receive(self) -> Any:
         dist.broadcast(self._buffer, src=0, group=self._group)

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,8 @@ from pagoda.runtime.logging import configure_logging, get_logger
 log = get_logger("worker_svc.parallel.multinode")
 REPO = Path(__file__).resolve().parents[2]
 STOP_TIMEOUT_S = 10.0
+RESTART_BACKOFF_S = (1.0, 30.0)  # first and largest pause before starting a node's ranks again
+HEALTHY_RUN_S = 60.0  # ranks that ran this long reset the backoff
 
 
 class PlacementError(ValueError):
@@ -73,6 +76,17 @@ class Placement:
         return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
 
 
+PLACEMENT_FIELDS = ("nnodes", "node_rank", "master_addr", "master_port")
+
+
+def adopt_config(own, rank0: dict):
+    """Rank 0's WorkerConfig, with this node's own placement: a follower computes what rank 0's
+    flags say (LoRA, seed, swap space, pooling...), whatever its own launch was given."""
+    from worker_svc.config import WorkerConfig
+
+    return WorkerConfig(**{**rank0, **{name: getattr(own, name) for name in PLACEMENT_FIELDS}})
+
+
 def rank_argv(rank: int, placement: Placement, config) -> list[str]:
     return [sys.executable, "-m", "worker_svc.parallel.tp_rank", "--rank", str(rank), "--world-size",
             str(placement.world_size), "--init-method", placement.init_method,
@@ -92,8 +106,10 @@ class NodeRanks:
 
     def run(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        pause = RESTART_BACKOFF_S[0]
         while not self._stop.is_set():
             self.generation += 1
+            started = time.monotonic()
             children = [subprocess.Popen(rank_argv(r, self.placement, self.config), env=env, cwd=REPO)
                         for r in self.placement.local_ranks()]
             log.info("node_ranks_started", node_rank=self.placement.node_rank, generation=self.generation,
@@ -108,8 +124,12 @@ class NodeRanks:
                 except subprocess.TimeoutExpired:
                     child.kill()
             if ended is not None:
+                # Ranks that fail at once (a bad path on this node) must not respawn in a tight loop.
+                pause = RESTART_BACKOFF_S[0] if time.monotonic() - started > HEALTHY_RUN_S else pause
                 log.warning("node_rank_ended", node_rank=self.placement.node_rank, pid=ended.pid,
-                            code=ended.returncode, action="restart this node's ranks")
+                            code=ended.returncode, action="restart this node's ranks", after_s=pause)
+                self._stop.wait(pause)
+                pause = min(2 * pause, RESTART_BACKOFF_S[1])
 
     def stop(self, *_args) -> None:
         self._stop.set()

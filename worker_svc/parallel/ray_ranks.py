@@ -77,13 +77,17 @@ class RayRanks:
         address = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == here)
         self.init_method = f"tcp://{address}:{free_port()}"
         strategy = "STRICT_SPREAD" if pp > 1 else "STRICT_PACK"
-        self._group = placement_group([{"CPU": float(tp)}] * pp, strategy=strategy)
+        # A rank per GPU where the worker computes on GPUs (Ray then sets each actor's
+        # CUDA_VISIBLE_DEVICES); CPU ranks reserve a core each.
+        gpus = config.device == "cuda" or (config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        unit = "GPU" if gpus else "CPU"
+        self._group = placement_group([{unit: float(tp)}] * pp, strategy=strategy)
         try:
             ray.get(self._group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except Exception as error:
             ray.util.remove_placement_group(self._group)
             raise RayPlacementError(
-                f"the Ray cluster could not place {pp} stage(s) of {tp} CPU(s) each ({strategy}: one stage "
+                f"the Ray cluster could not place {pp} stage(s) of {tp} {unit}(s) each ({strategy}: one stage "
                 f"per node) within {PLACEMENT_TIMEOUT_S:.0f} s: {error}") from error
         bundle_nodes = ray.util.placement_group_table(self._group)["bundles_to_node_id"]
         order = sorted(bundle_nodes, key=lambda b: bundle_nodes[b] != here)  # this node's bundle first
@@ -96,8 +100,8 @@ class RayRanks:
         for rank in range(1, tp * pp):
             strategy_for = PlacementGroupSchedulingStrategy(placement_group=self._group,
                                                             placement_group_bundle_index=order[rank // tp])
-            self._actors.append(actor.options(num_cpus=1, scheduling_strategy=strategy_for,
-                                              max_restarts=0).remote())
+            self._actors.append(actor.options(num_cpus=0 if gpus else 1, num_gpus=1 if gpus else 0,
+                                              scheduling_strategy=strategy_for, max_restarts=0).remote())
         where = ray.get([a.where.remote() for a in self._actors])
         self.node_ids = [here, *(node for node, _ in where)]
         self.pids = [pid for _, pid in where]

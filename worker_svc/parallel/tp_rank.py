@@ -53,12 +53,9 @@ def serve_rank(rank: int, world_size: int, init_method: str, config) -> None:
 
     from worker_svc.model_loader.model_config import ModelConfig
     from worker_svc.model_runner import ModelRunner, resolve_device
-    from worker_svc.parallel.distributed import (
-        ControlChannel,
-        cpu_threads_per_rank,
-        destroy_group,
-        init_groups,
-    )
+    from worker_svc.parallel.channels import command_channel
+    from worker_svc.parallel.distributed import cpu_threads_per_rank, destroy_group, init_groups
+    from worker_svc.parallel.multinode import adopt_config
     from worker_svc.parallel.pipeline import stage_of
 
     tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
@@ -66,10 +63,14 @@ def serve_rank(rank: int, world_size: int, init_method: str, config) -> None:
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(world_size // config.nnodes))
     groups = init_groups(rank, world_size, tp_size, init_method, device)
+    channel = command_channel(groups)
+    command, rank0_config = channel.receive()
+    if command != "config":
+        raise ValueError(f"rank 0 sent {command!r} before its config")
+    config = adopt_config(config, rank0_config)
     stage = stage_of(rank, tp_size, pp_size, ModelConfig.from_dir(config.model).num_layers,
                      groups.pipe_group, groups.result_group)
     runner = ModelRunner(config, tp=groups.tp, stage=stage)
-    channel = ControlChannel(groups.tp)
     log.info("tp_rank_ready", rank=rank, stage=stage.index, layers=f"{stage.start_layer}-{stage.end_layer}",
              device=str(runner.device))
     while True:

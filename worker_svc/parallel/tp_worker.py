@@ -26,6 +26,7 @@ TensorParallelError instead.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import queue
 import signal
@@ -42,8 +43,8 @@ from pagoda.runtime.logging import get_logger
 from worker_svc.config import WorkerConfig
 from worker_svc.model_loader.model_config import ModelConfig
 from worker_svc.model_runner import ModelRunner, resolve_device
+from worker_svc.parallel.channels import command_channel
 from worker_svc.parallel.distributed import (
-    ControlChannel,
     TensorParallelError,
     check_divisible,
     cpu_threads_per_rank,
@@ -88,6 +89,7 @@ class TPDriver:
         device = resolve_device(config.device, 0, placement.world_size)
         if device.type == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(placement.ranks_per_node))
+        self._expected: queue.SimpleQueue = queue.SimpleQueue()  # (step id, future), in step order
         self._children: list[subprocess.Popen] = []
         self._actors = None  # the Ray backend's (worker_svc/parallel/ray_ranks.py)
         if config.distributed_executor_backend == "ray":
@@ -104,13 +106,15 @@ class TPDriver:
             groups = init_groups(0, placement.world_size, tp, init_method, device)
             self.tp = groups.tp
             self.stage = stage_of(0, tp, pp, model_config.num_layers, groups.pipe_group, groups.result_group)
-            self._channel = ControlChannel(self.tp)
+            self._channel = command_channel(groups)
+            # Every rank runs rank 0's config (another node's launch knows only its own flags);
+            # only where it runs is its own (worker_svc/parallel/multinode.py adopt_config).
+            self._channel.send(("config", dataclasses.asdict(config)))
             self.runner = ModelRunner(config, max_num_batched_tokens, self.tp, self.stage)
         except BaseException:
             self._kill_children()
             destroy_group()
             raise
-        self._expected: queue.SimpleQueue = queue.SimpleQueue()  # (step id, future), in step order
         if pp > 1:
             threading.Thread(target=self._collect_results, daemon=True, name="pp-results").start()
         atexit.register(self.close)
@@ -184,7 +188,12 @@ class TPDriver:
             if self.pipeline_depth > 1:
                 self._inflight = [f for f in self._inflight if not f.done()] + [future]
                 self._expected.put((plan.step_id, future))
-            local = self._on_group(("step", plan, sampled), lambda: self.runner.execute_validated(plan))
+            try:
+                local = self._on_group(("step", plan, sampled), lambda: self.runner.execute_validated(plan))
+            except BaseException as error:
+                if not future.done():  # the result thread may be gone already: nobody else would
+                    future.set_exception(error)
+                raise
             if self.pipeline_depth == 1:
                 self._note_sampled(local)
                 future.set_result(local)
@@ -201,8 +210,10 @@ class TPDriver:
             if self._failure is None:
                 try:
                     self._channel.send(("stop",))
+                    self._channel.flush()
                 except Exception as error:  # noqa: BLE001 - they are killed below anyway
                     log.warning("tp_stop_broadcast_failed", error=str(error))
+            self._expected.put((None, None))  # the result thread ends
             for child in self._children:
                 try:
                     child.wait(STOP_TIMEOUT_S)
@@ -253,9 +264,12 @@ class TPDriver:
                 future.set_exception(TensorParallelError(str(self._failure)))
 
     def _drain(self) -> None:
-        """Wait until every submitted step has reported (before init / reset / stop)."""
-        wait_futures(self._inflight)
+        """Wait until every submitted step has reported (before init / reset / stop); a failed
+        group reports nothing more (its futures have failed or will: nothing to wait for)."""
+        if self._failure is None:
+            wait_futures(self._inflight)
         self._inflight = []
+        self._drafting.clear()
 
     def _on_group(self, message: tuple, run_here):
         """Broadcast `message`, then run the same command on rank 0. Any error here is a group
