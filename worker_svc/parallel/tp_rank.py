@@ -9,16 +9,20 @@ scheduler. Any error, or rank 0 going away, ends the process non-zero (rank 0 th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
 import threading
+import time
 
 from pagoda.runtime.logging import configure_logging, get_logger
 
 log = get_logger("worker_svc.parallel.tp_rank")
 PARENT_POLL_S = 1.0
+HEARTBEAT_S = 2.0  # rank 0 pings idle ranks this often (worker_svc/parallel/tp_worker.py)
+RANK0_SILENCE_S = 20.0  # a waiting rank that heard nothing for this long ends itself
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +48,34 @@ def run(args: argparse.Namespace) -> None:
     from worker_svc.config import WorkerConfig
 
     serve_rank(args.rank, args.world_size, args.init_method, WorkerConfig(**json.loads(args.config)))
+
+
+class Watchdog:
+    """Ends this rank when rank 0 has said nothing for RANK0_SILENCE_S while it waited: rank 0
+    pings every HEARTBEAT_S when idle, so silence means rank 0 (or its node, or the link) is gone
+    without a socket closing (a partition, a powered-off host), which no gloo call would report.
+    The rank's supervisor then starts it again, to join rank 0's next rendezvous."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        self._since: float | None = None  # when the current wait began; None while computing
+        threading.Thread(target=self._watch, daemon=True, name="rank0-watchdog").start()
+
+    @contextlib.contextmanager
+    def waiting(self):
+        self._since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)  # a poll interval: the deadline is RANK0_SILENCE_S
+            since = self._since
+            if since is not None and time.monotonic() - since > RANK0_SILENCE_S:
+                log.error("tp_rank_rank0_silent", rank=self._rank, seconds=round(time.monotonic() - since, 1))
+                os._exit(1)
 
 
 def serve_rank(rank: int, world_size: int, init_method: str, config) -> None:
@@ -73,8 +105,12 @@ def serve_rank(rank: int, world_size: int, init_method: str, config) -> None:
     runner = ModelRunner(config, tp=groups.tp, stage=stage)
     log.info("tp_rank_ready", rank=rank, stage=stage.index, layers=f"{stage.start_layer}-{stage.end_layer}",
              device=str(runner.device))
+    watchdog = Watchdog(rank)
     while True:
-        command, *payload = channel.receive()
+        with watchdog.waiting():
+            command, *payload = channel.receive()
+        if command == "ping":  # rank 0 is alive and idle
+            continue
         if command == "step":
             plan, sampled = payload
             runner.append_sampled(sampled)

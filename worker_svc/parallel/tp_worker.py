@@ -32,6 +32,7 @@ import queue
 import signal
 import subprocess
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
@@ -53,6 +54,7 @@ from worker_svc.parallel.distributed import (
 )
 from worker_svc.parallel.multinode import Placement, rank_argv
 from worker_svc.parallel.pipeline import partition_layers, stage_of
+from worker_svc.parallel.tp_rank import HEARTBEAT_S
 
 log = get_logger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -117,6 +119,8 @@ class TPDriver:
             raise
         if pp > 1:
             threading.Thread(target=self._collect_results, daemon=True, name="pp-results").start()
+        self._last_command = time.monotonic()
+        threading.Thread(target=self._heartbeat, daemon=True, name="rank0-heartbeat").start()
         atexit.register(self.close)
         log.info("tp_group_ready", tensor_parallel_size=tp, pipeline_parallel_size=pp,
                  nnodes=placement.nnodes, backend=config.distributed_executor_backend,
@@ -271,6 +275,22 @@ class TPDriver:
         self._inflight = []
         self._drafting.clear()
 
+    def _heartbeat(self) -> None:
+        """Ping the ranks when no command went out for HEARTBEAT_S (tp_rank.Watchdog): a rank whose
+        rank 0 vanished without closing its sockets then notices in seconds."""
+        while not self._stopping and self._failure is None:
+            time.sleep(HEARTBEAT_S)  # a poll interval
+            if time.monotonic() - self._last_command < HEARTBEAT_S or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if not self._stopping and self._failure is None:
+                    self._channel.send(("ping",))
+                    self._last_command = time.monotonic()
+            except Exception as error:  # noqa: BLE001 - a rank died: the group fails
+                self._fail(f"a heartbeat could not be sent: {error!r}")
+            finally:
+                self._lock.release()
+
     def _on_group(self, message: tuple, run_here):
         """Broadcast `message`, then run the same command on rank 0. Any error here is a group
         failure: the ranks may be stuck in different collectives, so the group cannot go on."""
@@ -278,6 +298,7 @@ class TPDriver:
             raise TensorParallelError(f"the tensor-parallel group is down: {self._failure or 'closed'}")
         try:
             self._channel.send(message)
+            self._last_command = time.monotonic()
             return run_here()
         except Exception as error:
             self._fail(f"{message[0]} failed on rank 0: {error!r}")
