@@ -80,7 +80,9 @@ def _refusal(model: nn.Module, s: Setting) -> str | None:
         return "tensor parallelism, LoRA and --batch-invariant keep the module loop"
     if s.dtype not in (torch.float32, torch.bfloat16) or s.cache_dtype != s.dtype:
         return "needs fp32 or bf16 activations and a KV cache of the same dtype"
-    if type(model).forward is not LlamaForCausalLM.forward or not isinstance(model, LlamaForCausalLM):
+    if not isinstance(model, LlamaForCausalLM) or any(
+            getattr(type(model), name) is not getattr(LlamaForCausalLM, name)
+            for name in ("forward", "embed", "layer_rotary")):  # Gemma scales its embedding, turns its own RoPE
         return f"{type(model).__name__} is not the plain Llama decoder"
     cfg = model.config
     if cfg.qk_norm or cfg.attn_logit_softcapping is not None or cfg.residual_multiplier != 1.0 \

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from pagoda.contract.errors import PlanError
 from pagoda.contract.step import StepPlan, StepResult, WorkerInfo
 from pagoda.runtime.logging import get_logger
 from worker_svc.config import WorkerConfig
@@ -181,6 +182,9 @@ class TPDriver:
                 sampled, self._sampled = self._sampled, []
             self.runner.append_sampled(sampled)  # rank 0 is a follower with several stages
             try:
+                if plan.draft_token_ids and any(not f.done() for f in self._inflight):
+                    # the followers settle drafts from the result before the next plan: one plan at a time
+                    raise PlanError("a plan with drafts while other steps are in flight")
                 self.runner.validate(plan)  # before the broadcast: a bad plan changes no rank
             except BaseException:
                 with self._sampled_lock:  # still the followers' (rank 0 appends each step once)
