@@ -75,6 +75,8 @@ class Watchdog:
             since = self._since
             if since is not None and time.monotonic() - since > RANK0_SILENCE_S:
                 log.error("tp_rank_rank0_silent", rank=self._rank, seconds=round(time.monotonic() - since, 1))
+                sys.stdout.flush()
+                sys.stderr.flush()
                 os._exit(1)
 
 

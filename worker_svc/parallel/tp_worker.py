@@ -31,6 +31,7 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -324,6 +325,8 @@ class TPDriver:
             log.error("tp_group_failed", reason=reason, exit_on_failure=self._exit_on_failure)
         self._kill_children()  # a blocked collective on rank 0 then errors out too
         if self._exit_on_failure:
+            for stream in (sys.stdout, sys.stderr):  # os._exit skips the buffers: keep the reason logged
+                stream.flush()
             os._exit(1)  # noqa: SLF001 - the process is the worker: its supervisor restarts it
 
     def _kill_children(self) -> None:
