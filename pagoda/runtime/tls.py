@@ -19,7 +19,7 @@ EXCLUSIVE_PORT = (("grpc.so_reuseport", 0),)
 # than every 5 min without data: after a few they answer GOAWAY "too_many_pings" and the request
 # dies (a 503 after exactly 240 s). Every Pagoda server accepts pings this often instead.
 MIN_PING_INTERVAL_MS = 10_000
-PERMIT_KEEPALIVE = (("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+PERMIT_KEEPALIVE = (("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
                     ("grpc.keepalive_permit_without_calls", 1))
 
 
@@ -29,7 +29,8 @@ class AddressInUseError(OSError):
 
 def new_server(options: list[tuple[str, object]] | None = None) -> grpc.aio.Server:
     """A grpc.aio server that will own its port exclusively (see EXCLUSIVE_PORT) and accept the
-    clients' keepalive pings (PERMIT_KEEPALIVE)."""
+    clients' keepalive pings (PERMIT_KEEPALIVE; gRPC core spells the server's minimum interval
+    between received pings `min_ping_interval_without_data_ms`)."""
     return grpc.aio.server(options=[*EXCLUSIVE_PORT, *PERMIT_KEEPALIVE, *(options or [])])
 
 
