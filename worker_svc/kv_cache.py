@@ -5,6 +5,7 @@ Block ids always come from the scheduler; this module only owns the memory.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ import torch
 
 from pagoda.contract.step import BlockCopy
 
-DEFAULT_CPU_CACHE_BYTES = 1 << 30  # 1 GiB when kv_cache_memory_bytes is not set
+DEFAULT_CPU_CACHE_BYTES = 1 << 30  # 1 GiB when kv_cache_memory_bytes is not set (or more: cpu_num_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +132,21 @@ def num_blocks_for_budget(budget_bytes: int, shape: CacheShape) -> int:
     return max(0, budget_bytes // shape.bytes_per_block)
 
 
-def cpu_num_blocks(kv_cache_memory_bytes: int | None, shape: CacheShape) -> int:
-    return num_blocks_for_budget(kv_cache_memory_bytes or DEFAULT_CPU_CACHE_BYTES, shape)
+def cpu_num_blocks(kv_cache_memory_bytes: int | None, shape: CacheShape, max_model_len: int = 0,
+                   available_bytes: int | None = None) -> int:
+    """A given budget as is; by default 1 GiB, or one whole max_model_len sequence where that is
+    more (Qwen2.5-1.5B's 32k context is 1.75 GiB in fp32): an agent's request without max_tokens
+    (Codex's Responses request) reserves the context's room, which 1 GiB would refuse. Never more
+    than half the host's available memory (`available_bytes`, read from the OS by default)."""
+    if kv_cache_memory_bytes:
+        return num_blocks_for_budget(kv_cache_memory_bytes, shape)
+    default = num_blocks_for_budget(DEFAULT_CPU_CACHE_BYTES, shape)
+    one_sequence = -(-max_model_len // shape.block_size)
+    if one_sequence <= default:
+        return default
+    if available_bytes is None:
+        available_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(default, min(one_sequence, num_blocks_for_budget(available_bytes // 2, shape)))
 
 
 def cuda_num_blocks(device: torch.device, gpu_memory_utilization: float, shape: CacheShape,

@@ -176,7 +176,7 @@ class ModelRunner:
             peak = self._profile_peak_memory(shape)
             num_blocks = cuda_num_blocks(self.device, self.config.gpu_memory_utilization, shape, peak)
         else:
-            num_blocks = cpu_num_blocks(self.config.kv_cache_memory_bytes, shape)
+            num_blocks = cpu_num_blocks(self.config.kv_cache_memory_bytes, shape, self.max_model_len)
         if self._grouped:  # block ids mean the same slots on every rank
             num_blocks = self.tp.min_over_ranks(num_blocks)
         num_host_blocks = num_host_blocks_for(self.config.swap_space, shape)

@@ -11,6 +11,7 @@ input_json_delta): Anthropic's blocks are sequential, and a call's arguments are
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -74,6 +75,13 @@ class _Blocks:
         return [*out, self.delta({"type": "text_delta", "text": text})]
 
 
+PING_INTERVAL_S = 15.0  # a ping event while no token has come for this long
+
+
+async def _next(steps: AsyncIterator[GenerationStep]) -> GenerationStep:
+    return await anext(steps)
+
+
 async def message_events(steps: AsyncIterator[GenerationStep], message_id: str, model: str, input_tokens: int,
                          parser: ToolParser | None, reasoner: ReasoningParser | None = None,
                          details: Callable[[list[int]], OutputTokensDetails | None] = lambda _ids: None,
@@ -89,7 +97,18 @@ async def message_events(steps: AsyncIterator[GenerationStep], message_id: str, 
                                  usage=Usage(input_tokens=input_tokens, output_tokens=0))
         yield event({"type": "message_start", "message": start.model_dump()})
         yield event({"type": "ping"})
-        step: GenerationStep | None = await anext(steps)
+        first = asyncio.ensure_future(_next(steps))
+        try:
+            # A long prompt's prefill (Claude Code's 21k tokens: many minutes on a CPU) sends
+            # nothing; Claude Code drops a stream silent for 300 s and retries it from scratch.
+            # Anthropic's API pings while it waits; so does this.
+            while not (await asyncio.wait((first,), timeout=PING_INTERVAL_S))[0]:
+                yield event({"type": "ping"})
+        finally:
+            if not first.done():  # the client left while waiting: stop the upstream request
+                first.cancel()
+                await asyncio.wait((first,))
+        step: GenerationStep | None = first.result()
         while step is not None:
             for chunk in step.chunks:
                 token_ids += chunk.token_ids

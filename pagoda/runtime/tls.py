@@ -13,14 +13,25 @@ import grpc
 # would silently take part of the traffic instead of failing. Every Pagoda server binds alone.
 EXCLUSIVE_PORT = (("grpc.so_reuseport", 0),)
 
+# The gateway's channel pings every 30 s (gateway/upstream/engine_client.py) to find a dead
+# scheduler; a Generate stream is silent until its first token, which a long prompt on a CPU takes
+# minutes to reach (Codex's 6k tokens, Claude Code's 21k). gRPC servers refuse pings more often
+# than every 5 min without data: after a few they answer GOAWAY "too_many_pings" and the request
+# dies (a 503 after exactly 240 s). Every Pagoda server accepts pings this often instead.
+MIN_PING_INTERVAL_MS = 10_000
+PERMIT_KEEPALIVE = (("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+                    ("grpc.keepalive_permit_without_calls", 1))
+
 
 class AddressInUseError(OSError):
     """Another process listens on the address a server was asked to take."""
 
 
 def new_server(options: list[tuple[str, object]] | None = None) -> grpc.aio.Server:
-    """A grpc.aio server that will own its port exclusively (see EXCLUSIVE_PORT)."""
-    return grpc.aio.server(options=[*EXCLUSIVE_PORT, *(options or [])])
+    """A grpc.aio server that will own its port exclusively (see EXCLUSIVE_PORT) and accept the
+    clients' keepalive pings (PERMIT_KEEPALIVE; gRPC core spells the server's minimum interval
+    between received pings `min_ping_interval_without_data_ms`)."""
+    return grpc.aio.server(options=[*EXCLUSIVE_PORT, *PERMIT_KEEPALIVE, *(options or [])])
 
 
 def add_port(server: grpc.aio.Server, address: str, cert: str | None = None,

