@@ -108,7 +108,7 @@ agent-clis:
 		exit 0; \
 	fi; \
 	mkdir -p $(AGENT_CLIS_DIR) && cd $(AGENT_CLIS_DIR) && \
-	npm install --no-audit --no-fund --loglevel=error $(AGENT_CLIS) >/dev/null 2>&1 && \
+	timeout 900 npm install --no-audit --no-fund --loglevel=error $(AGENT_CLIS) >/dev/null 2>&1 && \
 	echo "codex, claude: $(AGENT_CLIS_DIR)/node_modules/.bin" || \
 	echo "agent-clis: npm could not install $(AGENT_CLIS); the Codex CLI / Claude Code tests will skip"
 
