@@ -83,6 +83,7 @@ class TPDriver:
         self.pipeline_depth = pp
         self._exit_on_failure = exit_on_failure
         self._lock = threading.Lock()  # one command at a time on the control group
+        self._fail_lock = threading.Lock()
         self._stopping = False
         self._failure: str | None = None
         # (step id, tokens, their request ids where the step verified drafts): not yet sent to the followers
@@ -320,14 +321,18 @@ class TPDriver:
             self._fail(f"tensor-parallel rank process {child.pid} exited with {code}")
 
     def _fail(self, reason: str) -> None:
-        if self._failure is None:
-            self._failure = reason
-            log.error("tp_group_failed", reason=reason, exit_on_failure=self._exit_on_failure)
-        self._kill_children()  # a blocked collective on rank 0 then errors out too
-        if self._exit_on_failure:
-            for stream in (sys.stdout, sys.stderr):  # os._exit skips the buffers: keep the reason logged
-                stream.flush()
-            os._exit(1)  # noqa: SLF001 - the process is the worker: its supervisor restarts it
+        # One failure at a time: a dead rank is often noticed by two threads at once (the step's
+        # send and the result thread's receive), and the second one's exit must not cut off the
+        # first one's log line (the only record of why the worker restarted).
+        with self._fail_lock:
+            if self._failure is None:
+                self._failure = reason
+                log.error("tp_group_failed", reason=reason, exit_on_failure=self._exit_on_failure)
+            self._kill_children()  # a blocked collective on rank 0 then errors out too
+            if self._exit_on_failure:
+                for stream in (sys.stdout, sys.stderr):  # os._exit skips the buffers
+                    stream.flush()
+                os._exit(1)  # noqa: SLF001 - the process is the worker: its supervisor restarts it
 
     def _kill_children(self) -> None:
         for child in self._children:
