@@ -102,19 +102,24 @@ def _alert(url: str) -> dict | None:
 
 
 async def _overload(http_url: str, stop: asyncio.Event) -> None:
-    """OVERLOAD streams that each want the whole context: they queue behind the one running."""
+    """OVERLOAD clients that each send long streams back to back until `stop`: they queue behind the
+    one running. Each resends when its stream ends, because the stack's fake worker writes 1000 tokens
+    in a third of a second: one round of OVERLOAD requests drains in seconds, shorter than a scrape,
+    an evaluation and the rule's `for` together on a loaded machine."""
     body = {"prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
 
     async def one(client: httpx.AsyncClient) -> None:
-        async with client.stream("POST", f"{http_url}/v1/completions", json=body) as response:
-            async for _ in response.aiter_lines():
-                if stop.is_set():
-                    return  # leaving cancels the request upstream
+        while not stop.is_set():
+            async with client.stream("POST", f"{http_url}/v1/completions", json=body) as response:
+                assert response.status_code == 200, await response.aread()
+                async for _ in response.aiter_lines():
+                    if stop.is_set():
+                        return  # leaving cancels the request upstream
 
     async with httpx.AsyncClient(timeout=120) as client:
         tasks = [asyncio.create_task(one(client)) for _ in range(OVERLOAD)]
         await stop.wait()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks)  # a client that failed raises here
 
 
 async def test_a_forced_overload_fires_the_queue_depth_alert_in_a_real_prometheus(prometheus, gateway):
@@ -128,7 +133,9 @@ async def test_a_forced_overload_fires_the_queue_depth_alert_in_a_real_prometheu
         end = time.monotonic() + 150  # scrapes and rule evaluations slow down on a loaded CI machine
         while (alert := _alert(url)) is None or alert["state"] != "firing":
             assert time.monotonic() < end, f"{ALERT} never fired: {alert}"
-            assert not load.done(), "the overload ended before the alert fired"
+            if load.done():
+                load.result()  # a client's failure, raised here
+                raise AssertionError("the overload ended before the alert fired")
             await asyncio.sleep(0.5)  # poll; bounded by the deadline
     finally:
         stop.set()
