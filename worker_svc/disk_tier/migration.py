@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -32,6 +32,31 @@ from worker_svc.disk_tier.block_file import SUFFIX, BlockFileRefused, read_block
 log = get_logger(__name__)
 
 STALE_SECONDS = 600.0  # an export folder nobody imported this long after it was written is dropped
+
+
+def checked_payloads(imports: Sequence[KvImport], tokens: Mapping[str, list[int]], block_size: int,
+                     fetch: Callable[[KvImport, int], tuple[torch.Tensor, Sequence[int]]]) -> list[torch.Tensor]:
+    """Every import's block payloads in plan order, each block's tokens checked against the new
+    request's, whatever transport staged them (`fetch(load, index)` -> (payload, the block's token
+    ids), raising PlanError for a block it does not hold). PlanError before anything changed."""
+    payloads = []
+    for load in imports:
+        ids = tokens[load.request_id][:load.num_tokens]
+        for k in range(len(load.block_ids)):
+            index = load.first_block + k
+            payload, block_tokens = fetch(load, index)
+            if list(block_tokens) != ids[index * block_size:(index + 1) * block_size]:
+                raise PlanError(f"migrated KV {load.migration_id} block {index} holds other tokens "
+                                f"than {load.request_id!r}")
+            payloads.append(payload)
+    return payloads
+
+
+def copy_into_blocks(cache: torch.Tensor, imports: Sequence[KvImport], payloads: Sequence[torch.Tensor]) -> None:
+    """The verified payloads into the device blocks the plan gave each import, in plan order."""
+    blocks = [block for load in imports for block in load.block_ids]
+    for block, payload in zip(blocks, payloads, strict=True):
+        cache[:, :, block].copy_(payload.to(cache.device))
 
 
 def _safe_id(migration_id: str) -> str:
@@ -74,26 +99,18 @@ class MigrationStore:
     def read(self, imports: Sequence[KvImport], tokens: Mapping[str, list[int]]) -> list[torch.Tensor]:
         """The payloads of a plan's imports, verified (fingerprint, checksum, and the block's tokens
         against the new request's); PlanError, before anything changed, when one is refused."""
-        payloads = []
-        bs = self.block_size
-        for load in imports:
-            ids = tokens[load.request_id][:load.num_tokens]
-            for k in range(len(load.block_ids)):
-                index = load.first_block + k
-                path = self._path(load.migration_id, index)
-                try:
-                    payload, block = read_block_file(path, self.fingerprint)
-                except BlockFileRefused as error:
-                    raise PlanError(f"migrated block {path} refused: {error}") from error
-                if list(block.token_ids) != ids[index * bs:(index + 1) * bs]:
-                    raise PlanError(f"migrated block {path} holds other tokens than {load.request_id!r}")
-                payloads.append(payload)
-        return payloads
+        def block_file(load: KvImport, index: int) -> tuple[torch.Tensor, Sequence[int]]:
+            path = self._path(load.migration_id, index)
+            try:
+                payload, block = read_block_file(path, self.fingerprint)
+            except BlockFileRefused as error:
+                raise PlanError(f"migrated block {path} refused: {error}") from error
+            return payload, block.token_ids
+
+        return checked_payloads(imports, tokens, self.block_size, block_file)
 
     def place(self, cache: torch.Tensor, imports: Sequence[KvImport], payloads: Sequence[torch.Tensor]) -> None:
-        blocks = [block for load in imports for block in load.block_ids]
-        for block, payload in zip(blocks, payloads, strict=True):
-            cache[:, :, block].copy_(payload.to(cache.device))
+        copy_into_blocks(cache, imports, payloads)
         for load in imports:  # read: nobody needs the folder again
             shutil.rmtree(self.dir / _safe_id(load.migration_id), ignore_errors=True)
             log.info("kv_imported", request_id=load.request_id, migration_id=load.migration_id,

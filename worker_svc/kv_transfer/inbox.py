@@ -29,6 +29,7 @@ from pagoda.contract.errors import PlanError
 from pagoda.contract.step import KvImport
 from pagoda.runtime.logging import get_logger
 from worker_svc.disk_tier.block_file import BlockFileRefused, read_block_bytes
+from worker_svc.disk_tier.migration import checked_payloads, copy_into_blocks
 from worker_svc.kv_transfer.wire import Assembler, TransferRefused
 
 log = get_logger(__name__)
@@ -121,27 +122,19 @@ class KvInbox:
     def read(self, imports: Sequence[KvImport], tokens: Mapping[str, list[int]]) -> list[torch.Tensor]:
         """The payloads of a plan's imports, their tokens checked against the new requests' (as
         MigrationStore.read); PlanError, before anything changed, when one is missing or differs."""
-        payloads, bs = [], self.block_size
         with self._lock:
             staged = {load.migration_id: self._staged.get(load.migration_id) for load in imports}
-        for load in imports:
+
+        def staged_block(load: KvImport, index: int) -> tuple[torch.Tensor, Sequence[int]]:
             held = staged[load.migration_id]
-            ids = tokens[load.request_id][:load.num_tokens]
-            for k in range(len(load.block_ids)):
-                index = load.first_block + k
-                if held is None or index >= len(held.blocks):
-                    raise PlanError(f"migrated KV {load.migration_id} block {index} was not pulled here")
-                payload, block_tokens = held.blocks[index]
-                if list(block_tokens) != ids[index * bs:(index + 1) * bs]:
-                    raise PlanError(f"migrated KV {load.migration_id} block {index} holds other tokens "
-                                    f"than {load.request_id!r}")
-                payloads.append(payload)
-        return payloads
+            if held is None or index >= len(held.blocks):
+                raise PlanError(f"migrated KV {load.migration_id} block {index} was not pulled here")
+            return held.blocks[index]
+
+        return checked_payloads(imports, tokens, self.block_size, staged_block)
 
     def place(self, cache: torch.Tensor, imports: Sequence[KvImport], payloads: Sequence[torch.Tensor]) -> None:
-        blocks = [block for load in imports for block in load.block_ids]
-        for block, payload in zip(blocks, payloads, strict=True):
-            cache[:, :, block].copy_(payload.to(cache.device))
+        copy_into_blocks(cache, imports, payloads)
         with self._lock:
             for load in imports:  # loaded: nobody needs it again
                 self._staged.pop(load.migration_id, None)
