@@ -9,6 +9,7 @@
 - A killed rank on the second node: the request in flight ends with a clear error (the scheduler's
   --worker-timeout is short here; with the default a restart within it recomputes instead), rank 0
   exits, the supervisors start the ranks again, and the instance serves the same tokens again.
+  A frozen rank (SIGSTOP: a lost node closes no socket) is noticed by rank 0 within seconds too.
 """
 
 from __future__ import annotations
@@ -137,9 +138,24 @@ def test_two_launchers_one_instance(tiny_model_dir, expected, tmp_path) -> None:
         serves_again(base_url, tiny_model_dir, expected)
         assert rank_pids(1, master_port) not in ([], [rank1])  # node 1 started its rank again
         assert "tp_group_failed" in node0.log() and "restarting" in node0.log()
+        freeze_a_rank_and_see_rank0_fail(node0, rank_pids(1, master_port))
+        serves_again(base_url, tiny_model_dir, expected)
     finally:
         codes = node0.stop(), node1.stop()
     assert codes == (0, 0), (node0.log()[-3000:], node1.log()[-3000:])
+
+
+def freeze_a_rank_and_see_rank0_fail(node0: Launcher, pids: list[int]) -> None:
+    """A lost node closes no socket: SIGSTOP its rank. Rank 0 must notice from the heartbeat
+    counters within seconds (worker_svc/parallel/liveness.py), not at a receive's 10-minute timeout."""
+    [pid] = pids
+    os.kill(pid, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        node0.wait_for_line("sent no heartbeat", deadline_s=90)
+    finally:
+        os.kill(pid, signal.SIGCONT)  # then rank 0's silence ends it and node 1 starts it again
+    assert time.monotonic() - started < 60, "rank 0 took more than a minute to notice a frozen rank"
 
 
 def test_ray_cluster_places_the_stages_on_two_nodes(tiny_model_dir, expected, tmp_path, monkeypatch) -> None:

@@ -18,10 +18,10 @@ import threading
 import time
 
 from pagoda.runtime.logging import configure_logging, get_logger
+from worker_svc.parallel.liveness import HEARTBEAT_S, start_beating, store_client
 
 log = get_logger("worker_svc.parallel.tp_rank")
 PARENT_POLL_S = 1.0
-HEARTBEAT_S = 2.0  # rank 0 pings idle ranks this often (worker_svc/parallel/tp_worker.py)
 RANK0_SILENCE_S = 20.0  # a waiting rank that heard nothing for this long ends itself
 
 
@@ -97,6 +97,7 @@ def serve_rank(rank: int, world_size: int, init_method: str, config) -> None:
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(world_size // config.nnodes))
     groups = init_groups(rank, world_size, tp_size, init_method, device)
+    start_beating(store_client(init_method), rank)  # from now on rank 0 can tell we are alive
     channel = command_channel(groups)
     command, rank0_config = channel.receive()
     if command != "config":

@@ -54,9 +54,9 @@ from worker_svc.parallel.distributed import (
     destroy_group,
     init_groups,
 )
+from worker_svc.parallel.liveness import HEARTBEAT_S, Listener, store_client
 from worker_svc.parallel.multinode import Placement, rank_argv
 from worker_svc.parallel.pipeline import partition_layers, stage_of
-from worker_svc.parallel.tp_rank import HEARTBEAT_S
 
 log = get_logger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -123,6 +123,7 @@ class TPDriver:
         if pp > 1:
             threading.Thread(target=self._collect_results, daemon=True, name="pp-results").start()
         self._last_command = time.monotonic()
+        self._listener = Listener(store_client(init_method), range(1, placement.world_size))
         threading.Thread(target=self._heartbeat, daemon=True, name="rank0-heartbeat").start()
         atexit.register(self.close)
         log.info("tp_group_ready", tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -282,10 +283,23 @@ class TPDriver:
         self._drafting.clear()
 
     def _heartbeat(self) -> None:
-        """Ping the ranks when no command went out for HEARTBEAT_S (tp_rank.Watchdog): a rank whose
-        rank 0 vanished without closing its sockets then notices in seconds."""
+        """Both directions of liveness, every HEARTBEAT_S. Listen: a follower whose counter stood
+        still (liveness.py; its node lost without a socket closing) fails the group now rather than
+        at the next receive's timeout. Ping the ranks when no command went out for HEARTBEAT_S
+        (tp_rank.Watchdog): a rank whose rank 0 vanished the same way then notices in seconds."""
         while not self._stopping and self._failure is None:
             time.sleep(HEARTBEAT_S)  # a poll interval
+            if self._stopping or self._failure is not None:
+                return  # closing: the followers stop beating on purpose
+            try:
+                silent = self._listener.silent()
+            except Exception as error:  # noqa: BLE001 - our own store failing is a group failure too
+                self._fail(f"the rendezvous store could not be read: {error!r}")
+                return
+            if silent:
+                rank, seconds = next(iter(silent.items()))
+                self._fail(f"rank {rank} sent no heartbeat for {seconds:.0f} s (its process, node or link is gone)")
+                return
             if time.monotonic() - self._last_command < HEARTBEAT_S or not self._lock.acquire(blocking=False):
                 continue
             try:
