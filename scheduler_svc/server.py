@@ -120,7 +120,8 @@ class RunningEngine:
 
 
 async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
-    server = new_server()
+    # Image prompts carry their pixels (docs/vision.md): more than gRPC's 4 MiB default.
+    server = new_server([("grpc.max_receive_message_length", 64 << 20)])
     servicer = EngineServicer()
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
     health = HealthState(SERVICE_NAME)

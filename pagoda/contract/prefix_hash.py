@@ -37,12 +37,15 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple
     return digest.digest()
 
 
-def block_extra_keys(block_index: int, cache_salt: str | None, lora_key: str | None = None) -> tuple:
+def block_extra_keys(block_index: int, cache_salt: str | None, lora_key: str | None = None,
+                     mm_keys: tuple = ()) -> tuple:
+    """`mm_keys`: ("mm", image hash) of the images overlapping this block (multimodal.mm_block_keys)."""
     if block_index:
-        return ()
+        return mm_keys
     keys = () if cache_salt is None else (cache_salt,)
     # Tagged, so an adapter key can never equal a salt; without an adapter the keys are unchanged.
-    return keys if lora_key is None else (*keys, ("lora", lora_key))
+    keys = keys if lora_key is None else (*keys, ("lora", lora_key))
+    return (*keys, *mm_keys) if mm_keys else keys
 
 
 def prefix_hash(token_ids: Sequence[int], block_size: int, cache_salt: str | None,

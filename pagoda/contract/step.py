@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from pagoda.contract.ids import BlockId, RequestId
 from pagoda.contract.lora import LoRARequest
+from pagoda.contract.multimodal import MultiModalInput
 from pagoda.contract.params import SamplingParams
 
 
@@ -40,6 +41,7 @@ class NewRequestData:
     sampling: SamplingParams
     seq_index: int = 0  # which of the n sequences this is (seeds sampling of forks)
     lora: LoRARequest | None = None  # the adapter it runs under (the worker loads it); None: base
+    mm_inputs: tuple[MultiModalInput, ...] = ()  # the prompt's images (the worker encodes them)
 
 
 @dataclass(slots=True)

@@ -12,6 +12,8 @@ from pagoda.contract.common_codec import (
     logprobs_to_pb,
     lora_from_pb,
     lora_to_pb,
+    mm_list_from_pb,
+    mm_to_pb,
     sampling_from_pb,
     sampling_to_pb,
 )
@@ -114,7 +116,7 @@ def _new_request_to_pb(r: NewRequestData) -> worker_pb2.NewRequest:
         request_id=r.request_id, token_ids=r.token_ids, num_prompt_tokens=r.num_prompt_tokens,
         block_ids=r.block_ids, num_computed_tokens=r.num_computed_tokens,
         num_scheduled_tokens=r.num_scheduled_tokens, sampling=sampling_to_pb(r.sampling),
-        seq_index=r.seq_index, lora=lora_to_pb(r.lora))
+        seq_index=r.seq_index, lora=lora_to_pb(r.lora), mm_inputs=[mm_to_pb(m) for m in r.mm_inputs])
 
 
 def _new_request_from_pb(pb: worker_pb2.NewRequest) -> NewRequestData:
@@ -122,7 +124,8 @@ def _new_request_from_pb(pb: worker_pb2.NewRequest) -> NewRequestData:
         request_id=RequestId(pb.request_id), token_ids=list(pb.token_ids),
         num_prompt_tokens=pb.num_prompt_tokens, block_ids=[BlockId(b) for b in pb.block_ids],
         num_computed_tokens=pb.num_computed_tokens, num_scheduled_tokens=pb.num_scheduled_tokens,
-        sampling=sampling_from_pb(pb.sampling), seq_index=pb.seq_index, lora=lora_from_pb(pb))
+        sampling=sampling_from_pb(pb.sampling), seq_index=pb.seq_index, lora=lora_from_pb(pb),
+        mm_inputs=mm_list_from_pb(pb.mm_inputs))
 
 
 # -- step results -----------------------------------------------------------------------------

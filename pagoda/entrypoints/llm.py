@@ -154,6 +154,7 @@ class LLM:
         self.scheduler.restore_disk_tier(info.disk_blocks)  # kv_offload_dir's files, from earlier runs too
         self.model_dir = model
         self._tokenizer: Any = None
+        self._images: Any = None  # pagoda.contract.image_inputs.ImageProcessor, on the first image
         self._request_counter = itertools.count()
         if pinned_prompts:  # prefilled now, kept in the prefix cache for this LLM's lifetime
             for prompt in pinned_prompts:
@@ -200,10 +201,12 @@ class LLM:
             for prompt, sampling, lora in zip(prompts, params, loras, strict=True):
                 request_id = RequestId(str(next(self._request_counter)))
                 text, token_ids = self._tokenize(prompt)
+                token_ids, mm_inputs = self._with_images(prompt, token_ids)
                 sampling = self._resolve_params(sampling)
                 if lora is not None:  # a missing or too-large adapter fails here, not in a step
                     read_adapter_config(lora.lora_path, self.worker_info.max_lora_rank or None)
-                self.scheduler.add_request(EngineRequest(request_id, tuple(token_ids), sampling, lora=lora))
+                self.scheduler.add_request(EngineRequest(request_id, tuple(token_ids), sampling, lora=lora,
+                                                         mm_inputs=mm_inputs))
                 outputs[request_id] = RequestOutput(
                     request_id, text, list(token_ids),
                     [CompletionOutput(i, logprobs=[] if sampling.logprobs is not None else None)
@@ -283,7 +286,26 @@ class LLM:
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
+            return prompt["prompt"], list(self.tokenizer(prompt["prompt"])["input_ids"])
         raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt)}")
+
+    def _with_images(self, prompt: Prompt, token_ids: list[int]) -> tuple[list[int], tuple]:
+        """vLLM's `multi_modal_data={"image": image or [images]}` (PIL images, or encoded bytes): the
+        prompt holds one placeholder token per image (LLaVA's `<image>`), expanded here."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return token_ids, ()
+        from pagoda.contract.image_inputs import ImageProcessor, decode_image
+
+        if self._images is None:
+            self._images = ImageProcessor.load(self.model_dir)
+            if self._images is None:
+                raise ValueError(f"{self.model_dir} is not a vision-language model: no multi_modal_data")
+        images = data.get("image", [])
+        images = [decode_image(i) if isinstance(i, bytes) else i
+                  for i in (images if isinstance(images, list | tuple) else [images])]
+        return self._images.expand(token_ids, images)
 
     def _detokenize(self, token_ids: list[int]) -> str:
         try:

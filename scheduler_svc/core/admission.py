@@ -162,7 +162,7 @@ class Admission:
             self._migrator.load(seq, num_hit, draft.plan)
         draft.plan.new_requests.append(NewRequestData(
             seq.seq_id, list(seq.token_ids), req.worker_num_prompt_tokens, list(seq.block_table),
-            start, num_new, req.worker_sampling, seq.seq_index, req.lora))
+            start, num_new, req.worker_sampling, seq.seq_index, req.lora, req.mm_inputs))
         seq.resident = True
         self._queues.add_running(seq)
         draft.commit(seq, num_new)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pagoda.contract.errors import InvalidRequestError, QueueFullError
+from pagoda.contract.multimodal import check_mm_inputs
 from pagoda.contract.params import check_context_length
 from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core.brownout import BrownoutConfig
@@ -171,6 +172,10 @@ def check_request(cfg: SchedulerConfig, request: EngineRequest, num_waiting: int
     if not prompt:
         raise InvalidRequestError("the prompt is empty: at least one token is required")
     check_context_length(cfg.max_model_len, len(prompt), sampling.max_tokens)
+    try:
+        check_mm_inputs(request.mm_inputs, len(prompt))
+    except ValueError as error:
+        raise InvalidRequestError(str(error)) from None
     if request.num_prior_output_tokens:
         if request.num_prior_output_tokens >= len(prompt):
             raise InvalidRequestError("num_prior_output_tokens must be less than the prompt's length")

@@ -130,7 +130,8 @@ class Scheduler:
                       next(self._arrivals), request.cache_salt, request.lora, num_unfinished=num_seqs,
                       stop_token_set=stop_set, num_prior_output_tokens=request.num_prior_output_tokens,
                       session_id=request.session_id, session_ttl=request.session_ttl,
-                      tenant=request.tenant, kv_import=self._checked_import(request))
+                      tenant=request.tenant, kv_import=self._checked_import(request),
+                      mm_inputs=request.mm_inputs)
         seq = Sequence(rid, 0, req, list(prompt), pending_fork=num_seqs > 1)
         req.seqs.append(seq)
         if sampling.beam_width:

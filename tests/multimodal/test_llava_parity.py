@@ -1,0 +1,97 @@
+"""Greedy parity with HF `LlavaForConditionalGeneration.generate` on the tiny LLaVA, through the
+offline LLM (the services' scheduler core and model runner): one and two images per prompt, chunked
+prefill cutting through an image, a cramped pool (preemption), and image-aware prefix caching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.contract.params import SamplingParams
+from pagoda.entrypoints.llm import LLM
+from pagoda.tools.tiny_llava import IMAGE_TOKEN_ID, NUM_IMAGE_TOKENS
+from tests.multimodal.conftest import make_image
+
+MAX_TOKENS = 12
+PROMPT_1 = "<|im_start|>user\n<image>Describe the picture.<|im_end|>\n<|im_start|>assistant\n"
+PROMPT_2 = "<|im_start|>user\nFirst <image> then <image> compare them.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def hf_greedy(hf_llava, llava_dir, prompt: str, images: list) -> tuple[list[int], list[int]]:
+    """(HF processor's prompt ids, HF's greedy continuation)."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(llava_dir)
+    inputs = processor(text=prompt, images=images, return_tensors="pt")
+    with torch.no_grad():
+        out = hf_llava.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS)
+    ids = inputs["input_ids"][0].tolist()
+    return ids, out[0, len(ids):].tolist()
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def run(llm: LLM, prompt: str, images: list):
+    return llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, greedy(), use_tqdm=False)[0]
+
+
+@pytest.fixture(scope="module")
+def cases(hf_llava, llava_dir):
+    one = [make_image(1)], [make_image(2)]
+    two = [make_image(3), make_image(4, (40, 90))]
+    return {
+        "one_a": (PROMPT_1, one[0], *hf_greedy(hf_llava, llava_dir, PROMPT_1, one[0])),
+        "one_b": (PROMPT_1, one[1], *hf_greedy(hf_llava, llava_dir, PROMPT_1, one[1])),
+        "two": (PROMPT_2, two, *hf_greedy(hf_llava, llava_dir, PROMPT_2, two)),
+    }
+
+
+def test_images_steer_the_reference(cases):
+    # Otherwise parity would prove nothing about the splice.
+    assert cases["one_a"][3] != cases["one_b"][3]
+
+
+@pytest.mark.parametrize("max_batched, block_size", [(2048, 16), (7, 4)])
+def test_greedy_matches_hf(llava_dir, cases, max_batched, block_size):
+    # (7, 4): every prefill chunk is 7 tokens, so chunks start and end inside each image's run.
+    with LLM(llava_dir, device="cpu", dtype="float32", block_size=block_size,
+             max_num_batched_tokens=max_batched, enable_prefix_caching=False) as llm:
+        for name, (prompt, images, hf_ids, hf_out) in cases.items():
+            out = run(llm, prompt, images)
+            assert out.prompt_token_ids == hf_ids, name
+            assert out.prompt_token_ids.count(IMAGE_TOKEN_ID) == NUM_IMAGE_TOKENS * len(images)
+            assert out.outputs[0].token_ids == hf_out, name
+
+
+def test_cramped_pool_batch_matches_hf(llava_dir, cases):
+    # 3 requests of 33, 33 and 57 prompt tokens (+12) in 18 blocks of 4 tokens (the largest alone
+    # needs 18): they preempt each other and resume (images sent again, served from the encoder cache).
+    names = list(cases)
+    with LLM(llava_dir, device="cpu", dtype="float32", block_size=4, num_gpu_blocks_override=18,
+             max_num_batched_tokens=128, enable_prefix_caching=False) as llm:
+        prompts = [{"prompt": cases[n][0], "multi_modal_data": {"image": cases[n][1]}} for n in names]
+        outs = llm.generate(prompts, greedy(), use_tqdm=False)
+        assert llm.stats().num_preemptions > 0
+    for name, out in zip(names, outs, strict=True):
+        assert out.outputs[0].token_ids == cases[name][3], name
+
+
+def test_prefix_cache_keys_include_the_image(llava_dir, cases):
+    prompt, image_a, ids_a, out_a = cases["one_a"]
+    _, image_b, _, out_b = cases["one_b"]
+    offset = ids_a.index(IMAGE_TOKEN_ID)  # the image starts in block offset // 4
+    with LLM(llava_dir, device="cpu", dtype="float32", block_size=4, enable_prefix_caching=True) as llm:
+        first = run(llm, prompt, image_a)
+        assert first.num_cached_tokens == 0
+        same = run(llm, prompt, image_a)
+        # every full block but the last token's: (len - 1) // 4 blocks
+        assert same.num_cached_tokens == (len(ids_a) - 1) // 4 * 4
+        assert same.outputs[0].token_ids == out_a
+        other = run(llm, prompt, image_b)
+        # only the text blocks wholly before the image are shared
+        assert other.num_cached_tokens == offset // 4 * 4
+        assert other.outputs[0].token_ids == out_b
+        encoder = llm.runner.mm.cache
+        assert encoder.num_encoded == 2  # image_a once (the hit never re-encoded it), image_b once
