@@ -95,3 +95,42 @@ def test_prefix_cache_keys_include_the_image(llava_dir, cases):
         assert other.outputs[0].token_ids == out_b
         encoder = llm.runner.mm.cache
         assert encoder.num_encoded == 2  # image_a once (the hit never re-encoded it), image_b once
+
+
+def test_swap_preemption_matches_hf(llava_dir, cases):
+    # Swapped-out requests resume as new ones whose KV (image rows included) comes back from the host.
+    names = list(cases)
+    with LLM(llava_dir, device="cpu", dtype="float32", block_size=4, num_gpu_blocks_override=18,
+             max_num_batched_tokens=128, enable_prefix_caching=False, preemption_mode="swap",
+             swap_space=64 * 4 * 2 * 2 * 64 * 4 / (1 << 30)) as llm:
+        prompts = [{"prompt": cases[n][0], "multi_modal_data": {"image": cases[n][1]}} for n in names]
+        outs = llm.generate(prompts, greedy(), use_tqdm=False)
+        assert llm.stats().num_swap_preemptions > 0
+    for name, out in zip(names, outs, strict=True):
+        assert out.outputs[0].token_ids == cases[name][3], name
+
+
+def test_mixed_soak_leaks_no_blocks_or_encoder_entries(llava_dir):
+    # 60 requests: text only, one image (8 distinct images, so the 4-entry encoder cache evicts),
+    # the same image again (prefix hits), on a pool small enough to preempt.
+    text = "<|im_start|>user\nTell me a story.<|im_end|>\n<|im_start|>assistant\n"
+    prompts = [{"prompt": text} if i % 3 == 0 else
+               {"prompt": PROMPT_1, "multi_modal_data": {"image": [make_image(100 + i % 8)]}}
+               for i in range(60)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(llava_dir, device="cpu", dtype="float32", block_size=4, num_gpu_blocks_override=40,
+             max_num_batched_tokens=64, max_num_seqs=8) as llm:
+        llm.runner.mm.cache.capacity = 4
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+        llm.scheduler.check_invariants()
+        stats = llm.stats()
+        assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
+        assert stats.num_free_blocks + stats.num_evictable_blocks == 40
+        assert len(llm.runner.mm.cache) <= 4
+        assert llm.runner.mm.cache.num_encoded >= 8  # every distinct image at least once
+    # each image prompt's answer depends only on its image (identical prompts, identical answers)
+    by_image: dict[int, list[int]] = {}
+    for i, out in enumerate(outs):
+        if i % 3:
+            assert by_image.setdefault(i % 8, out.outputs[0].token_ids) == out.outputs[0].token_ids
