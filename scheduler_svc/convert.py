@@ -132,6 +132,7 @@ _STATS_FIELDS = {
     "blocks_swapped_out": "blocks_swapped_out", "blocks_swapped_in": "blocks_swapped_in",
     "num_cpu_blocks": "num_cpu_blocks", "cpu_kv_usage": "cpu_kv_cache_usage",
     "prefill_tokens_computed": "prefill_tokens_computed",
+    "encoder_tokens": "encoder_tokens", "encoder_cache_hits": "encoder_cache_hits",
     "num_offload_blocks": "num_offload_blocks", "offload_kv_usage": "offload_kv_cache_usage",
     "blocks_offloaded": "blocks_offloaded", "blocks_loaded": "blocks_loaded",
     "blocks_offload_dropped": "blocks_offload_dropped", "num_sessions": "num_sessions",

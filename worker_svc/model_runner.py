@@ -335,6 +335,8 @@ class ModelRunner:
         logits, rows, states, drafted, prompt_logprobs = self._forward(seqs, forks, plan.draft_token_ids)
         result.prompt_logprobs = prompt_logprobs
         result.embeddings = self._embeddings
+        if self.mm is not None:
+            result.num_encoder_tokens, result.num_encoder_cache_hits = self.mm.take_step_counts()
         if logits is None:  # a follower: the sampling rank's tokens come with a later plan
             if states or drafted:
                 self.unsampled[plan.step_id] = (states, drafted)

@@ -60,6 +60,14 @@ class MultiModalEmbedder:
         self.vision = vision
         self.dtype, self.device = dtype, device
         self.cache = EncoderCache(cache_size)
+        self._reported = (0, 0)  # (encoder tokens, cache hits) at the last take_step_counts
+
+    def take_step_counts(self) -> tuple[int, int]:
+        """(encoder tokens, cache hits) since the last call: one step's, for its StepResult."""
+        now = (self.cache.num_encoder_tokens, self.cache.num_hits)
+        step = (now[0] - self._reported[0], now[1] - self._reported[1])
+        self._reported = now
+        return step
 
     def needed(self, seqs: list[ScheduledSeq]) -> bool:
         """Whether any row of this step is an image placeholder."""

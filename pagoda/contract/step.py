@@ -234,6 +234,8 @@ class StepResult:
     # Requests with prompt_logprobs: what this step's prefill chunk covered (worker_svc/prompt_logprobs.py)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     embeddings: list[Embedding] = field(default_factory=list)  # pooling requests (SamplingParams.pooling)
+    num_encoder_tokens: int = 0  # image embedding rows the vision encoder produced this step
+    num_encoder_cache_hits: int = 0  # image lookups its encoder cache served instead
 
 
 @dataclass(frozen=True, slots=True)

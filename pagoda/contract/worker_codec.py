@@ -141,7 +141,8 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
         prompt_logprobs=[worker_pb2.PromptLogprobs(
             request_id=p.request_id, start=p.start, logprobs=[logprobs_to_pb(lp) for lp in p.logprobs])
             for p in result.prompt_logprobs],
-        embeddings=[worker_pb2.Embedding(request_id=e.request_id, values=e.values) for e in result.embeddings])
+        embeddings=[worker_pb2.Embedding(request_id=e.request_id, values=e.values) for e in result.embeddings],
+        num_encoder_tokens=result.num_encoder_tokens, num_encoder_cache_hits=result.num_encoder_cache_hits)
 
 
 def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
@@ -153,7 +154,8 @@ def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
         prompt_logprobs=[PromptLogprobs(RequestId(p.request_id), p.start,
                                         [logprobs_from_pb(lp) for lp in p.logprobs])
                          for p in pb.prompt_logprobs],
-        embeddings=[Embedding(RequestId(e.request_id), list(e.values)) for e in pb.embeddings])
+        embeddings=[Embedding(RequestId(e.request_id), list(e.values)) for e in pb.embeddings],
+        num_encoder_tokens=pb.num_encoder_tokens, num_encoder_cache_hits=pb.num_encoder_cache_hits)
 
 
 def error_result_pb(step_id: int, code: int, message: str) -> worker_pb2.StepResult:

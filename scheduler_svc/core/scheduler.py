@@ -226,6 +226,8 @@ class Scheduler:
             expected = self._inflight[0].step_id if self._inflight else None
             raise ValueError(f"result for step {result.step_id}, expected step {expected}")
         step = self._inflight.popleft()
+        self._counters.encoder_tokens += result.num_encoder_tokens
+        self._counters.encoder_cache_hits += result.num_encoder_cache_hits
         kv = self._kv
         if kv.index is not None:
             kv.register_reported(step.computed)
@@ -393,6 +395,7 @@ class Scheduler:
             num_swap_preemptions=swap.num_swap_preemptions, blocks_swapped_out=swap.blocks_swapped_out,
             blocks_swapped_in=swap.blocks_swapped_in, num_cpu_blocks=self.config.num_cpu_blocks,
             cpu_kv_usage=swap.cpu_kv_usage, prefill_tokens_computed=c.prefill_tokens_computed,
+            encoder_tokens=c.encoder_tokens, encoder_cache_hits=c.encoder_cache_hits,
             num_sessions=len(self._leases), num_session_blocks=self._leases.num_blocks,
             tenants=self._tenants.stats(q.waiting.lengths()),
             **tier_stats(self._kv.tier), **disk_tier_stats(self._kv.disk))

@@ -95,6 +95,8 @@ def test_prefix_cache_keys_include_the_image(llava_dir, cases):
         assert other.outputs[0].token_ids == out_b
         encoder = llm.runner.mm.cache
         assert encoder.num_encoded == 2  # image_a once (the hit never re-encoded it), image_b once
+        stats = llm.stats()  # what the services export as pagoda:encoder_tokens / _cache_hits
+        assert (stats.encoder_tokens, stats.encoder_cache_hits) == (2 * NUM_IMAGE_TOKENS, 0)
 
 
 def test_swap_preemption_matches_hf(llava_dir, cases):

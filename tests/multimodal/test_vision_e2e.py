@@ -70,6 +70,12 @@ def test_openai_client_image_url(stack, expected):
     third = client.chat.completions.create(model=model, messages=other, max_tokens=MAX_TOKENS, extra_body=GREEDY)
     assert third.choices[0].message.content != expected[1]
     assert third.usage.prompt_tokens_details.cached_tokens == 4  # only the block before the image
+    # 16-token chunks cut the first image: its later chunk is an encoder-cache hit, not a second
+    # encoding (two images, 16 rows each, encoded once each)
+    metrics = httpx.get(f"{stack}/metrics", timeout=10).text
+    counts = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith(("pagoda:encoder_tokens_total", "pagoda:encoder_cache_hits_total"))}
+    assert counts["pagoda:encoder_tokens_total"] == 32.0 and counts["pagoda:encoder_cache_hits_total"] >= 1, counts
 
 
 def test_anthropic_client_base64_image(stack, expected):
