@@ -81,6 +81,9 @@ class SchedulerConfig:
     # A prefill longer than this gets at most this many tokens per step, so one long prompt cannot
     # monopolise a step. 0 = auto (max_num_batched_tokens // 2).
     long_prefill_token_threshold: int = 0
+    # Image embedding rows the worker may encode per step (vLLM's --max-num-encoder-input-tokens;
+    # encoder_budget.py). 0 = max_num_batched_tokens.
+    max_num_encoder_input_tokens: int = 0
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 4096  # the bounded queue: beyond it add_request raises QueueFullError
     max_waiting_tokens: int | None = None  # optional bound on the prompt tokens waiting
@@ -143,6 +146,10 @@ class SchedulerConfig:
             raise ValueError(f"tenant_kv_share must be in (0, 1], got {self.tenant_kv_share}")
         if self.tenant_fairness not in ("off", "vtc"):
             raise ValueError(f"tenant_fairness must be 'off' or 'vtc', got {self.tenant_fairness!r}")
+
+    @property
+    def encoder_budget(self) -> int:
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
 
     @property
     def cached_first(self) -> bool:

@@ -206,7 +206,8 @@ class Scheduler:
         plan = self._new_plan()
         if self._migrator.asked:  # before scheduling: the migrating sequences leave in this plan
             self._detach_migrating(plan)
-        draft = StepDraft(plan, brownout.step_budget, self.config.block_size)
+        draft = StepDraft(plan, brownout.step_budget, self.config.block_size,
+                          encoder_budget=self.config.encoder_budget, encoder_full=self.config.encoder_budget)
         self._pool_preempted, self._capped_preempted = False, set()
         self._schedule_running(draft)
         # After a preemption for want of pool blocks nothing is admitted (it would take them back);
@@ -534,6 +535,7 @@ class Scheduler:
                 continue
             gap = total - start
             num_new = gap if gap <= threshold and gap <= budget else min(gap, threshold, budget)
+            num_new, encoder_cost = draft.encoder_cut(seq, start, num_new)  # images it cannot encode wait
             # A step that would sample a token beyond max_tokens is not scheduled at all.
             if num_new == 0 or (num_new == gap and not seq.may_sample()):
                 counts[seq.seq_id] = 0
@@ -552,6 +554,7 @@ class Scheduler:
                 counts[seq.seq_id] = num_new
             draft.commit(seq, num_new)
             budget -= num_new
+            draft.encoder_budget -= encoder_cost
         draft.budget = budget
         draft.num_decode += num_decode
         draft.num_scheduled += num_decode
@@ -650,7 +653,8 @@ class Scheduler:
         if target is None:
             return self.schedule()
         plan = self._new_plan()
-        draft = StepDraft(plan, self.config.max_num_batched_tokens, self.config.block_size)
+        draft = StepDraft(plan, self.config.max_num_batched_tokens, self.config.block_size,
+                          encoder_budget=self.config.encoder_budget, encoder_full=self.config.encoder_budget)
         group = None  # a running beam's whole group is scheduled with it (beam_group.py)
         if target.status is SeqStatus.RUNNING:
             group = target.request if target.request.beam is not None else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagoda.contract.step import StepPlan
+from scheduler_svc.core.encoder_budget import cut_for_encoder
 from scheduler_svc.core.request import Sequence
 
 
@@ -33,6 +34,15 @@ class StepDraft:
     num_prefill: int = 0  # tokens
     num_decode: int = 0  # sequences (one token each)
     blocks_short: bool = False  # a running beam group waits for deferred frees: admit nothing
+    encoder_budget: int = 0  # image rows the worker may still encode this step (encoder_budget.py)
+    encoder_full: int = 0  # the whole budget (--max-num-encoder-input-tokens)
+
+    def encoder_cut(self, seq: Sequence, start: int, num_new: int) -> tuple[int, int]:
+        """(num_new cut before the first image this step's encoder budget cannot pay, the rows the
+        rest costs): the caller pays (`encoder_budget -= cost`) once the chunk is scheduled."""
+        if not seq.request.mm_inputs:
+            return num_new, 0
+        return cut_for_encoder(seq.request.mm_inputs, start, num_new, self.encoder_budget, self.encoder_full)
 
     def commit(self, seq: Sequence, num_new: int) -> None:
         """Advance seq's num_computed by `num_new` scheduled tokens (tokens of in-flight steps count);

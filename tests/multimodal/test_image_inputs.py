@@ -103,3 +103,15 @@ async def test_urls_are_fetched_only_from_allowed_domains(image_server):
         await _image_bytes("file:///etc/passwd", allowed)
     encoded = base64.b64encode(_Images.body).decode()
     assert await _image_bytes(f"data:image/png;base64,{encoded}", MediaConfig()) == _Images.body
+
+
+def test_chunks_stop_before_an_image_the_encoder_budget_cannot_pay():
+    from scheduler_svc.core.encoder_budget import cut_for_encoder
+
+    items = (item(4, 16, "a"), item(24, 16, "b"))
+    assert cut_for_encoder(items, 0, 64, 32, 32) == (64, 32)  # both fit
+    assert cut_for_encoder(items, 0, 64, 16, 32) == (24, 16)  # stops before b
+    assert cut_for_encoder(items, 0, 64, 8, 32) == (4, 0)  # stops before a
+    assert cut_for_encoder(items, 4, 64, 8, 32) == (0, 0)  # starts at a: waits for a later step
+    assert cut_for_encoder(items, 4, 64, 8, 8) == (20, 16)  # ... unless nothing was encoded this step
+    assert cut_for_encoder(items, 10, 10, 0, 32) == (10, 0)  # a begun image is cached: free

@@ -136,3 +136,27 @@ def test_mixed_soak_leaks_no_blocks_or_encoder_entries(llava_dir):
     for i, out in enumerate(outs):
         if i % 3:
             assert by_image.setdefault(i % 8, out.outputs[0].token_ids) == out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("encoder_budget, most_per_step", [(0, 4 * NUM_IMAGE_TOKENS), (NUM_IMAGE_TOKENS, NUM_IMAGE_TOKENS)])
+def test_encoder_budget_bounds_the_images_encoded_per_step(llava_dir, cases, encoder_budget, most_per_step):
+    # The batch's first step holds 4 images (1 + 1 + 2); with a 16-row budget each step encodes one,
+    # chunks stopping right before the image the step cannot pay, and the answers do not change.
+    names = list(cases)
+    with LLM(llava_dir, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=2048,
+             long_prefill_token_threshold=2048, enable_prefix_caching=False,
+             max_num_encoder_input_tokens=encoder_budget) as llm:
+        per_step: list[int] = []
+        execute = llm.runner.execute
+
+        def recording(plan):
+            result = execute(plan)
+            per_step.append(result.num_encoder_tokens)
+            return result
+
+        llm.runner.execute = recording
+        prompts = [{"prompt": cases[n][0], "multi_modal_data": {"image": cases[n][1]}} for n in names]
+        outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert max(per_step) == most_per_step and sum(per_step) == 4 * NUM_IMAGE_TOKENS
+    for name, out in zip(names, outs, strict=True):
+        assert out.outputs[0].token_ids == cases[name][3], name
