@@ -82,7 +82,7 @@ class SchedulerConfig:
     # monopolise a step. 0 = auto (max_num_batched_tokens // 2).
     long_prefill_token_threshold: int = 0
     # Image embedding rows the worker may encode per step (vLLM's --max-num-encoder-input-tokens;
-    # encoder_budget.py). 0 = max_num_batched_tokens.
+    # step_draft.cut_for_encoder). 0 = max_num_batched_tokens.
     max_num_encoder_input_tokens: int = 0
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 4096  # the bounded queue: beyond it add_request raises QueueFullError

@@ -106,7 +106,7 @@ async def test_urls_are_fetched_only_from_allowed_domains(image_server):
 
 
 def test_chunks_stop_before_an_image_the_encoder_budget_cannot_pay():
-    from scheduler_svc.core.encoder_budget import cut_for_encoder
+    from scheduler_svc.core.step_draft import cut_for_encoder
 
     items = (item(4, 16, "a"), item(24, 16, "b"))
     assert cut_for_encoder(items, 0, 64, 32, 32) == (64, 32)  # both fit
