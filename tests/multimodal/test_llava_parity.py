@@ -160,3 +160,12 @@ def test_encoder_budget_bounds_the_images_encoded_per_step(llava_dir, cases, enc
     assert max(per_step) == most_per_step and sum(per_step) == 4 * NUM_IMAGE_TOKENS
     for name, out in zip(names, outs, strict=True):
         assert out.outputs[0].token_ids == cases[name][3], name
+
+
+def test_tensor_parallel_matches_hf(llava_dir, cases):
+    # TP=2: the language model's heads and MLP are sharded; every rank runs the (replicated) vision
+    # tower on the images the broadcast plan carries, and 7-token chunks cut through them.
+    with LLM(llava_dir, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=7,
+             enable_prefix_caching=False, tensor_parallel_size=2) as llm:
+        for name, (prompt, images, _, hf_out) in cases.items():
+            assert run(llm, prompt, images).outputs[0].token_ids == hf_out, name
