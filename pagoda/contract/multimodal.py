@@ -38,7 +38,8 @@ def mm_block_keys(items: Sequence[MultiModalInput], block_index: int, block_size
     if not items:
         return ()
     start, end = block_index * block_size, (block_index + 1) * block_size
-    return tuple(("mm", item.hash) for item in items if item.offset < end and item.end > start)
+    # offset + length, not .end: the gateway's router passes the wire's MultiModalInput messages
+    return tuple(("mm", item.hash) for item in items if item.offset < end and item.offset + item.length > start)
 
 
 def check_mm_inputs(items: Sequence[MultiModalInput], num_prompt_tokens: int) -> None:

@@ -115,3 +115,15 @@ def test_chunks_stop_before_an_image_the_encoder_budget_cannot_pay():
     assert cut_for_encoder(items, 4, 64, 8, 32) == (0, 0)  # starts at a: waits for a later step
     assert cut_for_encoder(items, 4, 64, 8, 8) == (20, 16)  # ... unless nothing was encoded this step
     assert cut_for_encoder(items, 10, 10, 0, 32) == (10, 0)  # a begun image is cached: free
+
+
+def test_the_router_keys_blocks_by_image_as_the_scheduler_does():
+    from gateway.upstream.routing import routing_key
+    from pagoda.v1 import common_pb2
+
+    ids = list(range(16))
+    image = [common_pb2.MultiModalInput(hash="a", offset=4, length=8)]  # blocks 1 and 2 of 4 tokens
+    assert routing_key(ids, "", 4, 1, None, image) == routing_key(ids, "", 4, 1)  # block 0: text only
+    assert routing_key(ids, "", 4, 3, None, image) != routing_key(ids, "", 4, 3)
+    other = [common_pb2.MultiModalInput(hash="b", offset=4, length=8)]
+    assert routing_key(ids, "", 4, 3, None, image) != routing_key(ids, "", 4, 3, None, other)
