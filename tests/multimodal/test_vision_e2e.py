@@ -38,7 +38,7 @@ def stack(llava_dir, tmp_path_factory):
         scheduler = start_scheduler(worker.target, logs, max_num_batched_tokens=16)  # chunks cut images
         gateway, url = start_gateway(scheduler.target, logs, "--limit-mm-per-prompt", '{"image": 2}',
                                      "--max-image-pixels", "20000")
-        yield url, llava_dir  # (base URL, the model's name: its path, as the scheduler reports it)
+        yield url, llava_dir, gateway.target  # (base URL, the model's name: its path, public gRPC)
     finally:
         for process in (gateway, scheduler, worker):
             if process is not None:
@@ -58,7 +58,7 @@ def chat_parts(url: str) -> list[dict]:
 
 
 def test_openai_client_image_url(stack, expected):
-    stack, model = stack
+    stack, model, _ = stack
     client = openai.OpenAI(base_url=f"{stack}/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": chat_parts(data_url(make_image(1)))}]
     first = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, extra_body=GREEDY)
@@ -79,7 +79,7 @@ def test_openai_client_image_url(stack, expected):
 
 
 def test_anthropic_client_base64_image(stack, expected):
-    stack, model = stack
+    stack, model, _ = stack
     client = anthropic.Anthropic(base_url=stack, api_key="unused", max_retries=0)
     data = base64.b64encode(png_bytes(make_image(1))).decode()
     reply = client.messages.create(model=model, max_tokens=MAX_TOKENS, extra_body=GREEDY_ONLY, messages=[{
@@ -96,7 +96,7 @@ def test_anthropic_client_base64_image(stack, expected):
 
 
 def test_responses_input_image(stack, expected):
-    stack, model = stack
+    stack, model, _ = stack
     body = {"model": model, "max_output_tokens": MAX_TOKENS, **GREEDY_ONLY, "input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": data_url(make_image(1))}, {"type": "input_text", "text": TEXT}]}]}
     reply = httpx.post(f"{stack}/v1/responses", json=body, timeout=120).json()
@@ -113,7 +113,7 @@ def test_responses_input_image(stack, expected):
     ("three", "3 images in the prompt; at most 2"),
 ])
 def test_bad_images_are_400s_naming_the_part(stack, expected, parts, says):
-    stack, model = stack
+    stack, model, _ = stack
     if parts == "truncated":
         whole = png_bytes(make_image(5))
         url = "data:image/png;base64," + base64.b64encode(whole[:len(whole) // 2]).decode()
@@ -134,3 +134,23 @@ def test_bad_images_are_400s_naming_the_part(stack, expected, parts, says):
         "model": model, "max_tokens": MAX_TOKENS, **GREEDY,
         "messages": [{"role": "user", "content": chat_parts(data_url(make_image(1)))}]})
     assert ok.json()["choices"][0]["message"]["content"] == expected[1]
+
+
+def test_public_grpc_api_takes_image_bytes(stack, expected):
+    import grpc
+
+    from pagoda.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+    url, model, grpc_target = stack
+    request = gateway_pb2.GenerationRequest(
+        chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content=f"<image>{TEXT}")]),
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        images=[png_bytes(make_image(1))])
+    with grpc.insecure_channel(grpc_target) as channel:
+        stub = gateway_pb2_grpc.GenerationStub(channel)
+        text = "".join(chunk.text for chunk in stub.Generate(request, timeout=120))
+        assert text == expected[1]
+        bad = gateway_pb2.GenerationRequest(prompt="<image>hi", images=[b"not an image"])
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Generate(bad, timeout=60))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "images[0]" in error.value.details()
