@@ -231,6 +231,26 @@ class LLM:
                 completion.text = self._detokenize(completion.token_ids)
         return list(outputs.values())
 
+    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of OpenAI-shaped messages) or several, each
+        rendered with the model's chat template; image parts (data URLs, PIL images) go to a
+        vision-language model as `multi_modal_data` (chat_inputs.py)."""
+        from pagoda.entrypoints.chat_inputs import chat_prompt
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            rendered, images = chat_prompt(conversation)
+            ids = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=False)
+            prompt: dict[str, Any] = {"prompt_token_ids": self.tokenizer(ids, add_special_tokens=False)["input_ids"]}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """One vector per prompt (text, or {"prompt_token_ids": [...]}), in input order: the same
         engine request /v1/embeddings and the gRPC Embed send (SamplingParams POOLING), so the

@@ -169,3 +169,22 @@ def test_tensor_parallel_matches_hf(llava_dir, cases):
              enable_prefix_caching=False, tensor_parallel_size=2) as llm:
         for name, (prompt, images, _, hf_out) in cases.items():
             assert run(llm, prompt, images).outputs[0].token_ids == hf_out, name
+
+
+def test_llm_chat_takes_image_parts(llava_dir, cases):
+    import base64
+
+    from tests.multimodal.conftest import png_bytes
+
+    _, images, hf_ids, hf_out = cases["one_a"]
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(images[0])).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "Describe the picture."}]}]
+    with LLM(llava_dir, device="cpu", dtype="float32") as llm:
+        out = llm.chat(messages, greedy(), use_tqdm=False)[0]
+        assert out.prompt_token_ids == hf_ids and out.outputs[0].token_ids == hf_out
+        pil = [{"role": "user", "content": [{"type": "image_pil", "image_pil": images[0]},
+                                            {"type": "text", "text": "Describe the picture."}]}]
+        assert llm.chat(pil, greedy(), use_tqdm=False)[0].outputs[0].token_ids == hf_out
+        with pytest.raises(ValueError, match="messages\\[0\\].content\\[0\\]: offline"):
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y"}}]}])
