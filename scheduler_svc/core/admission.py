@@ -97,7 +97,7 @@ class Admission:
             num_hit = (len(hits) + len(host)) * cfg.block_size
             start = resume_point(seq, num_hit)  # past the hit, or past its swapped KV
             num_new = min(len(seq.token_ids) - start, self._threshold, draft.budget)
-            num_new, encoder_cost = draft.encoder_cut(seq, start, num_new)
+            num_new, _ = draft.encoder_cut(seq, start, num_new)
             if num_new == 0:
                 return  # its first chunk starts at an image this step cannot encode: wait, in order
             tenant = seq.request.tenant
@@ -114,7 +114,7 @@ class Admission:
                 skip.add(tenant)
                 continue
             waiting.remove(seq)
-            draft.encoder_budget -= encoder_cost
+            draft.pay_encoder(seq, start, num_new)
             self.admit(draft, seq, hits, last_serial, num_hit, num_new, host)
             if self._order is not None:
                 self._order.admitted(seq)  # a pass over the head counts once it is admitted

@@ -397,6 +397,7 @@ class Scheduler:
             blocks_swapped_in=swap.blocks_swapped_in, num_cpu_blocks=self.config.num_cpu_blocks,
             cpu_kv_usage=swap.cpu_kv_usage, prefill_tokens_computed=c.prefill_tokens_computed,
             encoder_tokens=c.encoder_tokens, encoder_cache_hits=c.encoder_cache_hits,
+            last_step_images=c.last_step_images,
             num_sessions=len(self._leases), num_session_blocks=self._leases.num_blocks,
             tenants=self._tenants.stats(q.waiting.lengths()),
             **tier_stats(self._kv.tier), **disk_tier_stats(self._kv.disk))
@@ -425,6 +426,7 @@ class Scheduler:
         num_tokens = draft.num_prefill + draft.num_decode + sum(n for _, _, n in draft.spec)
         self._inflight.append(InflightStep(plan.step_id, draft.computed, draft.spec, num_tokens))
         self._counters.last_step = (draft.num_prefill, draft.num_decode, len(plan.preempted_ids))
+        self._counters.last_step_images = tuple(draft.images)
         self._counters.prefill_tokens_computed += draft.num_prefill
         self._kv.seal(plan)  # the host and disk tiers' copies of the blocks this plan evicted
         self._next_step_id += 1
@@ -535,7 +537,7 @@ class Scheduler:
                 continue
             gap = total - start
             num_new = gap if gap <= threshold and gap <= budget else min(gap, threshold, budget)
-            num_new, encoder_cost = draft.encoder_cut(seq, start, num_new)  # images it cannot encode wait
+            num_new, _ = draft.encoder_cut(seq, start, num_new)  # images it cannot encode wait
             # A step that would sample a token beyond max_tokens is not scheduled at all.
             if num_new == 0 or (num_new == gap and not seq.may_sample()):
                 counts[seq.seq_id] = 0
@@ -554,7 +556,7 @@ class Scheduler:
                 counts[seq.seq_id] = num_new
             draft.commit(seq, num_new)
             budget -= num_new
-            draft.encoder_budget -= encoder_cost
+            draft.pay_encoder(seq, start, num_new)
         draft.budget = budget
         draft.num_decode += num_decode
         draft.num_scheduled += num_decode

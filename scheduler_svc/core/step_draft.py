@@ -35,10 +35,18 @@ class StepDraft:
     blocks_short: bool = False  # a running beam group waits for deferred frees: admit nothing
     encoder_budget: int = 0  # image rows the worker may still encode this step (cut_for_encoder)
     encoder_full: int = 0  # the whole budget (--max-num-encoder-input-tokens)
+    images: list[str] = field(default_factory=list)  # hashes of the images this step encodes (its span names them)
+
+    def pay_encoder(self, seq: Sequence, start: int, num_new: int) -> None:
+        """The images whose first token the scheduled chunk [start, start + num_new) holds: paid for."""
+        for item in seq.request.mm_inputs:
+            if start <= item.offset < start + num_new:
+                self.encoder_budget -= item.length
+                self.images.append(item.hash)
 
     def encoder_cut(self, seq: Sequence, start: int, num_new: int) -> tuple[int, int]:
         """(num_new cut before the first image this step's encoder budget cannot pay, the rows the
-        rest costs): the caller pays (`encoder_budget -= cost`) once the chunk is scheduled."""
+        rest costs): the caller pays (`pay_encoder`) once the chunk is scheduled."""
         if not seq.request.mm_inputs:
             return num_new, 0
         return cut_for_encoder(seq.request.mm_inputs, start, num_new, self.encoder_budget, self.encoder_full)

@@ -150,8 +150,10 @@ def test_encoder_budget_bounds_the_images_encoded_per_step(llava_dir, cases, enc
         execute = llm.runner.execute
 
         def recording(plan):
+            named = llm.scheduler.stats().last_step_images  # what the step's trace span names
             result = execute(plan)
             per_step.append(result.num_encoder_tokens)
+            assert len(named) * NUM_IMAGE_TOKENS == result.num_encoder_tokens
             return result
 
         llm.runner.execute = recording
