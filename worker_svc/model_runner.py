@@ -279,6 +279,8 @@ class ModelRunner:
                       self.host_pool.num_blocks if self.host_pool is not None else 0, self.disk is not None)
         if self.lora is None and any(new.lora is not None for new in plan.new_requests):
             raise PlanError("a request names a LoRA adapter but this worker runs without --enable-lora")
+        if self.mm is None and any(new.mm_inputs for new in plan.new_requests):
+            raise PlanError("a request carries images but this worker's model is not a vision-language model")
         if plan.disk_loads and self.disk is not None:  # read and verified before anything changes
             try:
                 self._disk_payloads = self.disk.read(plan.disk_loads)

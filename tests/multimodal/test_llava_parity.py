@@ -190,3 +190,21 @@ def test_llm_chat_takes_image_parts(llava_dir, cases):
         assert llm.chat(pil, greedy(), use_tqdm=False)[0].outputs[0].token_ids == hf_out
         with pytest.raises(ValueError, match="messages\\[0\\].content\\[0\\]: offline"):
             llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y"}}]}])
+
+
+def test_a_text_model_refuses_images(tmp_path_factory):
+    from pagoda.contract.errors import PlanError
+    from pagoda.contract.multimodal import MultiModalInput
+    from pagoda.tools import tiny_model
+    from scheduler_svc.core.request import EngineRequest
+
+    text_model = tmp_path_factory.mktemp("text") / "tiny"
+    tiny_model.write_model(text_model)
+    with LLM(str(text_model), device="cpu", dtype="float32") as llm:
+        with pytest.raises(ValueError, match="not a vision-language model"):
+            llm.generate({"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": [make_image(1)]}})
+        # a request that reached the scheduler anyway (a gRPC client of the engine) fails the plan
+        image = MultiModalInput("h", 1, 1, b"\0" * 12, (3, 1, 1))
+        llm.scheduler.add_request(EngineRequest("x", (5, 6, 7), greedy(), mm_inputs=(image,)))
+        with pytest.raises(PlanError, match="not a vision-language model"):
+            llm.runner.execute(llm.scheduler.schedule())
