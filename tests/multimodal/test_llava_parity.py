@@ -208,3 +208,21 @@ def test_a_text_model_refuses_images(tmp_path_factory):
         llm.scheduler.add_request(EngineRequest("x", (5, 6, 7), greedy(), mm_inputs=(image,)))
         with pytest.raises(PlanError, match="not a vision-language model"):
             llm.runner.execute(llm.scheduler.schedule())
+
+
+def test_siglip_tower_and_qwen2_language_model_match_hf(tmp_path_factory):
+    # The other common LLaVA build: a SigLIP tower (no CLS token, strategy "full") under a Qwen2
+    # language model (q/k/v biases), with chunks cutting through both images.
+    from transformers import LlavaForConditionalGeneration
+
+    from pagoda.tools import tiny_llava
+
+    model_dir = str(tmp_path_factory.mktemp("siglip") / "tiny-llava-siglip-qwen2")
+    tiny_llava.write_model(model_dir, variant="siglip-qwen2")
+    hf = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    images = [make_image(7), make_image(8, (50, 70))]
+    hf_ids, hf_out = hf_greedy(hf, model_dir, PROMPT_2, images)
+    assert hf_ids.count(IMAGE_TOKEN_ID) == 2 * NUM_IMAGE_TOKENS
+    with LLM(model_dir, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=7) as llm:
+        out = run(llm, PROMPT_2, images)
+        assert out.prompt_token_ids == hf_ids and out.outputs[0].token_ids == hf_out
