@@ -6,6 +6,7 @@ import argparse
 import os
 
 from gateway.config import GatewayConfig
+from gateway.multimodal import MediaConfig, parse_limit_mm_per_prompt
 from gateway.openai.reasoning_parsers import ReasoningParserManager
 from gateway.openai.tool_parsers import AUTO, ToolParserManager
 from gateway.server import serve
@@ -13,6 +14,7 @@ from gateway.tenancy.tenants import TenantFileError, load_tenant_file
 from gateway.upstream.dns_discovery import DEFAULT_REFRESH_S
 from gateway.upstream.lora_adapters import parse_lora_module
 from gateway.upstream.routing import POLICIES, RoutingConfig
+from pagoda.contract.image_inputs import ImageLimits
 from pagoda.runtime import event_loop
 from pagoda.runtime.logging import configure_logging
 from pagoda.runtime.service_flags import add_service_flags
@@ -43,6 +45,16 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                         help="API keys -> tenants with optional limits, one JSON object per line "
                              "(docs/reliability.md#tenancy)")
     parser.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
+    parser.add_argument("--limit-mm-per-prompt", default=None,
+                        help='vision-language models: images per prompt, as vLLM\'s JSON (\'{"image": 2}\'; '
+                             "default 4)")
+    parser.add_argument("--allowed-media-domains", nargs="*", default=[],
+                        help="hosts whose http(s) image URLs the gateway fetches (default: none; data URLs "
+                             "always work)")
+    parser.add_argument("--media-fetch-timeout", type=float, default=5.0, help="seconds per image URL fetch")
+    parser.add_argument("--max-image-bytes", type=int, default=20 << 20, help="largest encoded image")
+    parser.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                        help="largest decoded image (width x height)")
     parser.add_argument("--tool-call-parser", choices=(*ToolParserManager.names(), AUTO), default="hermes",
                         help="the model's tool-call format (vLLM's names); auto: the one the model's chat "
                              "template names (docs/gateway.md#tool-calling)")
@@ -95,6 +107,11 @@ def _routing(args: argparse.Namespace) -> RoutingConfig:
                          breaker_cooldown_s=args.breaker_cooldown, max_stream_failovers=args.max_stream_failovers)
 
 
+def _media(args: argparse.Namespace) -> MediaConfig:
+    return MediaConfig(parse_limit_mm_per_prompt(args.limit_mm_per_prompt), tuple(args.allowed_media_domains),
+                       args.media_fetch_timeout, ImageLimits(args.max_image_bytes, args.max_image_pixels))
+
+
 def _config(args: argparse.Namespace, api_keys) -> GatewayConfig:
     scheduler = ",".join(args.scheduler or ["127.0.0.1:50052"])
     fallbacks = tuple(_pair(text) for text in args.fallback_model)
@@ -104,6 +121,7 @@ def _config(args: argparse.Namespace, api_keys) -> GatewayConfig:
                          grpc_port=args.grpc_port,
                          tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                          api_key=args.api_key, api_keys=api_keys, max_request_bytes=args.max_request_bytes,
+                         media=_media(args),
                          log_json=args.log_json, log_level=args.log_level, otlp_traces_endpoint=args.otlp_traces_endpoint,
                          shutdown_timeout_s=args.shutdown_timeout, tls_cert=args.tls_cert,
                          tls_key=args.tls_key, tls_ca=args.tls_ca, tool_call_parser=args.tool_call_parser,

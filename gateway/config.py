@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.multimodal import MediaConfig
 from gateway.openai.reasoning_parsers import ReasoningParserManager
 from gateway.openai.tool_parsers import AUTO, ToolParserManager
 from gateway.tenancy.tenants import TenantTable, tenant_table
@@ -42,6 +43,8 @@ class GatewayConfig:
     """Tenants, their keys and limits, from `--api-keys FILE` (gateway/tenancy/tenants.py has the format)."""
     max_request_bytes: int = 16 * 1024 * 1024
     """Largest HTTP request body accepted; bigger bodies get 413."""
+    media: MediaConfig = field(default_factory=MediaConfig)
+    """Images of vision-language prompts: how many, how big, which URLs are fetched (docs/vision.md)."""
     engine_timeout_s: float = 5.0
     """Deadline for the scheduler's unary calls (GetInfo, GetStats, Abort, health)."""
     retry_after_s: int = 1

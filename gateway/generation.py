@@ -22,7 +22,8 @@ from gateway.errors import UpstreamError
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from gateway.upstream.engine_client import EngineClient
-from pagoda.contract.common_codec import finish_reason_from_pb, sampling_to_pb
+from pagoda.contract.common_codec import finish_reason_from_pb, mm_to_pb, sampling_to_pb
+from pagoda.contract.multimodal import MultiModalInput
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.structured import check_grammar
 from pagoda.runtime.telemetry import (
@@ -61,6 +62,7 @@ class GenerationInput:
     session_ttl_s: float = 0.0
     tenant: str = ""  # set at admission (tenancy/leases.py): the API key's tenant, "" anonymous
     kv_share: float = 0.0  # its keys-file kv_share; 0: the scheduler's default
+    mm_inputs: tuple[MultiModalInput, ...] = ()  # the prompt's images, expanded (docs/vision.md)
 
 
 @dataclass(slots=True)
@@ -163,7 +165,7 @@ def to_engine_request(request: GenerationInput) -> engine_pb2.GenerateRequest:
         sampling=sampling_to_pb(request.sampling), priority=request.priority,
         cache_salt=request.cache_salt, session_id=request.session_id,
         session_ttl_s=request.session_ttl_s if request.session_id else 0.0, tenant=request.tenant,
-        kv_share=request.kv_share)
+        kv_share=request.kv_share, mm_inputs=[mm_to_pb(m) for m in request.mm_inputs])
 
 
 def start_request_span(operation: str, model: str, parent: Context | None,

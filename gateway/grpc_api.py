@@ -3,6 +3,8 @@ and Generation/Embed, /v1/embeddings' twin (the same pooling path, gateway/embed
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 
@@ -19,6 +21,7 @@ from gateway.generation import (
     generate,
     start_request_span,
 )
+from gateway.multimodal import MediaConfig
 from gateway.state import GatewayState
 from gateway.stop_strings import check_stop_strings
 from gateway.tenancy.auth import grpc_bearer_token
@@ -28,6 +31,7 @@ from gateway.upstream.fallback import AdmitOnce, first_answer, prepend
 from gateway.upstream.model_pools import ModelPool
 from pagoda.contract.common_codec import finish_reason_to_pb, sampling_from_pb
 from pagoda.contract.errors import InvalidRequestError
+from pagoda.contract.image_inputs import ImageError, decode_image
 from pagoda.contract.params import check_context_length, check_vocab
 from pagoda.runtime.logging import get_logger
 from pagoda.runtime.telemetry import context_from_grpc_metadata
@@ -56,6 +60,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
 
             async def start(pool: ModelPool, attempt: int):  # the request prepared for `pool`'s model
                 generation, max_model_len = self._prepare(pool, request)
+                if request.images:  # decoded and expanded off the event loop
+                    generation = await asyncio.to_thread(
+                        with_grpc_images, generation, pool, list(request.images), self._state.config.media)
                 await check_structured_outputs(generation.sampling)
                 generation, _ = admit_once(generation, max_model_len)
                 if (headers := lease.headers()) and attempt == 0:
@@ -140,6 +147,29 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                                  else True),
             cache_salt=request.cache_salt, session_id=request.session_id,
             session_ttl_s=request.session_ttl_s or DEFAULT_SESSION_TTL_S), info.max_model_len
+
+
+def with_grpc_images(generation: GenerationInput, pool: ModelPool, images: list[bytes],
+                     media: MediaConfig) -> GenerationInput:
+    """`generation` with its image placeholders expanded (InvalidRequestError naming images[i])."""
+    tokenizer, info = pool.require_ready()
+    if tokenizer.images is None:
+        raise InvalidRequestError(f"model {pool.name!r} does not take images (not a vision-language model)")
+    if len(images) > media.max_images_per_prompt:
+        raise InvalidRequestError(f"{len(images)} images; at most {media.max_images_per_prompt} are allowed "
+                                  "(--limit-mm-per-prompt)")
+    decoded = []
+    for i, data in enumerate(images):
+        try:
+            decoded.append(decode_image(data, media.limits))
+        except ImageError as error:
+            raise InvalidRequestError(f"images[{i}]: {error}") from None
+    try:
+        prompt_ids, mm_inputs = tokenizer.images.expand(list(generation.prompt_token_ids), decoded)
+    except ImageError as error:
+        raise InvalidRequestError(str(error)) from None
+    check_context_length(info.max_model_len, len(prompt_ids), generation.sampling.max_tokens)
+    return dataclasses.replace(generation, prompt_token_ids=tuple(prompt_ids), mm_inputs=mm_inputs)
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: Exception, lease: Lease | None, event: str) -> None:

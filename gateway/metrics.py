@@ -106,6 +106,10 @@ _COUNTERS = (
     ("pagoda:kv_pull_fallbacks", "kv_pull_fallbacks", "Migrated continuations whose KV pull failed (source gone, "
      "export unknown or expired, refused block, deadline): they recomputed their context."),
     ("pagoda:kv_pull_bytes", "kv_pull_bytes", "Bytes of migrated KV pulled worker to worker over gRPC."),
+    ("pagoda:encoder_tokens", "encoder_tokens",
+     "Image embedding rows the worker's vision encoder produced (docs/vision.md)."),
+    ("pagoda:encoder_cache_hits", "encoder_cache_hits",
+     "Image lookups the worker's encoder cache served without running the encoder."),
 )
 
 

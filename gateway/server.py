@@ -39,7 +39,8 @@ class _HttpServer(uvicorn.Server):
 async def start_grpc_server(state: GatewayState, host: str, port: int, in_flight: InFlight | None = None
                             ) -> tuple[grpc.aio.Server, int, HealthState]:
     """Generation + grpc.health.v1 + reflection; returns (server, bound port, health)."""
-    server = new_server()
+    # images ride in GenerationRequest.images: up to --max-request-bytes, as over HTTP
+    server = new_server([("grpc.max_receive_message_length", state.config.max_request_bytes)])
     servicer = CountingGenerationServicer(state, in_flight or InFlight())
     gateway_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = HealthState(GENERATION_SERVICE)

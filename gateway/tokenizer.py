@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pagoda.contract.image_inputs import ImageProcessor
 from pagoda.runtime.model_files import load_tokenizer
 
 # Prompt tokens decoded in front of the first output token: enough for a tokenizer that decides
@@ -19,12 +20,13 @@ _REPLACEMENT_CHAR = "\ufffd"  # what decode() yields for an incomplete UTF-8 seq
 class Tokenizer:
     """A thin wrapper over a Hugging Face tokenizer: a local model directory's, or a GGUF file's."""
 
-    def __init__(self, hf_tokenizer: Any) -> None:
+    def __init__(self, hf_tokenizer: Any, images: ImageProcessor | None = None) -> None:
         self.hf = hf_tokenizer
+        self.images = images  # a vision-language model's image processor (docs/vision.md); None: text only
 
     @classmethod
     def load(cls, path: str) -> Tokenizer:
-        return cls(load_tokenizer(path))
+        return cls(load_tokenizer(path), ImageProcessor.load(path))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])

@@ -24,6 +24,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--max-num-encoder-input-tokens", type=int, default=0,
+                   help="vision-language models: image embedding rows the worker may encode per step "
+                        "(0: --max-num-batched-tokens), docs/vision.md")
     p.add_argument("--max-waiting-requests", type=int, default=4096)
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--admission-order", choices=["auto", "fcfs", "cached-first"], default="auto",
@@ -108,6 +111,7 @@ def build_config(args: argparse.Namespace) -> EngineServiceConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
         max_waiting_requests=args.max_waiting_requests, scheduling_policy=args.scheduling_policy,
         admission_order=args.admission_order,
         pipelining=not args.no_pipelining, worker_timeout_s=args.worker_timeout,

@@ -16,6 +16,8 @@ from pagoda.contract.common_codec import (
     logprobs_to_pb,
     lora_from_pb,
     lora_to_pb,
+    mm_list_from_pb,
+    mm_to_pb,
     sampling_from_pb,
     sampling_to_pb,
 )
@@ -43,7 +45,8 @@ def request_from_pb(pb: engine_pb2.GenerateRequest, arrival_time: float,
         lora=lora_from_pb(pb), num_prior_output_tokens=pb.num_prior_output_tokens,
         session_id=pb.session_id or None, session_ttl=pb.session_ttl_s, tenant=pb.tenant,
         kv_share=pb.kv_share,
-        kv_import=handoff_from_pb(pb.kv_import) if pb.HasField("kv_import") else None)
+        kv_import=handoff_from_pb(pb.kv_import) if pb.HasField("kv_import") else None,
+        mm_inputs=mm_list_from_pb(pb.mm_inputs))
 
 
 def handoff_from_pb(pb: common_pb2.KvHandoff) -> KvHandoff:
@@ -62,7 +65,7 @@ def request_to_pb(request: EngineRequest) -> engine_pb2.GenerateRequest:
         cache_salt=request.cache_salt or "", lora=lora_to_pb(request.lora),
         num_prior_output_tokens=request.num_prior_output_tokens,
         session_id=request.session_id or "", session_ttl_s=request.session_ttl, tenant=request.tenant,
-        kv_share=request.kv_share)
+        kv_share=request.kv_share, mm_inputs=[mm_to_pb(m) for m in request.mm_inputs])
 
 
 def delta_to_pb(delta: SequenceDelta) -> engine_pb2.SequenceDelta:
@@ -129,6 +132,7 @@ _STATS_FIELDS = {
     "blocks_swapped_out": "blocks_swapped_out", "blocks_swapped_in": "blocks_swapped_in",
     "num_cpu_blocks": "num_cpu_blocks", "cpu_kv_usage": "cpu_kv_cache_usage",
     "prefill_tokens_computed": "prefill_tokens_computed",
+    "encoder_tokens": "encoder_tokens", "encoder_cache_hits": "encoder_cache_hits",
     "num_offload_blocks": "num_offload_blocks", "offload_kv_usage": "offload_kv_cache_usage",
     "blocks_offloaded": "blocks_offloaded", "blocks_loaded": "blocks_loaded",
     "blocks_offload_dropped": "blocks_offload_dropped", "num_sessions": "num_sessions",

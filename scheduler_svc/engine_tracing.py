@@ -87,6 +87,8 @@ class EngineTracing(NoTracing):
             swapped_out_blocks=len(plan.swap_out), swapped_in_blocks=len(plan.swap_in)),
             served=self._requests.span_contexts(scheduler.running_request_ids(plan)))
         self._prefix_hits_seen = s.prefix_hits
+        if s.last_step_images:  # vision-language models: the images this step encodes (docs/vision.md)
+            span.set_attribute("pagoda.step.images", [h[:16] for h in s.last_step_images])
         plan.traceparent = inject_traceparent(span)
         self._steps[plan.step_id] = span
 

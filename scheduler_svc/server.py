@@ -46,6 +46,7 @@ class EngineServiceConfig:
     max_model_len: int | None = None  # cap below the worker's; None: the worker's
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
+    max_num_encoder_input_tokens: int = 0  # image rows encoded per step; 0: max_num_batched_tokens
     max_waiting_requests: int = 4096
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     admission_order: Literal["auto", "fcfs", "cached-first"] = "auto"  # core/tiers/prefill_order.py
@@ -86,6 +87,7 @@ def scheduler_config(info: WorkerInfo, config: EngineServiceConfig) -> Scheduler
         num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
+        max_num_encoder_input_tokens=config.max_num_encoder_input_tokens,
         enable_prefix_caching=config.enable_prefix_caching,
         max_waiting_requests=config.max_waiting_requests, eos_token_ids=info.eos_token_ids,
         policy=config.scheduling_policy, admission_order=config.admission_order,
@@ -120,7 +122,8 @@ class RunningEngine:
 
 
 async def start_engine_server(config: EngineServiceConfig) -> RunningEngine:
-    server = new_server()
+    # Image prompts carry their pixels (docs/vision.md): more than gRPC's 4 MiB default.
+    server = new_server([("grpc.max_receive_message_length", 64 << 20)])
     servicer = EngineServicer()
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
     health = HealthState(SERVICE_NAME)

@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pooling-type", default="last", choices=("last", "mean"),
                    help="embeddings (/v1/embeddings): the last prompt position's final hidden state, "
                         "or the mean of every position's (worker_svc/pooling.py)")
+    p.add_argument("--encoder-cache-size", type=int, default=64,
+                   help="vision-language models: images whose encoder output stays cached (LRU, by "
+                        "content hash), docs/vision.md")
     p.add_argument("--normalize-embeddings", action=argparse.BooleanOptionalAction, default=True,
                    help="L2-normalise embeddings (--no-normalize-embeddings: the raw pooled vector)")
     p.add_argument("--enable-lora", action="store_true",
@@ -150,6 +153,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         quantization=args.quantization,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, swap_space=args.swap_space, pooling_type=args.pooling_type,
+        encoder_cache_size=args.encoder_cache_size,
         kv_offloading_size=args.kv_offloading_size, kv_offload_dir=args.kv_offload_dir,
         kv_offload_dir_size=args.kv_offload_dir_size, kv_migrate_dir=args.kv_migrate_dir,
         kv_snapshot_dir=args.kv_snapshot_dir, kv_transfer=args.kv_transfer,

@@ -87,4 +87,6 @@ class WorkerConfig:
     kv_snapshot_dir: str | None = None
     # Embeddings (worker_svc/pooling.py): vLLM's --pooling-type (last | mean) and normalisation
     pooling_type: str = "last"
+    # Vision-language models (worker_svc/multimodal.py): images whose embeddings stay cached, by hash
+    encoder_cache_size: int = 64
     normalize_embeddings: bool = True

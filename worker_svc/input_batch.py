@@ -31,6 +31,7 @@ class CachedRequestState:
     grammar: GrammarState | None = None  # structured outputs (the sampling rank only)
     lora: LoRARequest | None = None  # its adapter; None: the base model
     pool_sum: torch.Tensor | None = None  # mean pooling: fp32 sum of the positions computed so far
+    mm_inputs: tuple = ()  # the prompt's images (pagoda.contract.multimodal.MultiModalInput)
 
     def sampling_row(self) -> SamplingRow:
         return SamplingRow(self.sampling, self.token_ids, self.num_prompt_tokens, self.seq_index,

@@ -64,6 +64,7 @@ from worker_svc.models.fused_decode import fused_decode_for
 from worker_svc.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
 from worker_svc.models.quant_linear import QuantLinear, int8_dot_status
 from worker_svc.models.row_buckets import bucket_linear_rows, release_free_heap, warm_row_buckets
+from worker_svc.multimodal import MultiModalEmbedder
 from worker_svc.parallel.distributed import SINGLE, TensorParallel
 from worker_svc.parallel.pipeline import SINGLE_STAGE, PipelineStage
 from worker_svc.plan_validation import validate_plan
@@ -141,6 +142,7 @@ class ModelRunner:
             mc = self.model_config  # FP8 caches have variants; fp32 activations, odd head_dims do not
             KernelShape(self.dtype, mc.head_dim, config.block_size, mc.num_heads // mc.num_kv_heads,
                         self.cache_dtype).validate()
+        self.mm = self._load_vision()  # None: a text-only model
         self.sampler = Sampler(self.model_config.eos_token_ids, self.device, config.seed)
         # Structured outputs: only the rank that samples keeps grammars (compiled off the loop).
         self.grammars = (GrammarCompiler(config.model, self.model_config.vocab_size,
@@ -277,6 +279,8 @@ class ModelRunner:
                       self.host_pool.num_blocks if self.host_pool is not None else 0, self.disk is not None)
         if self.lora is None and any(new.lora is not None for new in plan.new_requests):
             raise PlanError("a request names a LoRA adapter but this worker runs without --enable-lora")
+        if self.mm is None and any(new.mm_inputs for new in plan.new_requests):
+            raise PlanError("a request carries images but this worker's model is not a vision-language model")
         if plan.disk_loads and self.disk is not None:  # read and verified before anything changes
             try:
                 self._disk_payloads = self.disk.read(plan.disk_loads)
@@ -333,6 +337,8 @@ class ModelRunner:
         logits, rows, states, drafted, prompt_logprobs = self._forward(seqs, forks, plan.draft_token_ids)
         result.prompt_logprobs = prompt_logprobs
         result.embeddings = self._embeddings
+        if self.mm is not None:
+            result.num_encoder_tokens, result.num_encoder_cache_hits = self.mm.take_step_counts()
         if logits is None:  # a follower: the sampling rank's tokens come with a later plan
             if states or drafted:
                 self.unsampled[plan.step_id] = (states, drafted)
@@ -410,7 +416,7 @@ class ModelRunner:
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
                 new.num_computed_tokens, new.sampling, new.seq_index, self._grammar(new.sampling),
-                new.lora)
+                new.lora, mm_inputs=new.mm_inputs)
             counts[new.request_id] = new.num_scheduled_tokens
         for update in plan.table_updates:
             table = self.requests[update.request_id].block_ids
@@ -458,7 +464,7 @@ class ModelRunner:
         inputs = self._build_inputs(seqs)
         self.marks.inputs_built = time.perf_counter()
         try:
-            hidden = self._stage_forward(inputs)
+            hidden = self._stage_forward(inputs, seqs)
         finally:
             if self.lora is not None:
                 self.lora.finish_step()
@@ -501,10 +507,18 @@ class ModelRunner:
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _stage_forward(self, inputs) -> torch.Tensor:
+    def _stage_forward(self, inputs, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """This stage's layers over the step's tokens: from the token ids on the first stage, from
-        the previous stage's hidden states on the others, which get this stage's output."""
+        the previous stage's hidden states on the others, which get this stage's output. Image
+        placeholder rows take the vision encoder's embeddings (worker_svc/multimodal.py)."""
         stage = self.stage
+        if self.mm is not None and stage.is_first and self.mm.needed(seqs):
+            embeds = self.model.embed(inputs.input_ids)  # [T, hidden]
+            self.mm.splice(seqs, embeds)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.layers, embeds)
+            if not stage.is_last:
+                stage.send_hidden(hidden)
+            return hidden
         if stage.size == 1:
             return self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.layers)
         received = None if stage.is_first else stage.recv_hidden(
@@ -544,6 +558,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def _load_vision(self) -> MultiModalEmbedder | None:
+        """A vision-language checkpoint's encoder (replicated on every rank: it runs once per image)."""
+        if self.model_config.multimodal is None:
+            return None
+        from worker_svc.models.llava_vision import LlavaVision
+
+        vision = LlavaVision.load(self.config.model, self.dtype, self.device)
+        log.info("vision_encoder_loaded", architecture=self.model_config.multimodal,
+                 encoder_cache_size=self.config.encoder_cache_size)
+        return MultiModalEmbedder(vision, self.dtype, self.device, self.config.encoder_cache_size)
 
     def _pack_weights(self) -> None:
         """oneDNN-packed linears where this CPU runs oneDNN's kernels for the model's dtype;

@@ -68,10 +68,37 @@ class ThinkingBlock(_Forbid):
     data: str | None = None  # redacted_thinking's
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+class ImageSource(_Forbid):
+    """base64 data with its media type, or a URL (fetched by the gateway under --allowed-media-domains)."""
+
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+    def as_url(self) -> str:
+        if self.type == "base64":
+            if not self.data or not self.media_type:
+                raise InvalidRequestError("a base64 image source needs media_type and data")
+            return f"data:{self.media_type};base64,{self.data}"
+        if not self.url:
+            raise InvalidRequestError("a url image source needs url")
+        return self.url
 
 
-_SERVED_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+class ImageBlock(_Forbid):
+    """An image for a vision-language model (docs/vision.md)."""
+
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: CacheControl | None = None
+
+
+ContentBlock = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+                         Field(discriminator="type")]
+
+
+_SERVED_BLOCKS = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
 class InputMessage(_Forbid):

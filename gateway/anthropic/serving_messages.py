@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.anthropic.events import message_events
 from gateway.anthropic.protocol import (
+    ImageBlock,
     InputMessage,
     MessagesRequest,
     MessagesResponse,
@@ -37,7 +38,7 @@ from gateway.anthropic.protocol import (
 )
 from gateway.anthropic.thinking import thinking_tokens, within_budget
 from gateway.generation import GenerationStep
-from gateway.openai.chat_messages import ChatMessage
+from gateway.openai.chat_messages import ChatMessage, ImageUrl, ImageUrlPart, TextPart
 from gateway.openai.protocol import ChatCompletionRequest
 from gateway.openai.serving_chat import reasoning_parsers, start_chat
 from gateway.openai.streaming import until_disconnected
@@ -66,12 +67,12 @@ def chat_messages(body: MessagesRequest) -> list[ChatMessage]:
     if body.system:
         out.append(ChatMessage(role="system", content=body.system if isinstance(body.system, str)
                                else _text(body.system)))
-    for message in body.messages:
-        out.extend(_chat_turn(message))
+    for i, message in enumerate(body.messages):
+        out.extend(_chat_turn(message, i))
     return out
 
 
-def _chat_turn(message: InputMessage) -> list[ChatMessage]:
+def _chat_turn(message: InputMessage, index: int = 0) -> list[ChatMessage]:
     if isinstance(message.content, str):
         return [ChatMessage(role=message.role, content=message.content)]
     if message.role == "system":  # text blocks only (protocol.py)
@@ -83,6 +84,14 @@ def _chat_turn(message: InputMessage) -> list[ChatMessage]:
         raise InvalidRequestError("tool_use blocks can only be in assistant messages")
     if message.role == "assistant" and results:
         raise InvalidRequestError("tool_result blocks can only be in user messages")
+    images = [(j, b) for j, b in enumerate(message.content) if isinstance(b, ImageBlock)]
+    if images:  # text and images in their order; a turn with images carries no tool use (rare)
+        if uses or results or message.role != "user":
+            raise InvalidRequestError("image blocks are served in user messages without tool blocks")
+        return [ChatMessage(role="user", content=[
+            ImageUrlPart(image_url=ImageUrl(url=b.source.as_url()), where=f"messages[{index}].content[{j}]")
+            if isinstance(b, ImageBlock) else TextPart(text=b.text)
+            for j, b in enumerate(message.content) if isinstance(b, ImageBlock | TextBlock)])]
     turns = [ChatMessage(role="tool", tool_call_id=r.tool_use_id, content=r.text()) for r in results]
     if uses:
         calls = [{"id": u.id, "type": "function",

@@ -1,25 +1,44 @@
-"""Chat messages as clients send them: text content (parts too), tool calls and tool results."""
+"""Chat messages as clients send them: text content (parts too, and `image_url` parts for a
+vision-language model: gateway/multimodal.py), tool calls and tool results."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = ["ChatMessage", "TextPart"]
+__all__ = ["ChatMessage", "ImageUrl", "ImageUrlPart", "TextPart"]
 
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    type: Literal["text"] = "text"  # images, audio, files: a 400 (the served models read text)
+    type: Literal["text"] = "text"  # audio, files: a 400 (the served models read text and images)
     text: str = ""
+
+
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str  # a base64 data URL, or http(s) (fetched only under --allowed-media-domains)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides
+
+
+class ImageUrlPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageUrl
+    # Where the client put it (its 400s name the part): set by the Anthropic / Responses converters,
+    # else "messages[i].content[j]" of the chat request.
+    where: str | None = Field(default=None, exclude=True)
+
+
+ContentPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # what a client echoes back (refusal, annotations...)
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result (role "tool")
@@ -48,9 +67,22 @@ class ChatMessage(BaseModel):
                                           "needs function: {name: string, arguments: string}")
         return calls
 
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(part.type == "image_url" for part in self.content)
+
+    def image_parts(self) -> list[tuple[int, ImageUrlPart]]:
+        """(index in content, part) of each image part, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, part) for j, part in enumerate(self.content) if part.type == "image_url"]
+
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
-        if isinstance(content, list):  # content parts: only text is served
+        if isinstance(content, list) and self.has_images:  # the template writes one placeholder per image
+            content = [{"type": "image"} if part.type == "image_url" else {"type": "text", "text": part.text}
+                       for part in content]
+        elif isinstance(content, list):
             content = "".join(part.text for part in content if part.type == "text")
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         for name in ("name", "tool_call_id"):

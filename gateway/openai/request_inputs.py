@@ -48,7 +48,8 @@ def build_sampling(request: _GenerationFields, max_tokens: int | None, logprobs:
 
 
 def build_generation_input(request: _GenerationFields, request_id: str, prompt_ids: list[int],
-                           sampling: SamplingParams, max_model_len: int) -> GenerationInput:
+                           sampling: SamplingParams, max_model_len: int,
+                           mm_inputs: tuple = ()) -> GenerationInput:
     """One prompt's GenerationInput; checks the context length."""
     if not prompt_ids:
         raise InvalidRequestError("the prompt must not be empty")
@@ -58,7 +59,7 @@ def build_generation_input(request: _GenerationFields, request_id: str, prompt_i
         stop=request.stop_strings(), include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens, priority=request.priority,
         cache_salt=request.cache_salt or "", session_id=request.session_id or "",
-        session_ttl_s=request.session_ttl or DEFAULT_SESSION_TTL_S)
+        session_ttl_s=request.session_ttl or DEFAULT_SESSION_TTL_S, mm_inputs=mm_inputs)
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int) -> None:

@@ -11,6 +11,7 @@ its text into `reasoning_content`; the tool parser reads only what is left.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from gateway.generation import (
     generate,
     start_request_span,
 )
+from gateway.multimodal import load_images
 from gateway.openai.middleware import admit
 from gateway.openai.prompt_logprobs import vllm_prompt_logprobs
 from gateway.openai.protocol import ChatCompletionRequest
@@ -53,6 +55,7 @@ from gateway.tokenizer import Tokenizer
 from gateway.upstream.fallback import AdmitOnce, Answer, first_answer, prepend
 from gateway.upstream.model_pools import ModelPool
 from pagoda.contract.errors import InvalidRequestError
+from pagoda.contract.image_inputs import ImageError
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.structured import StructuredOutputsParams
 from pagoda.runtime.logging import get_logger
@@ -211,6 +214,7 @@ async def start_chat(body: ChatCompletionRequest, http: Request, state: GatewayS
     # model answers in the same format: the plan, and a forced call's grammar, are made once).
     plan = tool_plan(body, state.config, next((p.tokenizer for p in route.pools if p.tokenizer is not None), None))
     admit_once = AdmitOnce(lambda r, max_model_len: admit(http, r, max_model_len))
+    images = await load_images(body.messages, state.config.media)  # a bad one: its 400, before any pool
 
     async def start(pool: ModelPool, _attempt: int):  # the request prepared for `pool`'s model
         tokenizer, info = pool.require_ready()
@@ -218,10 +222,13 @@ async def start_chat(body: ChatCompletionRequest, http: Request, state: GatewayS
                                   body.prompt_logprobs)
         sampling = with_forced_call(sampling, plan)
         await check_structured_outputs(sampling)
+        if images and tokenizer.images is None:  # before its template meets image parts
+            raise InvalidRequestError(f"model {pool.name!r} does not take images (not a vision-language model)")
         prompt_ids = chat_prompt_ids(body, tokenizer, plan)
+        prompt_ids, mm_inputs = await with_images(tokenizer, prompt_ids, images)
         if clamp_max_tokens:
             sampling = clamped(sampling, len(prompt_ids), info.max_model_len)
-        request = build_generation_input(body, request_id, prompt_ids, sampling, info.max_model_len)
+        request = build_generation_input(body, request_id, prompt_ids, sampling, info.max_model_len, mm_inputs)
         request, lease = admit_once(request, info.max_model_len)
         span = start_request_span("chat", pool.name, context_from_headers(http.headers), request,
                                   lease.tenant.name, route.fallback_from(pool))
@@ -230,6 +237,17 @@ async def start_chat(body: ChatCompletionRequest, http: Request, state: GatewayS
 
     # Upstream errors before the first step keep their HTTP status (and may move to the fallback).
     return await first_answer(route, start, lambda first: until_disconnected(http, first)), plan
+
+
+async def with_images(tokenizer: Tokenizer, prompt_ids: list[int], images: list) -> tuple[list[int], tuple]:
+    """The prompt with each image placeholder expanded to its image's tokens, and the images'
+    pixels (the model's own processor, off the event loop); unchanged without images."""
+    if not images:
+        return prompt_ids, ()
+    try:
+        return await asyncio.to_thread(tokenizer.images.expand, prompt_ids, images)
+    except ImageError as error:
+        raise InvalidRequestError(str(error)) from None
 
 
 async def create_chat_completion(body: ChatCompletionRequest, http: Request,

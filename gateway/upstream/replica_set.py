@@ -283,7 +283,7 @@ class ReplicaSet:
                        ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         lora = lora_from_pb(request)
         key = (routing_key(request.prompt_token_ids, request.cache_salt, self.block_size,
-                           self._config.prefix_blocks, lora.cache_key if lora else None)
+                           self._config.prefix_blocks, lora.cache_key if lora else None, request.mm_inputs)
                if self.block_size else None)
         try:
             async with contextlib.aclosing(self._attempts(request, metadata, key)) as responses:

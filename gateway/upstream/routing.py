@@ -90,11 +90,11 @@ class ReplicaLoad:
 
 
 def routing_key(prompt_token_ids: Sequence[int], cache_salt: str, block_size: int,
-                prefix_blocks: int, lora_key: str | None = None) -> bytes | None:
+                prefix_blocks: int, lora_key: str | None = None, mm_inputs: Sequence = ()) -> bytes | None:
     """The scheduler's hash of the prompt's `prefix_blocks`-th full block (or its last full one).
     `cache_salt` as on the wire: "" means none, as the scheduler reads it; `lora_key` the request's
-    adapter (LoRARequest.cache_key), which keys the scheduler's cache too."""
-    return prefix_hash(prompt_token_ids, block_size, cache_salt or None, prefix_blocks, lora_key)
+    adapter (LoRARequest.cache_key), which keys the scheduler's cache too, as do the images."""
+    return prefix_hash(prompt_token_ids, block_size, cache_salt or None, prefix_blocks, lora_key, mm_inputs)
 
 
 def _score(key: bytes, name: bytes) -> int:

@@ -7,6 +7,7 @@ API, the scheduler and the worker on the Steps stream. Pure functions over the c
 from __future__ import annotations
 
 from pagoda.contract.lora import LoRARequest
+from pagoda.contract.multimodal import MultiModalInput
 from pagoda.contract.params import FinishReason, SamplingParams
 from pagoda.contract.step import TokenLogprobs
 from pagoda.contract.structured import StructuredOutputsParams
@@ -98,3 +99,13 @@ def lora_from_pb(parent: object) -> LoRARequest | None:
         return None
     pb = parent.lora  # type: ignore[attr-defined]
     return LoRARequest(pb.lora_name, pb.lora_int_id, pb.lora_path)
+
+
+def mm_to_pb(item: MultiModalInput) -> common_pb2.MultiModalInput:
+    return common_pb2.MultiModalInput(hash=item.hash, offset=item.offset, length=item.length,
+                                      pixel_values=item.pixel_values, shape=item.shape)
+
+
+def mm_list_from_pb(items) -> tuple[MultiModalInput, ...]:
+    return tuple(MultiModalInput(pb.hash, pb.offset, pb.length, pb.pixel_values, tuple(pb.shape))
+                 for pb in items)

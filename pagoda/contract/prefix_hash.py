@@ -14,6 +14,8 @@ import json
 import struct
 from collections.abc import Callable, Sequence
 
+from pagoda.contract.multimodal import mm_block_keys
+
 ROOT_HASH = hashlib.sha256(b"pagoda/prefix-root/v1").digest()
 
 _packers: dict[int, Callable[..., bytes]] = {}  # block length -> struct packer of that many int64s
@@ -37,22 +39,26 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple
     return digest.digest()
 
 
-def block_extra_keys(block_index: int, cache_salt: str | None, lora_key: str | None = None) -> tuple:
+def block_extra_keys(block_index: int, cache_salt: str | None, lora_key: str | None = None,
+                     mm_keys: tuple = ()) -> tuple:
+    """`mm_keys`: ("mm", image hash) of the images overlapping this block (multimodal.mm_block_keys)."""
     if block_index:
-        return ()
+        return mm_keys
     keys = () if cache_salt is None else (cache_salt,)
     # Tagged, so an adapter key can never equal a salt; without an adapter the keys are unchanged.
-    return keys if lora_key is None else (*keys, ("lora", lora_key))
+    keys = keys if lora_key is None else (*keys, ("lora", lora_key))
+    return (*keys, *mm_keys) if mm_keys else keys
 
 
 def prefix_hash(token_ids: Sequence[int], block_size: int, cache_salt: str | None,
-                max_blocks: int, lora_key: str | None = None) -> bytes | None:
+                max_blocks: int, lora_key: str | None = None, mm_inputs: Sequence = ()) -> bytes | None:
     """The chained hash of the first min(max_blocks, full blocks) blocks: the scheduler's hash of
-    that block. None when the prompt has no full block (nothing could be cached for it)."""
+    that block (`mm_inputs`: the prompt's images, keyed as the scheduler keys them). None when the
+    prompt has no full block (nothing could be cached for it)."""
     parent = None
     for i in range(min(max_blocks, len(token_ids) // block_size)):
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
-                            block_extra_keys(i, cache_salt, lora_key))
+                            block_extra_keys(i, cache_salt, lora_key, mm_block_keys(mm_inputs, i, block_size)))
     return parent
 
 

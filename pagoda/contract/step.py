@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from pagoda.contract.ids import BlockId, RequestId
 from pagoda.contract.lora import LoRARequest
+from pagoda.contract.multimodal import MultiModalInput
 from pagoda.contract.params import SamplingParams
 
 
@@ -40,6 +41,7 @@ class NewRequestData:
     sampling: SamplingParams
     seq_index: int = 0  # which of the n sequences this is (seeds sampling of forks)
     lora: LoRARequest | None = None  # the adapter it runs under (the worker loads it); None: base
+    mm_inputs: tuple[MultiModalInput, ...] = ()  # the prompt's images (the worker encodes them)
 
 
 @dataclass(slots=True)
@@ -232,6 +234,8 @@ class StepResult:
     # Requests with prompt_logprobs: what this step's prefill chunk covered (worker_svc/prompt_logprobs.py)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     embeddings: list[Embedding] = field(default_factory=list)  # pooling requests (SamplingParams.pooling)
+    num_encoder_tokens: int = 0  # image embedding rows the vision encoder produced this step
+    num_encoder_cache_hits: int = 0  # image lookups its encoder cache served instead
 
 
 @dataclass(frozen=True, slots=True)

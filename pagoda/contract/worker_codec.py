@@ -12,6 +12,8 @@ from pagoda.contract.common_codec import (
     logprobs_to_pb,
     lora_from_pb,
     lora_to_pb,
+    mm_list_from_pb,
+    mm_to_pb,
     sampling_from_pb,
     sampling_to_pb,
 )
@@ -114,7 +116,7 @@ def _new_request_to_pb(r: NewRequestData) -> worker_pb2.NewRequest:
         request_id=r.request_id, token_ids=r.token_ids, num_prompt_tokens=r.num_prompt_tokens,
         block_ids=r.block_ids, num_computed_tokens=r.num_computed_tokens,
         num_scheduled_tokens=r.num_scheduled_tokens, sampling=sampling_to_pb(r.sampling),
-        seq_index=r.seq_index, lora=lora_to_pb(r.lora))
+        seq_index=r.seq_index, lora=lora_to_pb(r.lora), mm_inputs=[mm_to_pb(m) for m in r.mm_inputs])
 
 
 def _new_request_from_pb(pb: worker_pb2.NewRequest) -> NewRequestData:
@@ -122,7 +124,8 @@ def _new_request_from_pb(pb: worker_pb2.NewRequest) -> NewRequestData:
         request_id=RequestId(pb.request_id), token_ids=list(pb.token_ids),
         num_prompt_tokens=pb.num_prompt_tokens, block_ids=[BlockId(b) for b in pb.block_ids],
         num_computed_tokens=pb.num_computed_tokens, num_scheduled_tokens=pb.num_scheduled_tokens,
-        sampling=sampling_from_pb(pb.sampling), seq_index=pb.seq_index, lora=lora_from_pb(pb))
+        sampling=sampling_from_pb(pb.sampling), seq_index=pb.seq_index, lora=lora_from_pb(pb),
+        mm_inputs=mm_list_from_pb(pb.mm_inputs))
 
 
 # -- step results -----------------------------------------------------------------------------
@@ -138,7 +141,8 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
         prompt_logprobs=[worker_pb2.PromptLogprobs(
             request_id=p.request_id, start=p.start, logprobs=[logprobs_to_pb(lp) for lp in p.logprobs])
             for p in result.prompt_logprobs],
-        embeddings=[worker_pb2.Embedding(request_id=e.request_id, values=e.values) for e in result.embeddings])
+        embeddings=[worker_pb2.Embedding(request_id=e.request_id, values=e.values) for e in result.embeddings],
+        num_encoder_tokens=result.num_encoder_tokens, num_encoder_cache_hits=result.num_encoder_cache_hits)
 
 
 def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
@@ -150,7 +154,8 @@ def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
         prompt_logprobs=[PromptLogprobs(RequestId(p.request_id), p.start,
                                         [logprobs_from_pb(lp) for lp in p.logprobs])
                          for p in pb.prompt_logprobs],
-        embeddings=[Embedding(RequestId(e.request_id), list(e.values)) for e in pb.embeddings])
+        embeddings=[Embedding(RequestId(e.request_id), list(e.values)) for e in pb.embeddings],
+        num_encoder_tokens=pb.num_encoder_tokens, num_encoder_cache_hits=pb.num_encoder_cache_hits)
 
 
 def error_result_pb(step_id: int, code: int, message: str) -> worker_pb2.StepResult:

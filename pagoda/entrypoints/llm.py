@@ -93,7 +93,7 @@ class LLM:
                  seed: int = 0, kv_cache_memory_bytes: int | None = None,
                  attention_backend: str = "auto", tensor_parallel_size: int = 1, device: str = "auto",
                  pipeline_parallel_size: int = 1, distributed_executor_backend: str = "mp",
-                 long_prefill_token_threshold: int = 0,
+                 long_prefill_token_threshold: int = 0, max_num_encoder_input_tokens: int = 0,
                  speculative_config: dict | str | None = None,
                  pinned_prompts: Sequence[str | list[int]] | None = None, enable_lora: bool = False,
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
@@ -141,6 +141,7 @@ class LLM:
                 num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 long_prefill_token_threshold=long_prefill_token_threshold,
+                max_num_encoder_input_tokens=max_num_encoder_input_tokens,
                 enable_prefix_caching=enable_prefix_caching, eos_token_ids=info.eos_token_ids,
                 speculative=speculative, max_loras=info.max_loras, num_cpu_blocks=info.num_cpu_blocks,
                 preemption_mode=preemption_mode, sliding_window=info.sliding_window,
@@ -154,6 +155,7 @@ class LLM:
         self.scheduler.restore_disk_tier(info.disk_blocks)  # kv_offload_dir's files, from earlier runs too
         self.model_dir = model
         self._tokenizer: Any = None
+        self._images: Any = None  # pagoda.contract.image_inputs.ImageProcessor, on the first image
         self._request_counter = itertools.count()
         if pinned_prompts:  # prefilled now, kept in the prefix cache for this LLM's lifetime
             for prompt in pinned_prompts:
@@ -200,10 +202,12 @@ class LLM:
             for prompt, sampling, lora in zip(prompts, params, loras, strict=True):
                 request_id = RequestId(str(next(self._request_counter)))
                 text, token_ids = self._tokenize(prompt)
+                token_ids, mm_inputs = self._with_images(prompt, token_ids)
                 sampling = self._resolve_params(sampling)
                 if lora is not None:  # a missing or too-large adapter fails here, not in a step
                     read_adapter_config(lora.lora_path, self.worker_info.max_lora_rank or None)
-                self.scheduler.add_request(EngineRequest(request_id, tuple(token_ids), sampling, lora=lora))
+                self.scheduler.add_request(EngineRequest(request_id, tuple(token_ids), sampling, lora=lora,
+                                                         mm_inputs=mm_inputs))
                 outputs[request_id] = RequestOutput(
                     request_id, text, list(token_ids),
                     [CompletionOutput(i, logprobs=[] if sampling.logprobs is not None else None)
@@ -226,6 +230,26 @@ class LLM:
             for completion in output.outputs:
                 completion.text = self._detokenize(completion.token_ids)
         return list(outputs.values())
+
+    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of OpenAI-shaped messages) or several, each
+        rendered with the model's chat template; image parts (data URLs, PIL images) go to a
+        vision-language model as `multi_modal_data` (chat_inputs.py)."""
+        from pagoda.entrypoints.chat_inputs import chat_prompt
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            rendered, images = chat_prompt(conversation)
+            ids = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=False)
+            prompt: dict[str, Any] = {"prompt_token_ids": self.tokenizer(ids, add_special_tokens=False)["input_ids"]}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """One vector per prompt (text, or {"prompt_token_ids": [...]}), in input order: the same
@@ -283,7 +307,26 @@ class LLM:
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
+            return prompt["prompt"], list(self.tokenizer(prompt["prompt"])["input_ids"])
         raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt)}")
+
+    def _with_images(self, prompt: Prompt, token_ids: list[int]) -> tuple[list[int], tuple]:
+        """vLLM's `multi_modal_data={"image": image or [images]}` (PIL images, or encoded bytes): the
+        prompt holds one placeholder token per image (LLaVA's `<image>`), expanded here."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return token_ids, ()
+        from pagoda.contract.image_inputs import ImageProcessor, decode_image
+
+        if self._images is None:
+            self._images = ImageProcessor.load(self.model_dir)
+            if self._images is None:
+                raise ValueError(f"{self.model_dir} is not a vision-language model: no multi_modal_data")
+        images = data.get("image", [])
+        images = [decode_image(i) if isinstance(i, bytes) else i
+                  for i in (images if isinstance(images, list | tuple) else [images])]
+        return self._images.expand(token_ids, images)
 
     def _detokenize(self, token_ids: list[int]) -> str:
         try:

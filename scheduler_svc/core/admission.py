@@ -97,6 +97,9 @@ class Admission:
             num_hit = (len(hits) + len(host)) * cfg.block_size
             start = resume_point(seq, num_hit)  # past the hit, or past its swapped KV
             num_new = min(len(seq.token_ids) - start, self._threshold, draft.budget)
+            num_new, _ = draft.encoder_cut(seq, start, num_new)
+            if num_new == 0:
+                return  # its first chunk starts at an image this step cannot encode: wait, in order
             tenant = seq.request.tenant
             short = kv.admit_short(tenant, hits, start + num_new)
             if short is None and not self._fits_whole(seq, hits, reserve):
@@ -111,6 +114,7 @@ class Admission:
                 skip.add(tenant)
                 continue
             waiting.remove(seq)
+            draft.pay_encoder(seq, start, num_new)
             self.admit(draft, seq, hits, last_serial, num_hit, num_new, host)
             if self._order is not None:
                 self._order.admitted(seq)  # a pass over the head counts once it is admitted
@@ -162,7 +166,7 @@ class Admission:
             self._migrator.load(seq, num_hit, draft.plan)
         draft.plan.new_requests.append(NewRequestData(
             seq.seq_id, list(seq.token_ids), req.worker_num_prompt_tokens, list(seq.block_table),
-            start, num_new, req.worker_sampling, seq.seq_index, req.lora))
+            start, num_new, req.worker_sampling, seq.seq_index, req.lora, req.mm_inputs))
         seq.resident = True
         self._queues.add_running(seq)
         draft.commit(seq, num_new)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pagoda.contract.errors import InvalidRequestError, QueueFullError
+from pagoda.contract.multimodal import check_mm_inputs
 from pagoda.contract.params import check_context_length
 from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core.brownout import BrownoutConfig
@@ -80,6 +81,9 @@ class SchedulerConfig:
     # A prefill longer than this gets at most this many tokens per step, so one long prompt cannot
     # monopolise a step. 0 = auto (max_num_batched_tokens // 2).
     long_prefill_token_threshold: int = 0
+    # Image embedding rows the worker may encode per step (vLLM's --max-num-encoder-input-tokens;
+    # step_draft.cut_for_encoder). 0 = max_num_batched_tokens.
+    max_num_encoder_input_tokens: int = 0
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 4096  # the bounded queue: beyond it add_request raises QueueFullError
     max_waiting_tokens: int | None = None  # optional bound on the prompt tokens waiting
@@ -144,6 +148,10 @@ class SchedulerConfig:
             raise ValueError(f"tenant_fairness must be 'off' or 'vtc', got {self.tenant_fairness!r}")
 
     @property
+    def encoder_budget(self) -> int:
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
+
+    @property
     def cached_first(self) -> bool:
         """Whether admission runs the cached-first order (`admission_order`, "auto" resolved)."""
         if self.admission_order == "auto":
@@ -171,6 +179,10 @@ def check_request(cfg: SchedulerConfig, request: EngineRequest, num_waiting: int
     if not prompt:
         raise InvalidRequestError("the prompt is empty: at least one token is required")
     check_context_length(cfg.max_model_len, len(prompt), sampling.max_tokens)
+    try:
+        check_mm_inputs(request.mm_inputs, len(prompt))
+    except ValueError as error:
+        raise InvalidRequestError(str(error)) from None
     if request.num_prior_output_tokens:
         if request.num_prior_output_tokens >= len(prompt):
             raise InvalidRequestError("num_prior_output_tokens must be less than the prompt's length")

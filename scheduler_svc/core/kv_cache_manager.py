@@ -13,7 +13,7 @@ from pagoda.contract.ids import BlockId
 from pagoda.contract.step import BlockCopy, StepPlan, TableUpdate
 from pagoda.runtime.math_utils import cdiv
 from scheduler_svc.core.block_pool import BlockPool
-from scheduler_svc.core.prefix_index import PrefixIndex, block_extra_keys
+from scheduler_svc.core.prefix_index import PrefixIndex
 from scheduler_svc.core.request import NULL_BLOCK, SeqStatus, Sequence
 from scheduler_svc.core.tiers.disk_tier import DiskTier
 from scheduler_svc.core.tiers.host_tier import HostTier
@@ -54,12 +54,12 @@ class KVCacheManager:
     def _ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
         """Extend seq.block_hashes (incrementally) to its first num_blocks full blocks."""
         hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
-        salt, lora_key = seq.request.cache_salt, seq.request.lora_key
+        request = seq.request
         for i in range(len(hashes), num_blocks):
             parent = hashes[i - 1] if i else None
             # Looked up on the module each time so tests can force collisions by monkeypatching it.
             hashes.append(prefix_index.hash_block(parent, tokens[i * bs:(i + 1) * bs],
-                                                  block_extra_keys(i, salt, lora_key)))
+                                                  request.block_keys(i, bs)))
 
     def find_cached_prefix(self, seq: Sequence) -> tuple[list[BlockId], int]:
         """Verified cached full blocks of a waiting sequence, leaving >= 1 token to compute. None
@@ -70,8 +70,8 @@ class KVCacheManager:
             return [], 0
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
         self._ensure_hashes(seq, max_blocks)
-        return self.index.match(seq.block_hashes, seq.token_ids, self.block_size,
-                                seq.request.cache_salt, max_blocks, seq.request.lora_key)
+        return self.index.match(seq.block_hashes, seq.token_ids, self.block_size, None, max_blocks,
+                                keys_of=seq.request.block_keys)
 
     def find_offloaded(self, seq: Sequence, num_hit_blocks: int) -> list[int | None]:
         """The full blocks right after seq's `num_hit_blocks` device hits (found by
@@ -81,10 +81,9 @@ class KVCacheManager:
         if tier is None or seq.request.needs_prompt_logprobs or seq.request.sampling.pooling:
             return []
         bs, tokens, hashes = self.block_size, seq.token_ids, seq.block_hashes
-        salt, lora_key = seq.request.cache_salt, seq.request.lora_key
         found: list[int | None] = []
         for i in range(num_hit_blocks, (len(tokens) - 1) // bs):
-            block_tokens, keys = tokens[i * bs:(i + 1) * bs], block_extra_keys(i, salt, lora_key)
+            block_tokens, keys = tokens[i * bs:(i + 1) * bs], seq.request.block_keys(i, bs)
             slot = tier.lookup(hashes[i], prefix_index.pack_tokens(block_tokens), keys)
             if slot is None and (disk is None or not disk.match(hashes[i], tuple(block_tokens), keys)):
                 break
@@ -99,11 +98,11 @@ class KVCacheManager:
         if full <= seq.num_registered_blocks:
             return
         self._ensure_hashes(seq, full)
-        bs, salt, lora_key = self.block_size, seq.request.cache_salt, seq.request.lora_key
+        bs = self.block_size
         for i in range(seq.num_registered_blocks, full):
             serial = self.index.register(seq.block_table[i], seq.block_hashes[i], seq.last_serial,
                                          seq.token_ids[i * bs:(i + 1) * bs],
-                                         block_extra_keys(i, salt, lora_key))
+                                         seq.request.block_keys(i, bs))
             if serial is None:  # collision: the chain cannot be extended past it
                 seq.num_registered_blocks = len(seq.token_ids) + 1  # never try again
                 return

@@ -45,6 +45,9 @@ class SchedulerCounters:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens served from it
     prefill_tokens_computed: int = 0  # recomputation after preemption included
+    encoder_tokens: int = 0  # image embedding rows the worker's vision encoder produced
+    encoder_cache_hits: int = 0  # image lookups its encoder cache served
+    last_step_images: tuple[str, ...] = ()  # hashes of the images the last step encodes
     last_step: tuple[int, int, int] = (0, 0, 0)  # (prefill tokens, decode sequences, preemptions)
 
     def note_admission(self, seq: Sequence, num_hit: int) -> bool:
@@ -116,6 +119,9 @@ class SchedulerStats:
     cpu_kv_usage: float = 0.0  # used / total host blocks, 0..1
     # Tokens computed in prefill chunks, recomputation after preemption included (what swapping saves)
     prefill_tokens_computed: int = 0
+    encoder_tokens: int = 0  # vision-language models: image embedding rows encoded (docs/vision.md)
+    encoder_cache_hits: int = 0  # image lookups the worker's encoder cache served
+    last_step_images: tuple[str, ...] = ()  # hashes of the images the last step encodes (its span)
     # The prefix cache's host tier (tiers/host_tier.py)
     num_offload_blocks: int = 0  # its capacity; 0: none
     offload_kv_usage: float = 0.0  # offloaded / capacity, 0..1

@@ -91,9 +91,14 @@ class PrefixIndex:
         return self._serial[block]
 
     def match(self, block_hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int,
-              cache_salt: str | None, max_blocks: int,
-              lora_key: str | None = None) -> tuple[list[BlockId], int]:
-        """The longest verified chain of cached blocks (at most max_blocks) and its last serial."""
+              cache_salt: str | None, max_blocks: int, lora_key: str | None = None,
+              keys_of: Callable[[int, int], tuple] | None = None) -> tuple[list[BlockId], int]:
+        """The longest verified chain of cached blocks (at most max_blocks) and its last serial.
+        `keys_of(i, block_size)`: block i's extra keys (Request.block_keys: salt, adapter, images);
+        None: from cache_salt and lora_key alone."""
+        if keys_of is None:
+            def keys_of(i: int, _bs: int) -> tuple:
+                return block_extra_keys(i, cache_salt, lora_key)
         blocks: list[BlockId] = []
         serial = ROOT_SERIAL
         for i in range(max_blocks):
@@ -102,7 +107,7 @@ class PrefixIndex:
                 break
             if self._parent[block] != serial \
                     or self._tokens[block] != pack_tokens(token_ids[i * block_size:(i + 1) * block_size]) \
-                    or self._keys[block] != block_extra_keys(i, cache_salt, lora_key):
+                    or self._keys[block] != keys_of(i, block_size):
                 self.num_collisions += 1
                 break
             blocks.append(block)

@@ -14,7 +14,9 @@ from enum import Enum
 
 from pagoda.contract.ids import BlockId, RequestId
 from pagoda.contract.lora import LoRARequest
+from pagoda.contract.multimodal import MultiModalInput, mm_block_keys
 from pagoda.contract.params import FinishReason, SamplingParams, num_beam_candidates
+from pagoda.contract.prefix_hash import block_extra_keys
 from pagoda.contract.step import StepPlan, TokenLogprobs
 from scheduler_svc.core.beam_search import BeamSearch, Candidate
 
@@ -70,6 +72,8 @@ class EngineRequest:
     kv_share: float = 0.0
     # A migrated request's continuation (with num_prior_output_tokens): KV to load, not compute.
     kv_import: KvHandoff | None = None
+    # The prompt's images (docs/vision.md): their placeholder runs and pixels, by offset.
+    mm_inputs: tuple[MultiModalInput, ...] = ()
 
 
 @dataclass(slots=True, eq=False)
@@ -97,6 +101,7 @@ class Request:
     session_ttl: float = 0.0
     tenant: str = ""  # EngineRequest's (tenants.py)
     kv_import: KvHandoff | None = None  # EngineRequest's, until its first admission loads it
+    mm_inputs: tuple[MultiModalInput, ...] = ()  # EngineRequest's: sent with every NewRequestData
     # Fields, not properties: read for every sequence on every step.
     num_prompt_tokens: int = field(init=False)
     max_num_tokens: int = field(init=False)  # prompt + max_tokens: no token is sampled beyond it
@@ -116,6 +121,11 @@ class Request:
         self.max_num_tokens = self.num_prompt_tokens + self.max_tokens
         self.lora_key = self.lora.cache_key if self.lora is not None else None
         self.prompt_logprobs = [] if self.sampling.prompt_logprobs is not None else None
+
+    def block_keys(self, block_index: int, block_size: int) -> tuple:
+        """The extra hash keys of block `block_index`: salt and adapter (first block), images overlapping it."""
+        return block_extra_keys(block_index, self.cache_salt, self.lora_key,
+                                mm_block_keys(self.mm_inputs, block_index, block_size))
 
     @property
     def worker_sampling(self) -> SamplingParams:

@@ -130,7 +130,8 @@ class Scheduler:
                       next(self._arrivals), request.cache_salt, request.lora, num_unfinished=num_seqs,
                       stop_token_set=stop_set, num_prior_output_tokens=request.num_prior_output_tokens,
                       session_id=request.session_id, session_ttl=request.session_ttl,
-                      tenant=request.tenant, kv_import=self._checked_import(request))
+                      tenant=request.tenant, kv_import=self._checked_import(request),
+                      mm_inputs=request.mm_inputs)
         seq = Sequence(rid, 0, req, list(prompt), pending_fork=num_seqs > 1)
         req.seqs.append(seq)
         if sampling.beam_width:
@@ -205,7 +206,8 @@ class Scheduler:
         plan = self._new_plan()
         if self._migrator.asked:  # before scheduling: the migrating sequences leave in this plan
             self._detach_migrating(plan)
-        draft = StepDraft(plan, brownout.step_budget, self.config.block_size)
+        draft = StepDraft(plan, brownout.step_budget, self.config.block_size,
+                          encoder_budget=self.config.encoder_budget, encoder_full=self.config.encoder_budget)
         self._pool_preempted, self._capped_preempted = False, set()
         self._schedule_running(draft)
         # After a preemption for want of pool blocks nothing is admitted (it would take them back);
@@ -225,6 +227,8 @@ class Scheduler:
             expected = self._inflight[0].step_id if self._inflight else None
             raise ValueError(f"result for step {result.step_id}, expected step {expected}")
         step = self._inflight.popleft()
+        self._counters.encoder_tokens += result.num_encoder_tokens
+        self._counters.encoder_cache_hits += result.num_encoder_cache_hits
         kv = self._kv
         if kv.index is not None:
             kv.register_reported(step.computed)
@@ -392,6 +396,8 @@ class Scheduler:
             num_swap_preemptions=swap.num_swap_preemptions, blocks_swapped_out=swap.blocks_swapped_out,
             blocks_swapped_in=swap.blocks_swapped_in, num_cpu_blocks=self.config.num_cpu_blocks,
             cpu_kv_usage=swap.cpu_kv_usage, prefill_tokens_computed=c.prefill_tokens_computed,
+            encoder_tokens=c.encoder_tokens, encoder_cache_hits=c.encoder_cache_hits,
+            last_step_images=c.last_step_images,
             num_sessions=len(self._leases), num_session_blocks=self._leases.num_blocks,
             tenants=self._tenants.stats(q.waiting.lengths()),
             **tier_stats(self._kv.tier), **disk_tier_stats(self._kv.disk))
@@ -420,6 +426,7 @@ class Scheduler:
         num_tokens = draft.num_prefill + draft.num_decode + sum(n for _, _, n in draft.spec)
         self._inflight.append(InflightStep(plan.step_id, draft.computed, draft.spec, num_tokens))
         self._counters.last_step = (draft.num_prefill, draft.num_decode, len(plan.preempted_ids))
+        self._counters.last_step_images = tuple(draft.images)
         self._counters.prefill_tokens_computed += draft.num_prefill
         self._kv.seal(plan)  # the host and disk tiers' copies of the blocks this plan evicted
         self._next_step_id += 1
@@ -530,6 +537,7 @@ class Scheduler:
                 continue
             gap = total - start
             num_new = gap if gap <= threshold and gap <= budget else min(gap, threshold, budget)
+            num_new, _ = draft.encoder_cut(seq, start, num_new)  # images it cannot encode wait
             # A step that would sample a token beyond max_tokens is not scheduled at all.
             if num_new == 0 or (num_new == gap and not seq.may_sample()):
                 counts[seq.seq_id] = 0
@@ -548,6 +556,7 @@ class Scheduler:
                 counts[seq.seq_id] = num_new
             draft.commit(seq, num_new)
             budget -= num_new
+            draft.pay_encoder(seq, start, num_new)
         draft.budget = budget
         draft.num_decode += num_decode
         draft.num_scheduled += num_decode
@@ -646,7 +655,8 @@ class Scheduler:
         if target is None:
             return self.schedule()
         plan = self._new_plan()
-        draft = StepDraft(plan, self.config.max_num_batched_tokens, self.config.block_size)
+        draft = StepDraft(plan, self.config.max_num_batched_tokens, self.config.block_size,
+                          encoder_budget=self.config.encoder_budget, encoder_full=self.config.encoder_budget)
         group = None  # a running beam's whole group is scheduled with it (beam_group.py)
         if target.status is SeqStatus.RUNNING:
             group = target.request if target.request.beam is not None else None

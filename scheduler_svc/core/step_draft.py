@@ -33,6 +33,23 @@ class StepDraft:
     num_prefill: int = 0  # tokens
     num_decode: int = 0  # sequences (one token each)
     blocks_short: bool = False  # a running beam group waits for deferred frees: admit nothing
+    encoder_budget: int = 0  # image rows the worker may still encode this step (cut_for_encoder)
+    encoder_full: int = 0  # the whole budget (--max-num-encoder-input-tokens)
+    images: list[str] = field(default_factory=list)  # hashes of the images this step encodes (its span names them)
+
+    def pay_encoder(self, seq: Sequence, start: int, num_new: int) -> None:
+        """The images whose first token the scheduled chunk [start, start + num_new) holds: paid for."""
+        for item in seq.request.mm_inputs:
+            if start <= item.offset < start + num_new:
+                self.encoder_budget -= item.length
+                self.images.append(item.hash)
+
+    def encoder_cut(self, seq: Sequence, start: int, num_new: int) -> tuple[int, int]:
+        """(num_new cut before the first image this step's encoder budget cannot pay, the rows the
+        rest costs): the caller pays (`pay_encoder`) once the chunk is scheduled."""
+        if not seq.request.mm_inputs:
+            return num_new, 0
+        return cut_for_encoder(seq.request.mm_inputs, start, num_new, self.encoder_budget, self.encoder_full)
 
     def commit(self, seq: Sequence, num_new: int) -> None:
         """Advance seq's num_computed by `num_new` scheduled tokens (tokens of in-flight steps count);
@@ -53,3 +70,24 @@ class StepDraft:
             seq.num_placeholders += 1
             if seq.pending_fork:
                 self.fork_parents.append(seq)
+
+
+# The encoder budget (vLLM's `--max-num-encoder-input-tokens`): at most this many image embedding
+# rows are encoded per step, so a burst of image prompts cannot stall a step behind the vision tower.
+# A chunk that reaches the start of an image pays its rows (the worker encodes it then; its later
+# chunks slice the cached embedding for free). When the step's budget cannot pay for an image, the
+# chunk stops right before it; a chunk that would start at such an image waits for a later step,
+# unless nothing was encoded yet this step (an image larger than the budget must still go through).
+def cut_for_encoder(mm_inputs: tuple, start: int, num_new: int, budget: int, full: int) -> tuple[int, int]:
+    """(tokens to schedule, encoder rows they cost) for a chunk [start, start + num_new) under
+    `budget` rows left of `full`."""
+    cost = 0
+    for item in mm_inputs:
+        if item.offset < start:
+            continue  # already begun: its embedding is cached on the worker
+        if item.offset >= start + num_new:
+            break
+        if cost + item.length > budget and not (budget == full and cost == 0):
+            return item.offset - start, cost
+        cost += item.length
+    return num_new, cost

@@ -71,7 +71,11 @@ async def test_stop_reasons(gateway):
     # a system message (served anywhere: test_agent_clients.py) holds text only
     ({"messages": [{"role": "system", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],
       "max_tokens": 8}, 400, "served: text"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 8}, 400, "image"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"}}]}],
+      "max_tokens": 8}, 400, "does not take images"),  # a text-only model (docs/vision.md)
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}], "max_tokens": 8}, 400,
+     "document"),
     ({"messages": ASK, "max_tokens": 8, "frequency_penalty": 1}, 400, "frequency_penalty"),
     ({"messages": ASK, "max_tokens": 8, "temperature": -1}, 400, "temperature"),
     ({"messages": ASK, "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 4}}, 400, "--reasoning-parser"),

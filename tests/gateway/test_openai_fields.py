@@ -76,9 +76,17 @@ async def test_unknown_field_is_400_naming_it(gateway, endpoint):
 
 
 async def test_non_text_content_and_function_call_turns_are_400(gateway):
+    # an image for a text-only model; an http URL outside --allowed-media-domains (docs/vision.md)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"}}
+    reply = await gateway.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}]})
+    assert reply.status_code == 400 and "does not take images" in reply.json()["error"]["message"]
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
     reply = await gateway.http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}]})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages[0].content[1]"
+    reply = await gateway.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]})
     assert reply.status_code == 400 and "messages.0.content" in reply.json()["error"]["param"]
     turn = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}
     reply = await gateway.http.post("/v1/chat/completions", json={

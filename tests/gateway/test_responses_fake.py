@@ -185,7 +185,10 @@ async def test_required_and_named_tool_choice_force_a_call(tools_gateway, upstre
     ({"input": []}, "input: List should have at least 1 item"),
     ({"input": 3}, "input is a string or a list of items"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
-     "input.0.message.content: only text parts (input_text, output_text) are served, not input_image"),
+     "input[0].content[0]: image URLs from 'x' are refused"),  # docs/vision.md
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input.0.message.content: only text and image parts (input_text, output_text, input_image) are served, "
+     "not input_file"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input.0.message.role"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "an input item is a message"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.function_call_output.call_id"),

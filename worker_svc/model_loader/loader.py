@@ -280,6 +280,9 @@ def _renamed(tensors: Iterable[tuple[str, TensorReader]]) -> Iterator[tuple[str,
     """Mixtral's `block_sparse_moe.gate` / `block_sparse_moe.experts.N.w1|w3|w2` -> `mlp.gate` /
     `mlp.experts.N.gate_proj|up_proj|down_proj` (the reader keeps the original name for slicing)."""
     for name, read in tensors:
+        name = _language_model_name(name)
+        if name is None:  # the vision tower's or the projector's (models/llava_vision.py loads them)
+            continue
         parts = name.split(".")
         if "block_sparse_moe" in parts:
             parts[parts.index("block_sparse_moe")] = "mlp"
@@ -287,6 +290,19 @@ def _renamed(tensors: Iterable[tuple[str, TensorReader]]) -> Iterator[tuple[str,
                 parts[-2] = _MIXTRAL_EXPERTS[parts[-2]]
             name = ".".join(parts)
         yield name, read
+
+
+# A vision-language checkpoint's language model tensors -> the text model's names; vision ones -> None.
+_LM_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                ("model.language_model.", "model."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _language_model_name(name: str) -> str | None:
+    for old, new in _LM_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return None if name.startswith(_VISION_PREFIXES) else name
 
 
 def _stacked_experts(name: str, read: TensorReader, cfg: ModelConfig,

@@ -16,6 +16,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
                            "GraniteForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
                            "OlmoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Vision-language wrappers (docs/vision.md): the language model is served from `text_config` by its
+# own family's implementation; the vision tower and projector load beside it (models/llava_vision.py).
+MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+_TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -74,6 +78,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    multimodal: str | None = None  # the wrapper's architecture (MULTIMODAL_ARCHITECTURES); None: text only
 
     @property
     def rotary_dim(self) -> int:
@@ -109,6 +114,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        raw, multimodal = _text_part(raw)
         arch = _architecture(raw)
         hidden_act = _hidden_act(raw, arch)
         if raw.get("mlp_bias", False):
@@ -148,8 +154,26 @@ class ModelConfig:
             final_logit_softcapping=_optional_float(raw.get("final_logit_softcapping")),
             local_rope_theta=_local_rope_theta(raw, arch),
             hidden_act=hidden_act,
+            multimodal=multimodal,
             **_moe(raw, arch),
         )
+
+
+def _text_part(raw: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """A vision-language config's language model config (and the wrapper's name); others as they are."""
+    wrapper = next((a for a in raw.get("architectures") or () if a in MULTIMODAL_ARCHITECTURES), None)
+    if wrapper is None:
+        return raw, None
+    text = dict(raw.get("text_config") or {})
+    model_type = text.get("model_type", "llama")
+    if model_type not in _TEXT_ARCHITECTURES:
+        raise UnsupportedModelError(f"{wrapper} with a {model_type!r} language model is not supported; "
+                                    f"supported: {', '.join(_TEXT_ARCHITECTURES)}")
+    text["architectures"] = [_TEXT_ARCHITECTURES[model_type]]
+    for key in ("dtype", "torch_dtype", "tie_word_embeddings"):  # the wrapper's win where the text's are unset
+        if text.get(key) is None and raw.get(key) is not None:
+            text[key] = raw[key]
+    return text, wrapper
 
 
 def _architecture(raw: dict[str, Any]) -> str:

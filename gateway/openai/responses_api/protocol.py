@@ -25,7 +25,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from gateway.openai.chat_messages import ChatMessage, TextPart
+from gateway.openai.chat_messages import ChatMessage, ImageUrl, ImageUrlPart, TextPart
 from gateway.openai.protocol import ChatCompletionRequest
 from gateway.openai.responses_api.client_fields import BuiltinTool, ReasoningConfig, check_include, tool_type
 from gateway.openai.structured_outputs import JsonSchemaFormat, ResponseFormat
@@ -41,13 +41,22 @@ class InputText(BaseModel):
     text: str
 
 
+class InputImage(BaseModel):
+    """An `input_image` part (a data URL or an http(s) URL; file_id is not served)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 def _text_parts_only(value: Any) -> Any:
-    """A 400 naming the part type for content Pagoda cannot read (images, files, audio)."""
+    """A 400 naming the part type for content Pagoda cannot read (files, audio)."""
     for part in value if isinstance(value, list) else ():
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text"):
-            raise PydanticCustomError("unsupported_part", "only text parts (input_text, output_text) are "
-                                      "served, not {kind}", {"kind": kind})
+        if kind not in ("input_text", "output_text", "input_image"):
+            raise PydanticCustomError("unsupported_part", "only text and image parts (input_text, "
+                                      "output_text, input_image) are served, not {kind}", {"kind": kind})
     return value
 
 
@@ -55,13 +64,15 @@ class MessageItem(BaseModel):
     model_config = ConfigDict(extra="allow")  # an echoed output message carries id, status
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
+    content: str | list[Annotated[InputText | InputImage, Field(discriminator="type")]]
 
     _text_only = field_validator("content", mode="before")(_text_parts_only)
 
-    def chat_message(self) -> ChatMessage:
+    def chat_message(self, where: str = "input") -> ChatMessage:
         content = (self.content if isinstance(self.content, str)
-                   else [TextPart(text=part.text) for part in self.content])
+                   else [ImageUrlPart(image_url=ImageUrl(url=part.image_url), where=f"{where}.content[{j}]")
+                         if isinstance(part, InputImage) else TextPart(text=part.text)
+                         for j, part in enumerate(self.content)])
         return ChatMessage(role="system" if self.role == "developer" else self.role, content=content)
 
 
@@ -249,11 +260,11 @@ class ResponsesRequest(BaseModel):
         """The conversation as chat messages: the instructions first (a system message), calls
         folded into the assistant turn that made them, their outputs as tool messages."""
         messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
-        for item in self.input:
+        for i, item in enumerate(self.input):
             if isinstance(item, ReasoningItem):
                 continue
             if isinstance(item, MessageItem):
-                messages.append(item.chat_message())
+                messages.append(item.chat_message(f"input[{i}]"))
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
