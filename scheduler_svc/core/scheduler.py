@@ -629,6 +629,7 @@ class Scheduler:
 
     def _drop_blocks(self, seq: Sequence) -> None:
         self._kv.release(self._kv.held_blocks(seq), self._last_inflight())
+        self._kv.release(seq.forget_draft(), self._last_inflight())  # draft-model speculation's
         seq.block_table = []
         seq.num_window_freed = 0
         seq.num_computed_tokens = 0
