@@ -8,14 +8,20 @@ the draft's KV is allocated, freed, preempted and rolled back by the scheduler e
 target's. Each block id thus has storage in both caches (initialize() splits the byte budget).
 
 A step with drafts: for every drafting request, forward 1 feeds the draft the tokens its cache
-lacks (usually the last one or two; the whole prompt the first time, a lazy prefill) and takes its
-argmax; forwards 2..k feed one proposal each. All drafting requests share each forward (k small
+lacks (usually the last one or two; the whole prompt the first time, a lazy prefill) and picks a
+token; forwards 2..k feed one proposal each. The draft's logits go through the target's sampling
+steps (token constraints, min_tokens, penalties; then temperature, min-p, top-k, top-p) for the
+request's own parameters: greedy rows take the argmax, random rows sample from that distribution
+q, which the verifier's rejection rule then needs (spec_rejection.py). A seeded request's draft
+noise is seeded too, from a seed derived from its own (independent of the target's noise). All drafting requests share each forward (k small
 batched forwards). The target then verifies every request's proposals in its one forward
 (spec_verify.py): exact, for greedy and random rows alike, whatever the draft proposes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +36,7 @@ from worker_svc.kv_cache import CacheShape, KVCache
 from worker_svc.model_loader.loader import load_model
 from worker_svc.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
 from worker_svc.models.row_buckets import bucket_linear_rows
-from worker_svc.sampler import row_argmax
+from worker_svc.sampler import Sampler, SamplingRow, row_argmax
 
 log = get_logger(__name__)
 
@@ -85,7 +91,8 @@ def check_same_tokenizer(draft: str, target: str, draft_vocab: int, target_vocab
 
 class DraftModel:
     def __init__(self, spec: str, target: str, target_vocab: int, dtype: torch.dtype,
-                 device: torch.device, backend: object, block_size: int, pack: bool) -> None:
+                 device: torch.device, backend: object, block_size: int, pack: bool,
+                 eos_token_ids: tuple[int, ...] = (), seed: int = 0) -> None:
         what = resolve_draft(spec, target)
         self.model, self.model_config = load_model(what.path, dtype, device, quantization=what.quantization)
         check_same_tokenizer(what.path, target, self.model_config.vocab_size, target_vocab)
@@ -94,6 +101,7 @@ class DraftModel:
             bucket_linear_rows(self.model, PackedLinear)
         self.dtype, self.device, self.backend, self.block_size = dtype, device, backend, block_size
         self.tables: dict[RequestId, list[int]] = {}  # the scheduler's draft tables, as last sent
+        self.sampler = Sampler(eos_token_ids, device, seed + 2)  # its own noise: not the target's
         self.cache: KVCache | None = None
         mc = self.model_config
         self.shape = CacheShape(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, dtype)
@@ -124,8 +132,10 @@ class DraftModel:
                                 f"draft table, or its draft cache is ahead of the target's")
 
     @torch.inference_mode()
-    def propose(self, items: list[tuple[CachedRequestState, ModelDraft]]) -> dict[RequestId, list[int]]:
-        """Each item's proposals: k greedy tokens of the draft after the request's last token."""
+    def propose(self, items: list[tuple[CachedRequestState, ModelDraft]]
+                ) -> tuple[dict[RequestId, list[int]], dict[RequestId, torch.Tensor]]:
+        """Each item's k proposals after the request's last token; and, for random rows, the
+        distributions [k, V] they were drawn from (greedy rows: argmaxes, point masses)."""
         assert self.cache is not None, "allocate() before propose()"
         states: list[CachedRequestState] = []
         counts: list[int] = []
@@ -135,17 +145,19 @@ class DraftModel:
             table.extend(d.block_ids)
             # A view of the request for the draft: its own cache position and table.
             states.append(CachedRequestState(d.request_id, list(state.token_ids), state.num_prompt_tokens,
-                                             table, d.num_computed, state.sampling))
+                                             table, d.num_computed, _draft_params(state.sampling),
+                                             state.seq_index))
             counts.append(len(state.token_ids) - d.num_computed)  # catch up, up to the last token
         wanted = {d.request_id: d.num_drafts for _, d in items}
         proposals: dict[RequestId, list[int]] = {d.request_id: [] for _, d in items}
+        probs: dict[RequestId, list[torch.Tensor]] = {}
         active = list(range(len(states)))
         while active:
             seqs = [ScheduledSeq(states[i], counts[i]) for i in active]
             inputs = build_model_inputs(seqs, self.block_size, self.backend, self.device)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.cache.layers)
             logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()  # [S, V]
-            tokens = row_argmax(logits).tolist()
+            tokens = self._pick(logits, [states[i] for i in active], probs)
             still = []
             for i, token in zip(active, tokens, strict=True):
                 state = states[i]
@@ -157,4 +169,29 @@ class DraftModel:
                 if len(out) < wanted[state.request_id]:
                     still.append(i)
             active = still
-        return proposals
+        return proposals, {rid: torch.stack(rows) for rid, rows in probs.items()}
+
+    def _pick(self, logits: torch.Tensor, states: list[CachedRequestState],
+              probs: dict[RequestId, list[torch.Tensor]]) -> list[int]:
+        """Greedy rows: the argmax; random rows: a sample from q, appended to `probs`."""
+        rows = [SamplingRow(s.sampling, s.token_ids, s.num_prompt_tokens, s.seq_index) for s in states]
+        self.sampler.adjust_logits(logits, rows)  # constraints, min_tokens, penalties: as the target's
+        tokens = row_argmax(logits)
+        randoms = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if randoms:
+            index = torch.tensor(randoms, dtype=torch.long, device=logits.device)
+            q = self.sampler.sampling_probs(logits[index], [rows[i] for i in randoms])  # [R, V]
+            noise = self.sampler._exponential_noise([rows[i] for i in randoms], q.shape[1])
+            tokens[index] = (q / noise).argmax(dim=-1)
+            for j, i in enumerate(randoms):
+                probs.setdefault(states[i].request_id, []).append(q[j])
+        return tokens.tolist()
+
+
+def _draft_params(params):
+    """A seeded request's draft draws from its own seed (derived): the draft's noise must be
+    independent of the target's, which the same seed would repeat position by position."""
+    if params.seed is None:
+        return params
+    digest = hashlib.blake2b(f"draft/{params.seed}".encode(), digest_size=8).digest()
+    return dataclasses.replace(params, seed=int.from_bytes(digest, "little") >> 1)

@@ -148,6 +148,7 @@ class ModelRunner:
                                          self.model_config.eos_token_ids) if self.samples else None)
         self.verifier = DraftVerifier(self.sampler, config.seed)
         self.drafter = self._load_draft_model() if config.speculative_model else None
+        self._draft_probs: dict[RequestId, torch.Tensor] = {}  # this step's, by request (random rows)
         self.requests: dict[RequestId, CachedRequestState] = {}
         self.kv_cache: KVCache | None = None
         self._decode_buffers: DecodeInputBuffers | None = None  # made with the cache (initialize)
@@ -372,7 +373,8 @@ class ModelRunner:
         """The draft model's proposals (timed with the step: the speculation policy's cost fit
         must see what drafting costs), placed after each request's last token like n-gram drafts."""
         assert self.drafter is not None
-        proposed = self.drafter.propose([(self.requests[d.request_id], d) for d in plan.model_drafts])
+        proposed, self._draft_probs = self.drafter.propose([(self.requests[d.request_id], d)
+                                                            for d in plan.model_drafts])
         for request_id, tokens in proposed.items():
             self.requests[request_id].token_ids.extend(tokens)
         return {**plan.draft_token_ids, **proposed}
@@ -383,7 +385,8 @@ class ModelRunner:
                              "without tensor/pipeline parallelism or LoRA")
         return DraftModel(self.config.speculative_model, self.config.model,  # type: ignore[arg-type]
                           self.model_config.vocab_size, self.dtype, self.device, self.backend,
-                          self.config.block_size, self.config.pack_weights)
+                          self.config.block_size, self.config.pack_weights,
+                          tuple(self.model_config.eos_token_ids), self.config.seed)
 
     def _verify_drafts(self, logits: torch.Tensor, drafted: list[tuple[CachedRequestState, list[int]]],
                        result: StepResult) -> None:
@@ -395,7 +398,9 @@ class ModelRunner:
             history = len(state.token_ids) - len(drafts)
             items.append((SamplingRow(state.sampling, state.token_ids[:history], state.num_prompt_tokens,
                                       state.seq_index, state.grammar), drafts))
-        for (state, drafts), tokens in zip(drafted, self.verifier(logits, items), strict=True):
+        probs = [self._draft_probs.get(state.request_id) for state, _ in drafted] if self._draft_probs else None
+        self._draft_probs = {}
+        for (state, drafts), tokens in zip(drafted, self.verifier(logits, items, probs), strict=True):
             self._settle_drafts(state, drafts, tokens)
             result.request_ids.extend([state.request_id] * len(tokens))
             result.token_ids.extend(tokens)
