@@ -32,6 +32,11 @@ class SpeculativeConfig:
     # draft_model: the worker loads it (a directory, a GGUF, or "self:q4": the target quantized to
     # int4 at load); the scheduler only needs to know that one drafts, and owns its KV blocks.
     model: str | None = None
+    # vLLM's key: no drafts in a step that runs more than this many sequences (None: the default,
+    # 8 for a draft model, never for ngram/suffix). Why: at batch 8 on CPU a step already computes
+    # 8 rows, and the k draft-model forwards plus k verification rows a sequence cost about what
+    # they save; the goodput policy (spec_policy.py) does not price the draft model's forwards.
+    disable_by_batch_size: int | None = None
     # ngram (Pagoda's, not vLLM's): also look the last prompt_lookup_max tokens up in the other
     # running sequences' outputs, taken where that match is the longer (spec/batch_lookup.py)
     prompt_lookup_batch: bool = True
@@ -54,6 +59,8 @@ class SpeculativeConfig:
                              f"method {self.method!r} takes no model")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if not 2 <= self.suffix_decoding_max_tree_depth <= 256:
@@ -77,6 +84,16 @@ class SpeculativeConfig:
         if fields.get("model") and "method" not in fields:  # vLLM infers the method from the model
             fields["method"] = "draft_model"
         return cls(**fields)
+
+    @property
+    def max_batch_to_draft(self) -> int | None:
+        """Steps running more sequences than this draft nothing (None: no limit)."""
+        if self.disable_by_batch_size is not None:
+            return self.disable_by_batch_size
+        return DRAFT_MODEL_MAX_BATCH if self.method == "draft_model" else None
+
+
+DRAFT_MODEL_MAX_BATCH = 8  # docs/speculative_decoding.md, "Draft model": when drafting stops
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,3 +109,21 @@ def test_a_thousand_requests_with_aborts_in_a_cramped_pool_leak_no_block() -> No
     assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
     assert stats.num_preemptions > 0 and core.spec_num_accepted_tokens > 0
     assert any(plan.model_drafts for plan, _, _ in run.steps)
+
+
+def test_no_drafts_in_a_step_running_more_than_disable_by_batch_size() -> None:
+    assert DRAFT.max_batch_to_draft == 8  # the draft model's default
+    assert SpeculativeConfig(method="ngram").max_batch_to_draft is None
+    spec = dataclasses.replace(DRAFT, disable_by_batch_size=2)
+    config = SchedulerConfig(num_blocks=128, block_size=4, max_model_len=64, max_num_seqs=8,
+                             max_num_batched_tokens=64, speculative=spec)
+    run = small_vocab_run(config, lambda plan, result: False, 5)
+    requests = [(0, EngineRequest(RequestId(f"r{i}"), (3, 1, 2, 3 + i),
+                                  SamplingParams(temperature=0.0, max_tokens=8 + 12 * i, ignore_eos=True)))
+                for i in range(3)]
+    run.go(requests)
+    _assert_streams(run, requests)
+    # all three arrive at once: a step samples for every running sequence
+    running = [len(set(result.request_ids)) for _, result, _ in run.steps]
+    drafted = [bool(plan.model_drafts) for plan, _, _ in run.steps]
+    assert any(drafted) and 3 in running and not any(d and n > 2 for d, n in zip(drafted, running, strict=True))

@@ -139,6 +139,9 @@ class Speculator:
         base_tokens = base_yield = 0
         self._alone = len(running) == 1
         self.running(running)
+        limit = spec.max_batch_to_draft
+        if limit is not None and len(running) > limit:
+            return {}  # vLLM's disable_by_batch_size: a big batch verifies at a loss
         for seq in running:
             total = len(seq.token_ids) + seq.num_placeholders
             gap = total - seq.num_computed_tokens
