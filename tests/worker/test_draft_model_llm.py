@@ -100,3 +100,13 @@ def test_smollm2_greedy_with_its_q4_self_draft_matches_without(smollm2_dir, chat
         core = llm.scheduler
         assert core.spec_num_accepted_tokens > core.spec_num_draft_tokens // 2  # a good draft
     assert drafted == plain
+
+
+def test_the_worker_takes_the_draft_model_from_the_schedulers_flag() -> None:
+    from worker_svc.__main__ import build_config, parse_args, speculative_model
+
+    assert speculative_model('{"model": "self:q4", "num_speculative_tokens": 4}') == "self:q4"
+    assert speculative_model('{"method": "ngram", "num_speculative_tokens": 4}') is None
+    assert speculative_model(None) is None
+    args = parse_args(["--model", "m", "--speculative-config", '{"model": "d.gguf", "num_speculative_tokens": 2}'])
+    assert build_config(args).speculative_model == "d.gguf"
