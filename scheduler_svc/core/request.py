@@ -175,6 +175,7 @@ class Sequence:
     draft_table: list[BlockId] = field(default_factory=list)
     draft_num_computed: int = 0
     draft_synced: int = 0
+    draft_step: int = 0  # the last plan that drafted for it (its draft blocks are written there)
     # Swapped out (swap.py): the host blocks holding the KV of its first num_swapped_tokens tokens.
     host_blocks: list[BlockId] = field(default_factory=list)
     num_swapped_tokens: int = 0

@@ -35,6 +35,22 @@ UNKNOWN_TOKEN = -1
 
 
 class DraftModelSpeculator(Speculator):
+    def stop_drafting(self, running: list[Sequence], after_step: int | None) -> None:
+        """Over the batch limit the draft tables would hold blocks nobody uses, maybe for long:
+        they go back now (the draft catches up in one forward when drafting resumes)."""
+        for seq in running:
+            if seq.draft_table:
+                self._kv.release(seq.forget_draft(), after_step)
+
+    def release_one(self, running: list[Sequence], step_id: int, after_step: int | None) -> bool:
+        """The newest draft table not in plan `step_id` (its blocks are written by that step) goes
+        back before a running sequence is preempted: the draft recomputes, the sequence does not."""
+        for seq in reversed(running):
+            if seq.draft_table and seq.draft_step != step_id:
+                self._kv.release(seq.forget_draft(), after_step)
+                return True
+        return False
+
     def draft(self, seq: Sequence, limit: int) -> list[int]:
         return [UNKNOWN_TOKEN] * limit  # the draft model proposes for every decoding sequence
 
@@ -59,6 +75,7 @@ class DraftModelSpeculator(Speculator):
         plan.model_drafts.append(ModelDraft(seq.seq_id, k, seq.draft_num_computed, start,
                                             seq.draft_table[start:]))
         seq.draft_synced = len(seq.draft_table)
+        seq.draft_step = plan.step_id
         plan.num_scheduled_tokens[seq.seq_id] = num_new
         draft.spec.append((seq, seq.generation, k))
         return num_new
