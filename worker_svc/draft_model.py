@@ -94,6 +94,11 @@ class DraftModel:
                  device: torch.device, backend: object, block_size: int, pack: bool,
                  eos_token_ids: tuple[int, ...] = (), seed: int = 0) -> None:
         what = resolve_draft(spec, target)
+        if what.quantization is not None and (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)):
+            if what.quantization != "gguf":  # as the target's --quantization int4/int8
+                raise ValueError(f"speculative model {spec}: quantized linears run on a CPU worker with "
+                                 "float32 or bfloat16 activations")
+            what = DraftSpec(what.path, None)  # a GGUF dequantized, as the target's would be
         self.model, self.model_config = load_model(what.path, dtype, device, quantization=what.quantization)
         check_same_tokenizer(what.path, target, self.model_config.vocab_size, target_vocab)
         if pack and can_pack(device, dtype):  # the target's oneDNN-packed linears, for the same reason
