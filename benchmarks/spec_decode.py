@@ -31,6 +31,14 @@ interleaved (request i on every engine, then i + 1), so drift hits all alike; su
 cache holds the earlier requests' answers by the time a later one runs, which is the point. Prints
 each engine's per-request decode tok/s (mean over the requests, as above), acceptance, and whether
 the outputs are identical; writes benchmarks/results/spec_decode_tool_output.json.
+
+`--workload draft` (draft-model speculation): fresh text, where n-gram lookup has nothing to copy:
+`--requests` chat answers ("explain X") and as many code answers ("write a function that..."),
+`--max-tokens` each, EOS ignored, greedy, one request at a time (interleaved over the engines) and
+then the whole batch at each of `--batch-sizes`, through: no speculation, ngram k, and each draft of
+`--drafts` at k (default self:q4: the target's own weights in int4). Prints per-request decode
+tok/s, whole-batch output tok/s, acceptance, identical outputs; writes
+benchmarks/results/spec_decode_draft.json.
 """
 
 from __future__ import annotations
@@ -176,6 +184,64 @@ def tool_output(args: argparse.Namespace) -> dict:
     return results
 
 
+CODE_ASKS = ["Write a Python function that checks whether a string is a palindrome.",
+             "Write a Python function that merges two sorted lists.",
+             "Write a JavaScript function that debounces another function.",
+             "Write a Python class for a stack with push, pop and peek.",
+             "Write a SQL query that returns the ten customers with the highest total order value.",
+             "Write a Python function that counts the words in a text file.",
+             "Write a Rust function that reverses a vector in place.",
+             "Write a Python generator that yields the Fibonacci numbers."]
+
+
+def draft_workload(args: argparse.Namespace) -> dict:
+    """Draft-model speculation against none and ngram on fresh text (see the module docstring)."""
+    common = dict(dtype=args.dtype, enable_prefix_caching=False, max_num_batched_tokens=2048)
+    specs = {"off": None, f"ngram k={args.k}": {"method": "ngram", "num_speculative_tokens": args.k}}
+    specs.update({f"{d} k={args.k}": {"model": d, "num_speculative_tokens": args.k} for d in args.drafts})
+    engines = {name: LLM(args.model, speculative_config=spec, **common) for name, spec in specs.items()}
+    tok = engines["off"].tokenizer
+    chats = chat_prompts(tok, args.requests)
+    code = [{"prompt_token_ids": list(_ids(tok.apply_chat_template(
+        [{"role": "user", "content": CODE_ASKS[i % len(CODE_ASKS)]}], add_generation_prompt=True, tokenize=True)))}
+        for i in range(args.requests)]
+    for llm in engines.values():
+        timed(llm, chats[:1], 8)
+    results: dict = {"model": args.model, "dtype": args.dtype, "k": args.k, "max_tokens": args.max_tokens,
+                     "requests": args.requests}
+    print(f"draft-model speculation, {args.model}, {args.dtype}, greedy, EOS ignored, {args.max_tokens} tokens")
+    print(f"{'workload':<22}{'engine':<28}{'tok/s':>9}{'vs off':>8}{'accept':>9}  identical")
+    for label, prompts in (("chat", chats), ("code", code)):
+        rows = [(f"{label}, batch 1", [[p] for p in prompts], "decode tok/s per request")]
+        rows += [(f"{label}, batch {b}", [prompts[:b]], "output tok/s") for b in args.batch_sizes if b > 1]
+        for name, batches, unit in rows:
+            before = {e: counters(llm) for e, llm in engines.items()}
+            rates: dict[str, list[float]] = {e: [] for e in engines}
+            outs: dict[str, list] = {e: [] for e in engines}
+            for batch in batches:
+                for e, llm in engines.items():  # interleaved: drift hits every engine alike
+                    seconds, out, rate = timed(llm, batch, args.max_tokens)
+                    rates[e].append(rate if len(batch) == 1 else sum(map(len, out)) / seconds)
+                    outs[e] += out
+            off = statistics.fmean(rates["off"])
+            results[name] = {"unit": unit}
+            for e in engines:
+                rate, acc = statistics.fmean(rates[e]), acceptance(engines[e], before[e])
+                same = outs[e] == outs["off"]
+                results[name][e] = {"tok_s": round(rate, 2), "ratio": round(rate / off, 2), "identical": same, **acc}
+                accept = acc["acceptance_rate"]
+                print(f"{name:<22}{e:<28}{rate:>9.1f}{rate / off:>7.2f}x"
+                      f"{'' if accept is None else f'{accept:.0%}':>9}  {same}", flush=True)
+    for llm in engines.values():
+        llm.close()
+    write_result(args.out.replace("spec_decode.json", "spec_decode_draft.json"), results)
+    return results
+
+
+def _ids(ids) -> list[int]:
+    return ids["input_ids"] if hasattr(ids, "keys") else ids
+
+
 def copy_prompts(tokenizer, batch: int) -> list[dict]:
     prompts = []
     for i in range(batch):
@@ -260,6 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.workload == "tool-output":
         return tool_output(args)
+    if args.workload == "draft":
+        return draft_workload(args)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     common = dict(dtype=args.dtype, enable_prefix_caching=False, max_num_batched_tokens=2048)
     engines = {"off": LLM(args.model, **common), f"ngram k={args.k}": LLM(args.model, speculative_config=spec,
@@ -337,8 +405,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # runs of the same engine spread by 6% (227-240 tok/s), so a best of 2 let one noisy run decide it
     p.add_argument("--whole-batch-repeats", type=int, default=5,
                    help="chat and ShareGPT-like rows: interleaved off/on runs, best kept")
-    p.add_argument("--workload", choices=["all", "tool-output"], default="all",
-                   help="all: the ngram workloads above; tool-output: off / ngram / suffix on a quoted tool result")
+    p.add_argument("--workload", choices=["all", "tool-output", "draft"], default="all",
+                   help="all: the ngram workloads above; tool-output: off / ngram / suffix on a quoted "
+                        "tool result; draft: off / ngram / draft models on fresh chat and code text")
+    p.add_argument("--drafts", type=lambda s: s.split(","), default=["self:q4"],
+                   help="draft workload: draft models (directories, GGUFs, self:q4), comma-separated")
     p.add_argument("--requests", type=int, default=32, help="tool-output: how many requests")
     p.add_argument("--tool-max-tokens", type=int, default=384, help="tool-output: the cap on each answer")
     p.add_argument("--out", default="benchmarks/results/spec_decode.json")

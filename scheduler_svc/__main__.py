@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='speculative decoding, as vLLM spells it: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
                         'or \'{"method": "suffix", "num_speculative_tokens": 8}\' (suffix decoding; '
-                        'suffix_decoding_* keys: docs/speculative_decoding.md)')
+                        'suffix_decoding_* keys: docs/speculative_decoding.md), or a draft model '
+                        '\'{"model": PATH or "self:q4", "num_speculative_tokens": 4}\' (give the '
+                        'worker the same flag: it loads the draft)')
     p.add_argument("--pinned-prompts", metavar="FILE", default=None,
                    help="JSON list of prompts (token-id lists, strings, or {\"messages\": [...]}) prefilled "
                         "at start and kept in the prefix cache for the engine's lifetime")

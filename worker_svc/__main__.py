@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from pagoda.runtime import event_loop
 from pagoda.runtime.logging import get_logger
@@ -83,6 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "Q4_K/Q5_K/Q6_K linears as stored (an HF directory in float); int8 (g32 "
                         "symmetric) / int4 (g32 affine) quantize an HF directory at load; none "
                         "dequantises a GGUF")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='the scheduler\'s flag, given here too for draft-model speculation: its "model" '
+                        '(a directory, a GGUF, or "self:q4") is loaded beside the target '
+                        '(docs/speculative_decoding.md); other methods need nothing on the worker')
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pooling-type", default="last", choices=("last", "mean"),
                    help="embeddings (/v1/embeddings): the last prompt position's final hidden state, "
@@ -135,6 +140,18 @@ def advertised_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def speculative_model(value: str | None) -> str | None:
+    """The draft model of --speculative-config's JSON, or None (no draft model: ngram, suffix)."""
+    if not value:
+        return None
+    try:
+        spec = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"bad --speculative-config: {error}") from error
+    model = spec.get("model") if isinstance(spec, dict) else None
+    return str(model) if model else None
+
+
 def build_config(args: argparse.Namespace) -> WorkerConfig:
     if args.kv_transfer == "grpc" and args.kv_migrate_dir:
         raise SystemExit("--kv-migrate-dir is the folder of --kv-transfer dir; --kv-transfer grpc needs none")
@@ -150,7 +167,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         distributed_executor_backend=args.distributed_executor_backend,
         warmup_row_buckets=args.warmup_row_buckets,
         batch_invariant=args.batch_invariant,
-        quantization=args.quantization,
+        quantization=args.quantization, speculative_model=speculative_model(args.speculative_config),
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, swap_space=args.swap_space, pooling_type=args.pooling_type,
         encoder_cache_size=args.encoder_cache_size,

@@ -52,6 +52,9 @@ class WorkerConfig:
     # VLLM_BATCH_INVARIANT.
     batch_invariant: bool = False
     quantization: Quantization = "auto"  # weight-only int8 / int4 linears (models/quant_linear.py)
+    # Draft-model speculation (worker_svc/draft_model.py): the "model" of --speculative-config, a
+    # directory, a GGUF, or "self:q4" (the target quantized to int4 at load). None: no draft model.
+    speculative_model: str | None = None
     # Multi-LoRA (worker_svc/lora/): vLLM's --enable-lora --max-loras --max-lora-rank --max-cpu-loras
     enable_lora: bool = False
     max_loras: int = 1  # adapters in device slots at once (distinct adapters per step)

@@ -35,6 +35,7 @@ from worker_svc.disk_tier.block_file import BlockFileRefused, model_fingerprint
 from worker_svc.disk_tier.migration import MigrationStore
 from worker_svc.disk_tier.snapshots import KvFiles, SnapshotStore
 from worker_svc.disk_tier.store import DiskStore, num_disk_blocks
+from worker_svc.draft_model import DraftModel
 from worker_svc.input_batch import (
     CachedRequestState,
     DecodeInputBuffers,
@@ -148,6 +149,8 @@ class ModelRunner:
         self.grammars = (GrammarCompiler(config.model, self.model_config.vocab_size,
                                          self.model_config.eos_token_ids) if self.samples else None)
         self.verifier = DraftVerifier(self.sampler, config.seed)
+        self.drafter = self._load_draft_model() if config.speculative_model else None
+        self._draft_probs: dict[RequestId, torch.Tensor] = {}  # this step's, by request (random rows)
         self.requests: dict[RequestId, CachedRequestState] = {}
         self.kv_cache: KVCache | None = None
         self._decode_buffers: DecodeInputBuffers | None = None  # made with the cache (initialize)
@@ -181,6 +184,11 @@ class ModelRunner:
             num_blocks = cpu_num_blocks(self.config.kv_cache_memory_bytes, shape, self.max_model_len)
         if self._grouped:  # block ids mean the same slots on every rank
             num_blocks = self.tp.min_over_ranks(num_blocks)
+        if self.drafter is not None and self.config.num_gpu_blocks_override is None:
+            # Every block id has storage in both caches: the budget sized for the target's alone
+            # is split by the two models' bytes per block.
+            target_bytes, draft_bytes = shape.bytes_per_block, self.drafter.shape.bytes_per_block
+            num_blocks = max(1, num_blocks * target_bytes // (target_bytes + draft_bytes))
         num_host_blocks = num_host_blocks_for(self.config.swap_space, shape)
         # The prefix cache's host tier shares the host pool, after the swap space's blocks.
         num_offload_blocks = num_host_blocks_for(self.config.kv_offloading_size / self.tp.size, shape)
@@ -189,6 +197,8 @@ class ModelRunner:
             num_offload_blocks = self.tp.min_over_ranks(num_offload_blocks)
         self.kv_cache = self.host_pool = None  # free the old caches before allocating new ones
         self.kv_cache = KVCache(shape, num_blocks, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks)
         self._decode_buffers = DecodeInputBuffers(
             min(self.max_num_batched_tokens, MAX_BUFFERED_DECODE_SEQS),
             math.ceil(self.max_model_len / self.config.block_size), self.device)
@@ -255,6 +265,8 @@ class ModelRunner:
     def reset(self) -> None:
         """Drop every resident request; the next plan may start at any step id."""
         self.requests.clear()
+        if self.drafter is not None:
+            self.drafter.tables.clear()
         self._last_step_id = None
         self.unsampled = {}
 
@@ -277,6 +289,11 @@ class ModelRunner:
             raise PlanError(f"step {plan.step_id} does not follow step {self._last_step_id}")
         validate_plan(plan, self.requests, self.kv_cache.num_blocks, self.config.block_size,
                       self.host_pool.num_blocks if self.host_pool is not None else 0, self.disk is not None)
+        if plan.model_drafts:
+            if self.drafter is None:
+                raise PlanError("the plan asks for draft-model proposals but this worker has no draft "
+                                "model: give the worker the same --speculative-config as the scheduler")
+            self.drafter.check(plan.model_drafts, self.requests, self.kv_cache.num_blocks)
         if self.lora is None and any(new.lora is not None for new in plan.new_requests):
             raise PlanError("a request names a LoRA adapter but this worker runs without --enable-lora")
         if self.mm is None and any(new.mm_inputs for new in plan.new_requests):
@@ -334,7 +351,8 @@ class ModelRunner:
         fault_injection.check(seq.state.request_id for seq in seqs)  # no-op unless a test set it
         forks = {fork.parent_id: fork for fork in plan.forks}
         started = self.marks.started = time.perf_counter()
-        logits, rows, states, drafted, prompt_logprobs = self._forward(seqs, forks, plan.draft_token_ids)
+        drafts = self._model_drafts(plan) if plan.model_drafts else plan.draft_token_ids
+        logits, rows, states, drafted, prompt_logprobs = self._forward(seqs, forks, drafts)
         result.prompt_logprobs = prompt_logprobs
         result.embeddings = self._embeddings
         if self.mm is not None:
@@ -357,6 +375,25 @@ class ModelRunner:
         result.sample_seconds = self.marks.sampled - sampled_at
         return result
 
+    def _model_drafts(self, plan: StepPlan) -> dict[RequestId, list[int]]:
+        """The draft model's proposals (timed with the step: the speculation policy's cost fit
+        must see what drafting costs), placed after each request's last token like n-gram drafts."""
+        assert self.drafter is not None
+        proposed, self._draft_probs = self.drafter.propose([(self.requests[d.request_id], d)
+                                                            for d in plan.model_drafts])
+        for request_id, tokens in proposed.items():
+            self.requests[request_id].token_ids.extend(tokens)
+        return {**plan.draft_token_ids, **proposed}
+
+    def _load_draft_model(self) -> DraftModel:
+        if self._grouped or self.lora is not None:
+            raise ValueError("a draft model (--speculative-config's model) runs on a single worker "
+                             "without tensor/pipeline parallelism or LoRA")
+        return DraftModel(self.config.speculative_model, self.config.model,  # type: ignore[arg-type]
+                          self.model_config.vocab_size, self.dtype, self.device, self.backend,
+                          self.config.block_size, self.config.pack_weights,
+                          tuple(self.model_config.eos_token_ids), self.config.seed)
+
     def _verify_drafts(self, logits: torch.Tensor, drafted: list[tuple[CachedRequestState, list[int]]],
                        result: StepResult) -> None:
         """Keep each drafted sequence's accepted drafts plus its own token; roll back the rest: its
@@ -367,7 +404,9 @@ class ModelRunner:
             history = len(state.token_ids) - len(drafts)
             items.append((SamplingRow(state.sampling, state.token_ids[:history], state.num_prompt_tokens,
                                       state.seq_index, state.grammar), drafts))
-        for (state, drafts), tokens in zip(drafted, self.verifier(logits, items), strict=True):
+        probs = [self._draft_probs.get(state.request_id) for state, _ in drafted] if self._draft_probs else None
+        self._draft_probs = {}
+        for (state, drafts), tokens in zip(drafted, self.verifier(logits, items, probs), strict=True):
             self._settle_drafts(state, drafts, tokens)
             result.request_ids.extend([state.request_id] * len(tokens))
             result.token_ids.extend(tokens)
@@ -411,6 +450,8 @@ class ModelRunner:
             apply_beam_updates(self.requests, plan.beam_updates)
         for request_id in (*plan.finished_ids, *plan.preempted_ids):
             del self.requests[request_id]
+            if self.drafter is not None:
+                self.drafter.drop(request_id)
         counts = dict(plan.num_scheduled_tokens)
         for new in plan.new_requests:
             self.requests[new.request_id] = CachedRequestState(

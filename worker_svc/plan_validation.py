@@ -139,7 +139,9 @@ def _check_capacity(plan: StepPlan, resident: Mapping[RequestId, CachedRequestSt
     """Every scheduled count fits the tokens left and the table; return the ids that sample."""
     samples: set[RequestId] = set()
     drafts = plan.draft_token_ids  # computed after the request's own tokens
-    entries = [(rid, len(s.token_ids) + len(drafts.get(rid, ())), s.num_computed_tokens, len(s.block_ids),
+    model_drafts = {d.request_id: d.num_drafts for d in plan.model_drafts}  # proposed by the worker
+    entries = [(rid, len(s.token_ids) + len(drafts.get(rid, ())) + model_drafts.get(rid, 0),
+                s.num_computed_tokens, len(s.block_ids),
                 plan.num_scheduled_tokens.get(rid, 1))
                for rid, s in resident.items() if rid not in dropped]
     entries += [(rid, len(r.token_ids), r.num_computed_tokens, len(r.block_ids), r.num_scheduled_tokens)

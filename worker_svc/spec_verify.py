@@ -1,4 +1,4 @@
-"""Verifying n-gram drafts on the worker: the output distribution is exactly the sampler's.
+"""Verifying drafts on the worker: the output distribution is exactly the sampler's.
 
 For a sequence with drafts d1..dK the model gave logits at K+1 positions: after its last token,
 after d1, ..., after dK. Each position becomes a sampling row whose history includes the drafts
@@ -6,10 +6,12 @@ before it, so token constraints, min_tokens and penalties see what they would se
 speculation. Then, position by position:
 - greedy rows accept d(j+1) while it is the argmax; the first mismatch's argmax (or, all accepted,
   the argmax after dK) is the bonus token: exactly the tokens plain greedy decoding produces;
-- random rows use the rejection rule of speculative sampling with a point-mass draft (q = 1 at
-  the draft): accept d(j+1) with probability min(1, p(d)/q(d)) = p(d); on the first rejection,
-  sample from the residual max(p - q, 0) renormalised, i.e. p without d; all accepted: sample the
-  bonus from p after dK. Each emitted token is then distributed as p (Leviathan et al. 2023).
+- random rows use the rejection rule of speculative sampling (spec_rejection.py): accept d(j+1)
+  with probability min(1, p(d)/q(d)); on the first rejection, sample from the residual
+  max(p - q, 0) renormalised; all accepted: sample the bonus from p after dK. q is the draft
+  model's distribution when it sampled the drafts, else a point mass (n-gram drafts, greedy
+  drafts: q = 1 at d, so accept with probability p(d), residual p without d). Each emitted token
+  is then distributed as p (Leviathan et al. 2023).
   A seeded row draws its acceptance uniforms and its sample from generators seeded by (seed,
   seq_index, output position), so its tokens depend on nothing else in the batch.
 """
@@ -22,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from worker_svc.sampler import Sampler, SamplingRow, row_argmax
+from worker_svc.spec_rejection import accept_drafts
 
 
 def accept_seed(seed: int, seq_index: int, position: int) -> int:
@@ -37,10 +40,12 @@ class DraftVerifier:
         self.generator.manual_seed(seed + 1)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, items: Sequence[tuple[SamplingRow, list[int]]]) -> list[list[int]]:
+    def __call__(self, logits: torch.Tensor, items: Sequence[tuple[SamplingRow, list[int]]],
+                 draft_probs: Sequence[torch.Tensor | None] | None = None) -> list[list[int]]:
         """logits: [sum(K_i + 1), V], each item's K_i + 1 positions back to back (modified in
-        place). items: (the row of the item's last real token, its drafts). Returns each item's
-        tokens: the accepted drafts, then one token of its own."""
+        place). items: (the row of the item's last real token, its drafts). draft_probs: per item,
+        the [K_i, V] distributions a draft model sampled its drafts from, or None (point masses).
+        Returns each item's tokens: the accepted drafts, then one token of its own."""
         rows = [SamplingRow(base.params, [*base.token_ids, *drafts[:j]], base.num_prompt_tokens,
                             base.seq_index, base.grammar)
                 for base, drafts in items for j in range(len(drafts) + 1)]
@@ -58,11 +63,12 @@ class DraftVerifier:
                 results[i] = _greedy_run(items[i][1], argmax[starts[i]:starts[i] + len(items[i][1]) + 1])
         randoms = [i for i, (base, _) in enumerate(items) if not base.params.greedy]
         if randoms:
-            self._sample_randoms(logits, rows, items, starts, randoms, results)
+            qs = draft_probs if draft_probs is not None else [None] * len(items)
+            self._sample_randoms(logits, rows, items, starts, randoms, results, qs)
         return results  # type: ignore[return-value]
 
     def _sample_randoms(self, logits: torch.Tensor, rows: list[SamplingRow], items, starts: list[int],
-                        randoms: list[int], results: list) -> None:
+                        randoms: list[int], results: list, draft_probs) -> None:
         sampler, device = self.sampler, logits.device
         flat = [starts[i] + j for i in randoms for j in range(len(items[i][1]) + 1)]
         probs = sampler.sampling_probs(logits[torch.tensor(flat, device=device)], [rows[r] for r in flat])
@@ -72,18 +78,9 @@ class DraftVerifier:
             base, drafts = items[i]
             block = probs[at:at + len(drafts) + 1]  # [K+1, V]
             at += len(drafts) + 1
-            p_drafts = block[torch.arange(len(drafts), device=device),
-                             torch.tensor(drafts, dtype=torch.long, device=device)].tolist()
-            accepted = 0
-            for j, p in enumerate(p_drafts):
-                if self._uniform(base, base.num_output_tokens + j) >= p:
-                    break
-                accepted += 1
-            final = block[accepted]
-            if accepted < len(drafts):  # the residual: p without the rejected draft
-                final = final.clone()
-                final[drafts[accepted]] = 0.0
-                final = final / final.sum()
+            q = draft_probs[i]
+            accepted, final = accept_drafts(block, None if q is None else q.to(device), drafts,
+                                            lambda j, base=base: self._uniform(base, base.num_output_tokens + j))
             finals.append(final)
             final_rows.append(rows[starts[i] + accepted])
             results[i] = list(drafts[:accepted])

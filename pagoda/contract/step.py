@@ -149,6 +149,22 @@ class BeamUpdate:
 
 
 @dataclass(slots=True)
+class ModelDraft:
+    """Draft-model speculation (scheduler_svc/core/spec/draft_model.py): the worker's draft model
+    proposes `num_drafts` tokens after the request's last token; the target verifies them in the
+    same step (the request's scheduled count is 1 + num_drafts). The draft's KV lives in the same
+    block pool as the target's, in a second table per request that the scheduler owns: the worker's
+    copy becomes table[:table_start] + block_ids (the scheduler sends the tail that changed, so a
+    rollback needs no rule on the worker). The draft's cache holds positions [0, num_computed)."""
+
+    request_id: RequestId
+    num_drafts: int
+    num_computed: int
+    table_start: int
+    block_ids: list[BlockId]
+
+
+@dataclass(slots=True)
 class StepPlan:
     step_id: int  # +1 per plan on a stream; a gap is an error
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -180,6 +196,7 @@ class StepPlan:
     # finished ids drop their requests, before anything writes a block); imports with disk_loads.
     kv_exports: list[KvExport] = field(default_factory=list)
     kv_imports: list[KvImport] = field(default_factory=list)
+    model_drafts: list[ModelDraft] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -187,7 +204,7 @@ class StepPlan:
                     or self.table_updates or self.num_scheduled_tokens or self.block_copies
                     or self.forks or self.draft_token_ids or self.beam_updates or self.swap_out
                     or self.swap_in or self.disk_deletes or self.disk_writes or self.disk_loads
-                    or self.kv_exports or self.kv_imports)
+                    or self.kv_exports or self.kv_imports or self.model_drafts)
 
 
 @dataclass(slots=True)

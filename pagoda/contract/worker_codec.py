@@ -29,6 +29,7 @@ from pagoda.contract.step import (
     Fork,
     KvExport,
     KvImport,
+    ModelDraft,
     NewRequestData,
     PromptLogprobs,
     StepPlan,
@@ -64,7 +65,10 @@ def plan_to_pb(plan: StepPlan, epoch: int) -> worker_pb2.StepPlan:
                                         token_ids=e.token_ids) for e in plan.kv_exports],
         kv_imports=[worker_pb2.KvImport(request_id=i.request_id, migration_id=i.migration_id,
                                         first_block=i.first_block, block_ids=i.block_ids,
-                                        num_tokens=i.num_tokens, snapshot=i.snapshot) for i in plan.kv_imports])
+                                        num_tokens=i.num_tokens, snapshot=i.snapshot) for i in plan.kv_imports],
+        model_drafts=[worker_pb2.ModelDraft(request_id=d.request_id, num_drafts=d.num_drafts,
+                                            num_computed=d.num_computed, table_start=d.table_start,
+                                            block_ids=d.block_ids) for d in plan.model_drafts])
 
 
 def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
@@ -90,7 +94,9 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> tuple[int, StepPlan]:
         kv_exports=[KvExport(RequestId(e.request_id), e.migration_id, [BlockId(b) for b in e.block_ids],
                              e.num_tokens, e.snapshot, tuple(e.token_ids)) for e in pb.kv_exports],
         kv_imports=[KvImport(RequestId(i.request_id), i.migration_id, i.first_block,
-                             [BlockId(b) for b in i.block_ids], i.num_tokens, i.snapshot) for i in pb.kv_imports])
+                             [BlockId(b) for b in i.block_ids], i.num_tokens, i.snapshot) for i in pb.kv_imports],
+        model_drafts=[ModelDraft(RequestId(d.request_id), d.num_drafts, d.num_computed, d.table_start,
+                                 [BlockId(b) for b in d.block_ids]) for d in pb.model_drafts])
     return pb.epoch, plan
 
 

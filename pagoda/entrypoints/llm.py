@@ -127,7 +127,8 @@ class LLM:
             kv_migrate_dir=kv_migrate_dir, kv_snapshot_dir=kv_snapshot_dir, quantization=quantization or "auto",
             # Off offline (a batch job, and the test suite builds many LLMs): building every row
             # bucket's oneDNN primitive costs seconds at start; the worker service does it by default.
-            warmup_row_buckets=warmup_row_buckets)
+            warmup_row_buckets=warmup_row_buckets,
+            speculative_model=speculative.model if speculative is not None else None)
         self.runner = create_runner(worker_config, max_num_batched_tokens=max_num_batched_tokens)
         # Runs close()'s work when the LLM is garbage-collected (vLLM's users `del` their engine);
         # it holds the runner's bound close, never `self`, so it does not keep the LLM alive.

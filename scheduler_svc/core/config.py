@@ -22,13 +22,22 @@ from scheduler_svc.core.request import EngineRequest
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """vLLM's `--speculative-config '{"method": ..., ...}'`: "ngram" (prompt lookup, spec/ngram.py) or
-    "suffix" (suffix decoding over the request and a cache of recent outputs, spec/suffix.py)."""
+    """vLLM's `--speculative-config '{"method": ..., ...}'`: "ngram" (prompt lookup, spec/ngram.py),
+    "suffix" (suffix decoding over the request and a cache of recent outputs, spec/suffix.py) or
+    "draft_model" (a draft model on the worker, spec/draft_model.py: implied by a "model" key)."""
 
     num_speculative_tokens: int = 4  # K: drafts proposed per step at most
     prompt_lookup_max: int = 4  # ngram: the longest suffix n-gram looked up first
     prompt_lookup_min: int = 2  # ngram: the shortest one tried before giving up
-    method: Literal["ngram", "suffix"] = "ngram"
+    method: Literal["ngram", "suffix", "draft_model"] = "ngram"
+    # draft_model: the worker loads it (a directory, a GGUF, or "self:q4": the target quantized to
+    # int4 at load); the scheduler only needs to know that one drafts, and owns its KV blocks.
+    model: str | None = None
+    # vLLM's key: no drafts in a step that runs more than this many sequences (None: the default,
+    # 8 for a draft model, never for ngram/suffix). Why: at batch 8 on CPU a step already computes
+    # 8 rows, and the k draft-model forwards plus k verification rows a sequence cost about what
+    # they save; the goodput policy (spec_policy.py) does not price the draft model's forwards.
+    disable_by_batch_size: int | None = None
     # ngram (Pagoda's, not vLLM's): also look the last prompt_lookup_max tokens up in the other
     # running sequences' outputs, taken where that match is the longer (spec/batch_lookup.py)
     prompt_lookup_batch: bool = True
@@ -43,11 +52,16 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "suffix"):
-            raise ValueError(f"speculative method {self.method!r} is not supported: only 'ngram' "
-                             "and 'suffix'")
+        if self.method not in ("ngram", "suffix", "draft_model"):
+            raise ValueError(f"speculative method {self.method!r} is not supported: only 'ngram', "
+                             "'suffix' and 'draft_model' (a \"model\" key)")
+        if (self.method == "draft_model") != bool(self.model):
+            raise ValueError("a draft model needs method 'draft_model' (or none) and a \"model\"; "
+                             f"method {self.method!r} takes no model")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if not 2 <= self.suffix_decoding_max_tree_depth <= 256:
@@ -68,7 +82,19 @@ class SpeculativeConfig:
         unknown = set(fields) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
+        if fields.get("model") and "method" not in fields:  # vLLM infers the method from the model
+            fields["method"] = "draft_model"
         return cls(**fields)
+
+    @property
+    def max_batch_to_draft(self) -> int | None:
+        """Steps running more sequences than this draft nothing (None: no limit)."""
+        if self.disable_by_batch_size is not None:
+            return self.disable_by_batch_size
+        return DRAFT_MODEL_MAX_BATCH if self.method == "draft_model" else None
+
+
+DRAFT_MODEL_MAX_BATCH = 8  # docs/speculative_decoding.md, "Draft model": when drafting stops
 
 
 @dataclass(frozen=True, slots=True)

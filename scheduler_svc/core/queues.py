@@ -193,6 +193,7 @@ class RunQueues:
         running = self.running
         for seq in reversed(running):  # reversed + push_front: running order is kept
             seq.block_table = []
+            seq.forget_draft()
             seq.num_computed_tokens = 0
             seq.num_registered_blocks = 0
             seq.num_window_freed = 0
@@ -222,13 +223,20 @@ class RunQueues:
                 raise AssertionError(f"{seq.seq_id}: {seq.num_computed_tokens} computed tokens do not "
                                      f"fit its table {seq.block_table}")
             refs.update(held)
+            if len(set(seq.draft_table)) != len(seq.draft_table) or set(seq.draft_table) & set(held) \
+                    or seq.draft_synced > len(seq.draft_table) \
+                    or seq.draft_num_computed > min(seq.num_computed_tokens, len(seq.draft_table) * block_size):
+                raise AssertionError(f"{seq.seq_id}: draft table {seq.draft_table} (synced "
+                                     f"{seq.draft_synced}, {seq.draft_num_computed} computed) is off")
+            refs.update(seq.draft_table)
         for seq in self.waiting:
-            if seq.block_table or seq.status is not SeqStatus.WAITING:
-                raise AssertionError(f"waiting {seq.seq_id} holds blocks {seq.block_table}")
+            if seq.block_table or seq.draft_table or seq.status is not SeqStatus.WAITING:
+                raise AssertionError(f"waiting {seq.seq_id} holds blocks {seq.block_table} {seq.draft_table}")
         for req in self.requests.values():
             for seq in req.seqs:
-                if seq.status is SeqStatus.FINISHED and seq.block_table:
-                    raise AssertionError(f"finished {seq.seq_id} still references {seq.block_table}")
+                if seq.status is SeqStatus.FINISHED and (seq.block_table or seq.draft_table):
+                    raise AssertionError(f"finished {seq.seq_id} still references {seq.block_table} "
+                                         f"{seq.draft_table}")
         return refs
 
     def check_counts(self, max_num_seqs: int) -> None:

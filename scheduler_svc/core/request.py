@@ -179,6 +179,13 @@ class Sequence:
     # draft positions accepted / tried, older outcomes weighing less: its acceptance rate (spec_policy.py)
     spec_accepts: float = 0.0
     spec_tries: float = 0.0
+    # Draft-model speculation (spec/draft_model.py): the draft model's own block table, in the same
+    # pool, holding the draft's KV of positions [0, draft_num_computed); the worker knows
+    # draft_table[:draft_synced] (plans send it the rest). Never shared, never prefix-cached.
+    draft_table: list[BlockId] = field(default_factory=list)
+    draft_num_computed: int = 0
+    draft_synced: int = 0
+    draft_step: int = 0  # the last plan that drafted for it (its draft blocks are written there)
     # Swapped out (swap.py): the host blocks holding the KV of its first num_swapped_tokens tokens.
     host_blocks: list[BlockId] = field(default_factory=list)
     num_swapped_tokens: int = 0
@@ -205,6 +212,12 @@ class Sequence:
                         block_hashes=list(self.block_hashes),
                         num_registered_blocks=self.num_registered_blocks, last_serial=self.last_serial,
                         num_window_freed=self.num_window_freed, generation=self.generation, resident=True)
+
+    def forget_draft(self) -> list[BlockId]:
+        """Drop the draft model's table (preemption, finish, worker loss); its blocks, to release."""
+        blocks, self.draft_table = self.draft_table, []
+        self.draft_num_computed = self.draft_synced = 0
+        return blocks
 
     def may_sample(self) -> bool:
         """Whether one more sampled token (beyond those in flight) stays within max_tokens."""

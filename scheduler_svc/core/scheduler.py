@@ -479,7 +479,7 @@ class Scheduler:
         refs, bs, threshold = pool.ref_counts, self.config.block_size, self._threshold
         budget, num_decode = draft.budget, 0
         spec = self._spec
-        drafts = spec.propose(running) if spec is not None else {}
+        drafts = spec.propose(running, self._last_inflight()) if spec is not None else {}
         window = kv.window
         # Pipeline stages: none whose sampled token is in flight (the first stage embeds it before
         # the last stage has drawn it), and about 1/N of the decodes per plan, so that N plans keep
@@ -592,6 +592,10 @@ class Scheduler:
             if self._leases.demote_one(None if pool_short else tenant):
                 need = blocks_needed()
                 continue
+            # then a draft model's tables (spec/draft_model.py): the draft recomputes, cheaply
+            if self._spec is not None and self._spec.release_one(running, plan.step_id, self._last_inflight()):
+                need = blocks_needed()
+                continue
             if pool_short:
                 victim = running[-1]
                 self._pool_preempted = True
@@ -638,6 +642,7 @@ class Scheduler:
 
     def _drop_blocks(self, seq: Sequence) -> None:
         self._kv.release(self._kv.held_blocks(seq), self._last_inflight())
+        self._kv.release(seq.forget_draft(), self._last_inflight())  # draft-model speculation's
         seq.block_table = []
         seq.num_window_freed = 0
         seq.num_computed_tokens = 0

@@ -12,6 +12,7 @@ from pagoda.contract.step import (
     BlockCopy,
     Embedding,
     Fork,
+    ModelDraft,
     NewRequestData,
     PromptLogprobs,
     StepPlan,
@@ -55,7 +56,8 @@ def make_plan() -> StepPlan:
         table_updates=[TableUpdate("r", 3, [9]), TableUpdate("s", 0, [1, 2])],
         num_scheduled_tokens={"r": 0, "s": 5}, block_copies=[BlockCopy(4, 5)],
         forks=[Fork("a", ["a#1", "a#2"])], traceparent="00-abc-def-01",
-        swap_out=[BlockCopy(3, 0), BlockCopy(6, 1)], swap_in=[BlockCopy(2, 11)])
+        swap_out=[BlockCopy(3, 0), BlockCopy(6, 1)], swap_in=[BlockCopy(2, 11)],
+        model_drafts=[ModelDraft("s", 4, 17, 2, [30, 31])])
 
 
 def test_plan_round_trip_carries_the_epoch():

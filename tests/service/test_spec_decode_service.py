@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
 from pagoda.contract.params import SamplingParams
 from pagoda.v1 import engine_pb2_grpc
@@ -17,13 +18,16 @@ from worker_svc.fake.runner import FakeStepRunner
 from worker_svc.server import start_worker_server
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+# the fake worker's fake draft model (worker_svc/fake/fake_draft.py): ModelDraft entries on the wire
+DRAFT = SpeculativeConfig(num_speculative_tokens=3, method="draft_model", model="fake")
 
 
-async def test_streams_with_drafts_match_the_reference() -> None:
+@pytest.mark.parametrize("spec", [SPEC, DRAFT], ids=["ngram", "draft_model"])
+async def test_streams_with_drafts_match_the_reference(spec: SpeculativeConfig) -> None:
     runner = FakeStepRunner(num_blocks=64, block_size=4, max_model_len=128, vocab_size=3)
     worker, _, worker_port = await start_worker_server(runner, "127.0.0.1", 0)
     engine = await start_engine_server(EngineServiceConfig(workers=(f"127.0.0.1:{worker_port}",), port=0,
-                                                           speculative=SPEC))
+                                                           speculative=spec))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{engine.port}")
     stub = engine_pb2_grpc.EngineStub(channel)
     try:

@@ -60,7 +60,7 @@ def test_speculative_config_is_parsed_as_vllm_spells_it() -> None:
                                      '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
     assert parsed == SpeculativeConfig(3, 4, 2)
     assert SpeculativeConfig.parse(None) is None
-    with pytest.raises(ValueError, match="only 'ngram' and 'suffix'"):
+    with pytest.raises(ValueError, match="only 'ngram', 'suffix' and 'draft_model'"):
         SpeculativeConfig.parse({"method": "eagle"})
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
         SpeculativeConfig.parse({"draft_model": "x"})

@@ -127,6 +127,10 @@ class FakeWorker:
         self.resident: dict[RequestId, _Resident] = {}
         self.sampled: dict[RequestId, list[int]] = {}  # every token sampled per sequence id
         self.next_step_id = 1
+        from worker_svc.fake.fake_draft import FakeDraftModel  # it imports this module
+
+        self.drafter = FakeDraftModel(self)  # draft-model speculation's plans (fake_draft.py)
+        self._proposals: dict[RequestId, list[int]] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
         assert plan.step_id == self.next_step_id, f"step {plan.step_id}, expected {self.next_step_id}"
@@ -148,8 +152,11 @@ class FakeWorker:
         for rid, drafts in plan.draft_token_ids.items():  # computed after the request's tokens
             assert counts[rid] == 1 + len(drafts), f"{rid!r}: drafts need a count of 1 + {len(drafts)}"
             self.resident[rid].token_ids.extend(drafts)
+        self._proposals, written = self.drafter.propose(plan.model_drafts, counts)
+        for rid, drafts in self._proposals.items():
+            self.resident[rid].token_ids.extend(drafts)
         prompt_logprobs = self._prompt_logprobs(counts)  # before the step advances num_computed
-        samplers = self._forward(counts)
+        samplers = self._forward(counts, written)
         result = self._sample(plan, samplers)
         result.prompt_logprobs = prompt_logprobs
         return result
@@ -185,6 +192,7 @@ class FakeWorker:
         for rid in (*plan.finished_ids, *plan.preempted_ids):
             assert rid in self.resident, f"drop of {rid!r}, which is not resident"
             del self.resident[rid]
+            self.drafter.drop(rid)
         for rid in plan.num_scheduled_tokens:
             assert rid in self.resident, f"num_scheduled_tokens for non-resident {rid!r}"
 
@@ -244,9 +252,10 @@ class FakeWorker:
             assert content[0] != -1, f"disk write of host block {write.src}, never written"
             self.disk[write.block.block_hash] = (content, write.block)
 
-    def _forward(self, counts: dict[RequestId, int]) -> list[RequestId]:
-        """Write each scheduled token's KV, check what attention reads; return who samples."""
-        bs, kv, written = self.block_size, self.kv, set()
+    def _forward(self, counts: dict[RequestId, int], written: set[int]) -> list[RequestId]:
+        """Write each scheduled token's KV, check what attention reads; return who samples.
+        `written`: the slots the draft model wrote this step."""
+        bs, kv = self.block_size, self.kv
         samplers = []
         for rid, count in counts.items():
             if count == 0:
@@ -282,7 +291,7 @@ class FakeWorker:
         forks = {fork.parent_id: fork.child_ids for fork in plan.forks}
         result = StepResult(plan.step_id)
         for rid in samplers:
-            drafts = plan.draft_token_ids.get(rid)
+            drafts = plan.draft_token_ids.get(rid) or self._proposals.get(rid)
             if drafts:
                 self._verify_drafts(rid, drafts, result)
                 continue

@@ -115,7 +115,8 @@ def add_flags(groups: dict[str, argparse._ArgumentGroup], **model_overrides) -> 
                         "tokens to compute after its prefix hit than the head (multi-turn sessions; "
                         "default auto: cached-first with a host KV tier, else fcfs)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="the scheduler's speculative decoding (ngram or suffix), as JSON (see its --help)")
+                   help="speculative decoding (ngram, suffix, or a draft model: {\"model\": PATH or "
+                        "\"self:q4\", \"num_speculative_tokens\": k}), as JSON (see the scheduler's --help)")
     g.add_argument("--tenant-kv-share", type=float, default=None, metavar="F",
                    help="the scheduler's per-tenant KV cap, a fraction of the pool (default: 1.0, none)")
     g.add_argument("--tenant-fairness", choices=["off", "vtc"], default=None,

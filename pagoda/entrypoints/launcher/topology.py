@@ -142,7 +142,8 @@ def _replica_children(args: argparse.Namespace, model_path: str, worker_port: in
         Child(f"worker{suffix}", ["worker_svc", *model, "--port", str(worker_port),
                                   "--tensor-parallel-size", str(args.tensor_parallel_size),
                                   *distributed_flags(args), "--device", args.device, "--dtype", args.dtype,
-                                  "--kv-cache-dtype", args.kv_cache_dtype, *quant, *swap, *invariant, *pooling, *lora], worker,
+                                  "--kv-cache-dtype", args.kv_cache_dtype, *quant, *swap, *invariant, *pooling, *lora,
+                                  *spec], worker,  # the worker loads a draft model ("model" key)
               needs_serving=False),
         Child(f"scheduler{suffix}", ["scheduler_svc", "--workers", worker, "--port", str(scheduler_port),
                                      *drain, *spec, *preemption], scheduler, needs_serving=True),

@@ -130,15 +130,20 @@ class Speculator:
         return total - seq.num_computed_tokens == 1 and not seq.num_placeholders \
             and total > req.num_prompt_tokens and req.sampling.logprobs is None and req.beam is None
 
-    def propose(self, running: list[Sequence]) -> dict[RequestId, list[int]]:
+    def propose(self, running: list[Sequence], after_step: int | None = None) -> dict[RequestId, list[int]]:
         """The proposer's drafts for the sequences of `running` that may draft, each cut to the
-        length the goodput policy picks for this step (all of it while the cost fit is not ready)."""
+        length the goodput policy picks for this step (all of it while the cost fit is not ready).
+        `after_step`: the last step in flight (blocks given back wait for it)."""
         spec, threshold = self.config, self._threshold
         proposals: dict[RequestId, list[int]] = {}
         alphas: dict[RequestId, float] = {}
         base_tokens = base_yield = 0
         self._alone = len(running) == 1
         self.running(running)
+        limit = spec.max_batch_to_draft
+        if limit is not None and len(running) > limit:
+            self.stop_drafting(running, after_step)
+            return {}  # vLLM's disable_by_batch_size: a big batch verifies at a loss
         for seq in running:
             total = len(seq.token_ids) + seq.num_placeholders
             gap = total - seq.num_computed_tokens
@@ -163,12 +168,20 @@ class Speculator:
     def running(self, running: list[Sequence]) -> None:
         """The step's running sequences, before any `draft` (for a proposer that reads the batch)."""
 
+    def stop_drafting(self, running: list[Sequence], after_step: int | None) -> None:
+        """This step drafts nothing (the batch is over `disable_by_batch_size`)."""
+
     def draft(self, seq: Sequence, limit: int) -> list[int]:
         """At most `limit` (>= 0) draft tokens to follow `seq`'s last token; [] for none."""
         raise NotImplementedError
 
     def finished(self, seq: Sequence) -> None:
         """`seq` ended (finished, aborted, failed): drop what was kept for it."""
+
+    def release_one(self, running: list[Sequence], step_id: int, after_step: int | None) -> bool:
+        """Give blocks back before the scheduler preempts a sequence for room; False: none to give
+        (only a draft model holds blocks of its own)."""
+        return False
 
     def schedule(self, draft: StepDraft, seq: Sequence, drafts: list[int], budget: int) -> int:
         """Give `seq` (one `propose` chose) its drafts, as many as fit in the budget and the pool
