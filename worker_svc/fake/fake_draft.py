@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pagoda.contract.ids import RequestId
 from pagoda.contract.step import ModelDraft
-from worker_svc.fake.fake_worker import _mix
+from worker_svc.fake.mixing import mix as _mix
 
 
 class FakeDraftModel:

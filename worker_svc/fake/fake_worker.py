@@ -16,16 +16,8 @@ from dataclasses import dataclass
 from pagoda.contract.ids import RequestId
 from pagoda.contract.params import SamplingParams
 from pagoda.contract.step import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
-
-_MASK = (1 << 64) - 1
-
-
-def _mix(x: int) -> int:
-    """splitmix64 finaliser: a cheap, well-spread deterministic hash of an int."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
+from worker_svc.fake.fake_draft import FakeDraftModel
+from worker_svc.fake.mixing import mix as _mix
 
 
 def history_hash(token_ids: list[int]) -> int:
@@ -127,7 +119,6 @@ class FakeWorker:
         self.resident: dict[RequestId, _Resident] = {}
         self.sampled: dict[RequestId, list[int]] = {}  # every token sampled per sequence id
         self.next_step_id = 1
-        from worker_svc.fake.fake_draft import FakeDraftModel  # it imports this module
 
         self.drafter = FakeDraftModel(self)  # draft-model speculation's plans (fake_draft.py)
         self._proposals: dict[RequestId, list[int]] = {}
