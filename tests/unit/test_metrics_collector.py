@@ -27,7 +27,8 @@ def fake_stats() -> engine_pb2.EngineStats:
         cpu_kv_cache_usage=0.0625, prefill_tokens_computed=1500, num_offload_blocks=256,
         offload_kv_cache_usage=0.5, blocks_offloaded=300, blocks_loaded=120, blocks_offload_dropped=172,
         num_disk_blocks=1000, disk_kv_cache_usage=0.25, blocks_disk_written=250, blocks_disk_loaded=90,
-        blocks_disk_dropped=5, kv_pulls=3, kv_pull_fallbacks=1, kv_pull_bytes=8_000_000)
+        blocks_disk_dropped=5, kv_pulls=3, kv_pull_fallbacks=1, kv_pull_bytes=8_000_000,
+        encoder_tokens=576, encoder_cache_hits=9)
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -79,6 +80,8 @@ def test_engine_stats_become_vllm_series_with_model_name() -> None:
         ("pagoda:kv_pulls_total", model): 3.0,
         ("pagoda:kv_pull_fallbacks_total", model): 1.0,
         ("pagoda:kv_pull_bytes_total", model): 8_000_000.0,
+        ("pagoda:encoder_tokens_total", model): 576.0,
+        ("pagoda:encoder_cache_hits_total", model): 9.0,
         ("vllm:prefix_cache_queries_total", model): 400.0,
         ("vllm:prefix_cache_hits_total", model): 96.0,
         ("vllm:num_preemptions_total", model): 1.0,
