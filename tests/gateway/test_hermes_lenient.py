@@ -80,6 +80,16 @@ def test_each_form_is_a_call_whole_and_streamed(text, content, expected):
         assert [(name, json.loads(arguments)) for name, arguments in calls.values()] == expected
 
 
+def test_a_call_outside_the_format_is_logged(monkeypatch):
+    from gateway.openai.tool_parsers import hermes_tool_parser
+    from tests.gateway.test_agent_clients import Recorder
+
+    monkeypatch.setattr(hermes_tool_parser, "log", recorder := Recorder())
+    _parser().extract_tool_calls(CALLS[0][0] + "\n" + CALLS[-1][0])
+    _parser().extract_tool_calls(CALLS[-1][0])  # the format itself: nothing to say
+    assert recorder.lines == [("info", "tool_call_outside_format", {"starts": ["```python\n<tools>\n{\"name"]})]
+
+
 @pytest.mark.parametrize("text", TEXT)
 def test_text_that_is_no_call_stays_text_whole_and_streamed(text):
     assert _parser().extract_tool_calls(text) == (text, [])

@@ -19,6 +19,9 @@ from gateway.openai.tool_parsers.abstract_tool_parser import ExtractedToolCalls,
 from gateway.openai.tool_parsers.hermes_scan import CALL, OPEN, first_open, scan
 from gateway.openai.tool_protocol import ToolDef
 from pagoda.contract.structured import StructuredOutputsParams
+from pagoda.runtime.logging import get_logger
+
+log = get_logger(__name__)
 
 HERMES_SYSTEM = (
     "You are a function calling AI model. You are provided with function signatures within "
@@ -64,14 +67,18 @@ class HermesToolParser(ToolParser):
     # The calls are found by hermes_scan.py, which also takes the forms small models write outside
     # `<tool_call>` (other tags, code fences, a bare object) for the tools the request offered.
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
-        calls, pieces, pos = [], [], 0
+        calls, pieces, pos, outside = [], [], 0, []
         for found in scan(text, self.tool_names, final=True):
             if found.status == CALL:
                 pieces.append(text[pos:found.start])
                 calls += found.calls
                 pos = found.end
+                if not text.startswith("<tool_call>", found.start):
+                    outside.append(text[found.start:found.start + 24])
         if not calls:
             return ExtractedToolCalls(text, [])
+        if outside:  # the model does not write its format: worth knowing when choosing a model
+            log.info("tool_call_outside_format", starts=outside)
         content = ("".join(pieces) + text[pos:]).strip()
         return ExtractedToolCalls(content or None, calls)
 
