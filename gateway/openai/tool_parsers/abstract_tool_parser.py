@@ -15,7 +15,6 @@ One instance per choice of a request: the streaming methods keep that choice's s
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any, ClassVar, NamedTuple
@@ -135,14 +134,6 @@ class ToolParser(ABC):
             deltas.append(DeltaToolCall(index=i, id=call.id, type="function",
                                         function=DeltaFunctionCall(name=names[i], arguments="")))
         return deltas
-
-
-def parse_call(text: str, key: str) -> ToolCall | None:
-    """One call from its JSON text; None when it is not one."""
-    try:
-        return call_of(json.loads(text), key)
-    except ValueError:
-        return None
 
 
 def call_of(value: Any, key: str) -> ToolCall | None:
