@@ -27,12 +27,15 @@ CALLS = [  # (reply, content around the calls, [(name, arguments)])
     (f'```json\n{OBJ}\n{{"name": "Bash", "arguments": {{}}}}\n```', None,
      [("exec_command", SED), ("Bash", {})]),  # two calls in one fence
     (f"```json\n{OBJ}\n", None, [("exec_command", SED)]),  # the fence never closed
+    ('```json\n{"name": "Bash", "arguments": "{\\"command\\": \\"ls\\"}"}\n```', None,
+     [("Bash", {"command": "ls"})]),  # arguments as JSON text, OpenAI's shape (Qwen, docs/agents.md)
     ('<tool_call>{"name": "anything", "arguments": {"a": 1}}</tool_call>', None, [("anything", {"a": 1})]),
 ]
 TEXT = [  # replies that hold no call
     'A user looks like {"name": "Alice", "arguments": {"age": 3}}.',  # a name no tool has
     '{"name": "exec_command", "arguments": {}, "id": 7}',  # a key more than a call has
-    '{"name": "exec_command", "arguments": "ls"}',  # arguments not an object
+    '{"name": "exec_command", "arguments": "ls"}',  # arguments not an object (nor JSON text of one)
+    '{"name": "exec_command", "arguments": "{\\"chars\\": 1}\\"}"}',  # JSON text, broken (Qwen's too)
     '{"arguments": {"cmd": "ls"}, "name": "exec_command"}',  # the name not first (llama.cpp: same)
     "```python\nprint({'name': 1})\nx = {\"cmd\": \"ls\"}\n```",
     "```python\n<tools>\n{\"name\": \"rm_rf\", \"arguments\": {}}\n</tools>\n```",

@@ -8,7 +8,8 @@ small models write them, which llama.cpp's Hermes 2 Pro parser also takes (commo
   requires), in the text or in a code fence; a tag may be in a fence too (```python, ```json, ...).
 
 Only the format's own tag trusts any name. The other forms count only when the name is one of the
-tools the request offered (`names`; None: those forms are off), with a JSON object as arguments,
+tools the request offered (`names`; None: those forms are off), with a JSON object as arguments
+(or JSON text of one, OpenAI's shape),
 and (untagged) no key but those two: JSON in prose or code stays content.
 
 A reply is scanned left to right. Each candidate (a fence, a `<`, a `{`) is a call, not one, or
@@ -166,6 +167,11 @@ def _lenient_call(value: object, names: frozenset[str], exact: bool) -> ToolCall
     if not any(keys == k or (not exact and keys == {"name"}) for k in _ARGUMENT_KEYS):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):  # OpenAI's own shape, JSON text (Qwen2.5-Coder writes it too)
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
     return ToolCall.of(value["name"], arguments) if isinstance(arguments, dict) else None
 
 
