@@ -76,7 +76,10 @@ class ToolPlan:
 
     def parsers(self, n: int, parallel_tool_calls: bool | None) -> list[ToolParser] | None:
         """One parser per choice (None: no calls to look for)."""
-        return [self.parser(parallel_tool_calls) for _ in range(n)] if self.tools is not None else None
+        if self.tools is None:
+            return None
+        names = [t.function.name for t in self.tools]
+        return [self.parser(parallel_tool_calls, names) for _ in range(n)]
 
 
 def tool_parser_class(config: GatewayConfig, tokenizer: Tokenizer | None) -> type[ToolParser]:

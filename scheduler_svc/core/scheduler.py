@@ -54,7 +54,7 @@ from scheduler_svc.core.prompt_logprobs import attach_prompt_logprobs, fold_prom
 from scheduler_svc.core.queues import RunQueues
 from scheduler_svc.core.request import EngineRequest, KvHandoff, Request, SeqStatus, Sequence, new_beam_group
 from scheduler_svc.core.spec import make_speculator
-from scheduler_svc.core.step_draft import InflightStep, StepDraft
+from scheduler_svc.core.step_draft import InflightStep, StepDraft, register_after_abort
 from scheduler_svc.core.swap import SwapManager
 from scheduler_svc.core.tenants import Tenants
 from scheduler_svc.core.tiers.disk_tier import disk_tier_stats
@@ -188,7 +188,13 @@ class Scheduler:
     def abort(self, request_id: RequestId) -> list[SequenceDelta]:
         """ABORT deltas for the request's unfinished sequences; [] if unknown or already ended."""
         req = self._queues.requests.get(request_id)
-        return [] if req is None else self._end_request(req, FinishReason.ABORT)
+        if req is None:
+            return []
+        if self._kv.index is not None:
+            for seq in req.seqs:
+                if seq.status is SeqStatus.RUNNING:
+                    register_after_abort(self._inflight, seq)
+        return self._end_request(req, FinishReason.ABORT)
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:

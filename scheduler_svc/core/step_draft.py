@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagoda.contract.step import StepPlan
@@ -91,3 +92,24 @@ def cut_for_encoder(mm_inputs: tuple, start: int, num_new: int, budget: int, ful
             return item.offset - start, cost
         cost += item.length
     return num_new, cost
+
+
+def register_after_abort(inflight: Iterable[InflightStep], seq: Sequence) -> None:
+    """An aborted running sequence's in-flight steps still write its blocks, which stay held until
+    the last of them reports (deferred free): let each step register what it computed when it
+    reports, as if the sequence still ran, so those blocks go to the evictable LRU hashed, not to
+    the free list. A client that retries the same prompt after giving up mid-prefill (Claude Code
+    drops a stream silent for 300 s) then resumes from every block computed, as in vLLM, which
+    caches blocks as they fill; without this each abort lost the chunks in flight (up to
+    max_inflight_steps of them). The steps get a snapshot: the sequence's own table is emptied."""
+    ghost = None
+    for step in inflight:
+        for i, (owner, generation, end) in enumerate(step.computed):
+            if owner is seq and generation == seq.generation:
+                if ghost is None:
+                    ghost = Sequence(seq.seq_id, seq.seq_index, seq.request, list(seq.token_ids),
+                                     seq.status, seq.num_computed_tokens, block_table=list(seq.block_table),
+                                     block_hashes=list(seq.block_hashes),
+                                     num_registered_blocks=seq.num_registered_blocks,
+                                     last_serial=seq.last_serial, generation=generation)
+                step.computed[i] = (ghost, generation, end)

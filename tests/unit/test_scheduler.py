@@ -154,6 +154,30 @@ def test_abort_mid_prefill_releases_everything():
     sched.check_invariants()
 
 
+def test_abort_mid_prefill_keeps_the_chunks_in_flight_cached_for_a_retry():
+    """A client that gives up mid-prefill and retries the same prompt (Claude Code after 300 s of
+    silence) resumes from every block computed, those of the steps in flight at the abort too."""
+    sched, worker = setup(max_num_batched_tokens=8)  # 4 prompt tokens a step, 2 steps in flight
+    prompt = list(range(1, 13))
+    sched.add_request(req("r", prompt))
+    first, second = sched.schedule(), sched.schedule()
+    assert first.new_requests[0].block_ids == [0] and second.table_updates == [TableUpdate(RequestId("r"), 1, [1])]
+    assert sched.schedule() is None  # both in flight, neither reported
+    (delta,) = sched.abort(RequestId("r"))
+    assert delta.finish_reason is FinishReason.ABORT
+    for plan in (first, second):  # the worker wrote blocks 0 and 1 all the same
+        assert sched.update(worker.execute(plan)) == []
+    stats = sched.stats()  # both hashed, evictable (not back on the free list)
+    assert (stats.num_free_blocks, stats.num_evictable_blocks, stats.num_used_blocks) == (14, 2, 0)
+    sched.check_invariants()
+    sched.add_request(req("retry", prompt))
+    plan, deltas = step(sched, worker)
+    (new,) = plan.new_requests
+    assert plan.finished_ids == ["r"] and new.block_ids[:2] == [0, 1] and new.num_computed_tokens == 8
+    assert new.num_scheduled_tokens == 4 and deltas[0].num_cached_tokens == 8
+    assert deltas[0].new_token_ids == worker.sampled["retry"][:1]  # the fake worker checked the KV it read
+
+
 def test_admission_rejections():
     sched, _ = setup(max_model_len=32, max_waiting_requests=2, max_waiting_tokens=12)
     with pytest.raises(InvalidRequestError) as err:

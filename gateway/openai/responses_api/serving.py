@@ -44,6 +44,8 @@ from gateway.upstream.fallback import prepend
 from pagoda.runtime.logging import get_logger
 
 log = get_logger(__name__)
+KEEPALIVE_S = 15.0  # response.in_progress again after this long with no event while tokens come
+_now = time.monotonic  # (tests replace it, not the time module asyncio reads)
 
 
 def new_id(prefix: str) -> str:
@@ -142,22 +144,31 @@ class ResponseWriter:
         last = first
         finish_reason: str | None = None
         token_ids: list[int] = []
+        sent = _now()
         while step is not None:
+            events: list[dict[str, Any]] = []
             for chunk in step.chunks:
                 token_ids += chunk.token_ids
                 reasoning, text = (self.reasoner.stream(chunk.text, chunk.finish_reason is not None)
                                    if self.reasoner is not None else ("", chunk.text))
-                for event in stream.reasoning(reasoning):
-                    yield event
+                events += stream.reasoning(reasoning)
                 if self.parser is not None:
                     text, calls, _ = self.parser.extract_tool_calls_streaming(text, chunk.finish_reason)
                 else:
                     calls = None
-                for event in stream.text(text):
-                    yield event
-                for event in stream.call_deltas(calls or ()):
-                    yield event
+                events += stream.text(text)
+                events += stream.call_deltas(calls or ())
                 finish_reason = chunk.finish_reason or finish_reason
+            now = _now()
+            if not events and now - sent >= KEEPALIVE_S:
+                # The tool parser holds back what may be a call (hermes_scan.py): a slow model
+                # (Qwen2.5-Coder-1.5B on a busy CPU, ~0.5 token/s) writing one sends nothing for
+                # minutes, and Codex drops a stream with no event for 300 s and starts over. An
+                # in_progress event (Codex ignores its content) says the response is alive.
+                events.append(stream.event("response.in_progress", response=self.response([], "in_progress")))
+            for event in events:
+                yield event
+            sent = now if events else sent
             last = step
             step = await anext(steps, None) if step.usage is None else None
         status = _status(finish_reason)

@@ -15,8 +15,8 @@ One instance per choice of a request: the streaming methods keep that choice's s
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any, ClassVar, NamedTuple
 
 from gateway.openai.parser_registry import ParserRegistry
@@ -39,8 +39,11 @@ class ToolParser(ABC):
     name: ClassVar[str]  # the --tool-call-parser value (set by ToolParserManager.register_module)
     arguments_key: ClassVar[str]  # the key a call's arguments go under in this format
 
-    def __init__(self, parallel_tool_calls: bool | None = None) -> None:
+    def __init__(self, parallel_tool_calls: bool | None = None, tool_names: Iterable[str] | None = None) -> None:
         self.parallel_tool_calls = parallel_tool_calls  # False: at most the first call is returned
+        # The tools the request offered: a format that also reads calls written outside its own
+        # markers (hermes) takes those only for these names. None: not known, such forms are off.
+        self.tool_names = frozenset(tool_names) if tool_names is not None else None
         self.held = ""  # streamed text not sent yet: it may be (part of) a call
         self.sent_content = False  # any content streamed yet
         self.heads: list[str] = []  # the ids of the call headers streamed
@@ -131,14 +134,6 @@ class ToolParser(ABC):
             deltas.append(DeltaToolCall(index=i, id=call.id, type="function",
                                         function=DeltaFunctionCall(name=names[i], arguments="")))
         return deltas
-
-
-def parse_call(text: str, key: str) -> ToolCall | None:
-    """One call from its JSON text; None when it is not one."""
-    try:
-        return call_of(json.loads(text), key)
-    except ValueError:
-        return None
 
 
 def call_of(value: Any, key: str) -> ToolCall | None:

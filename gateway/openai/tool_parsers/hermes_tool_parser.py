@@ -2,6 +2,9 @@
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of them, and text around
 them is content.
 
+Small models also write the call in other tags, in a code fence, or as a bare JSON object: those
+are read too for the tools the request offered (hermes_scan.py, as llama.cpp's Hermes 2 Pro parser).
+
 It is also the text every chat template that does not know tools gets (SmolLM2's plain ChatML):
 the Hermes system block listing the tools, past calls as `<tool_call>` text in the assistant turn
 and tool results as `<tool_response>` in the tool's.
@@ -10,17 +13,15 @@ and tool results as `<tool_response>` in the tool's.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
-from gateway.openai.tool_parsers.abstract_tool_parser import (
-    ExtractedToolCalls,
-    ToolParser,
-    ToolParserManager,
-    parse_call,
-)
+from gateway.openai.tool_parsers.abstract_tool_parser import ExtractedToolCalls, ToolParser, ToolParserManager
+from gateway.openai.tool_parsers.hermes_scan import CALL, OPEN, first_open, scan
 from gateway.openai.tool_protocol import ToolDef
 from pagoda.contract.structured import StructuredOutputsParams
+from pagoda.runtime.logging import get_logger
+
+log = get_logger(__name__)
 
 HERMES_SYSTEM = (
     "You are a function calling AI model. You are provided with function signatures within "
@@ -29,9 +30,6 @@ HERMES_SYSTEM = (
     "tools: <tools>{tools}</tools> For each function call return a json object with function name "
     "and arguments within <tool_call></tool_call> XML tags as follows:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <args-dict>}}\n</tool_call>')
-_START = "<tool_call>"
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_HEAD = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"([^"]*)"')  # where a call's name is known
 
 
 @ToolParserManager.register_module("hermes")
@@ -66,27 +64,37 @@ class HermesToolParser(ToolParser):
         return StructuredOutputsParams(
             grammar=f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(schema)}')
 
+    # The calls are found by hermes_scan.py, which also takes the forms small models write outside
+    # `<tool_call>` (other tags, code fences, a bare object) for the tools the request offered.
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
-        calls = []
-        for match in _CALL.finditer(text):
-            call = parse_call(match.group(1), self.arguments_key)
-            if call is None:
-                return ExtractedToolCalls(text, [])
-            calls.append(call)
-        content = _CALL.sub("", text).strip() if calls else text
+        calls, pieces, pos, outside = [], [], 0, []
+        for found in scan(text, self.tool_names, final=True):
+            if found.status == CALL:
+                pieces.append(text[pos:found.start])
+                calls += found.calls
+                pos = found.end
+                if not text.startswith("<tool_call>", found.start):
+                    outside.append(text[found.start:found.start + 24])
+        if not calls:
+            return ExtractedToolCalls(text, [])
+        if outside:  # the model does not write its format: worth knowing when choosing a model
+            log.info("tool_call_outside_format", starts=outside)
+        content = ("".join(pieces) + text[pos:]).strip()
         return ExtractedToolCalls(content or None, calls)
 
     def content_before_calls(self, text: str) -> int:
-        start = text.find(_START)
-        if start >= 0:
-            return start
-        for keep in range(min(len(text), len(_START) - 1), 0, -1):
-            if _START.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
+        return first_open(text, self.tool_names)
 
     def call_names(self, text: str) -> list[str]:
-        return [m.group(1) for m in _HEAD.finditer(text)]
+        """The calls found so far; then a `<tool_call>`'s name as soon as it is written (the other
+        forms are calls only once complete: their header waits until then)."""
+        names: list[str] = []
+        for found in scan(text, self.tool_names, final=False):
+            if found.status == CALL:
+                names += [call.function.name for call in found.calls]
+            elif found.status == OPEN and found.name is not None:
+                names.append(found.name)
+        return names
 
 
 def _call_json(call: dict[str, Any]) -> dict[str, Any]:
