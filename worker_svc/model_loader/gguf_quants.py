@@ -92,7 +92,8 @@ def _k_scales_np(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sd, sm, smd = s[:, 0], s[:, 1], s[:, 2]
     sc = np.concatenate([sd & 0x3F, (smd & 0x0F) | ((sd >> 2) & 0x30)], axis=1).astype(np.float32)
     mn = np.concatenate([sm & 0x3F, (smd >> 4) | ((sm >> 2) & 0x30)], axis=1).astype(np.float32)
-    return d * sc, -(dmin * mn)
+    with np.errstate(invalid="ignore", over="ignore"):  # a file's inf / NaN scales pass through, as torch's did
+        return d * sc, -(dmin * mn)
 
 
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +130,9 @@ def _q6_k(b: torch.Tensor) -> Decoded:
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 2, 4, 32)
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     q = (low | (high << 4)).reshape(-1, 256)  # 0..63
-    return pack_lowbit(torch.from_numpy(q), 6), torch.from_numpy(_h(a[:, 208:210]) * sc), None, 6, 16, 32
+    with np.errstate(invalid="ignore", over="ignore"):
+        scales = _h(a[:, 208:210]) * sc
+    return pack_lowbit(torch.from_numpy(q), 6), torch.from_numpy(scales), None, 6, 16, 32
 
 
 # type name -> (bytes per block, elements per block, decoder)
