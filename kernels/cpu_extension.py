@@ -36,12 +36,14 @@ SOURCES = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention.
            Path(__file__).resolve().parent / "linear" / "cpu_quant_linear_lowbit.cpp",  # 5/6-bit codes
            Path(__file__).resolve().parent / "linear" / "cpu_quant_int8dot.cpp",  # its VNNI int8 x int8 path
            Path(__file__).resolve().parent / "linear" / "cpu_quant_int16dot.cpp",  # ... and int8 x int16
+           Path(__file__).resolve().parent / "linear" / "cpu_quant_gemm16.cpp",  # prefill rows: int16 GEMM
            Path(__file__).resolve().parent / "decode" / "cpu_decode_stack.cpp"]  # fused decode step
 HEADERS = [Path(__file__).resolve().parent / "paged_attention" / "cpu_attention_kernel.h",
            Path(__file__).resolve().parent / "paged_attention" / "cpu_attention.h",
            Path(__file__).resolve().parent / "linear" / "cpu_quant_linear.h",
            Path(__file__).resolve().parent / "linear" / "cpu_quant_linear_lowbit.h",
            Path(__file__).resolve().parent / "linear" / "cpu_quant_int8dot.h",
+           Path(__file__).resolve().parent / "linear" / "cpu_quant_gemm16.h",
            Path(__file__).resolve().parent / "linear" / "cpu_quant_blocked.h"]
 BUILD_ROOT = Path(os.environ.get("PAGODA_CPU_EXTENSION_DIR") or ROOT / "build" / "torch_extensions")
 BUILD_DIR = BUILD_ROOT / NAME

@@ -30,6 +30,7 @@
 
 #include "cpu_quant_int8dot.h"
 #include "cpu_quant_blocked.h"
+#include "cpu_quant_gemm16.h"
 #include "cpu_quant_linear.h"
 #include "cpu_quant_linear_lowbit.h"
 
@@ -120,6 +121,26 @@ void dequant_row(const QuantView& w, int64_t n, float* dst) {
         out[i] = mn ? a + m : a;
         out[half + i] = mn ? c + m : c;
       }
+    }
+  }
+}
+
+// One row of W as its integer codes minus the zero point, and its scales (the int16 GEMM's input).
+void code_row(const QuantView& w, int64_t n, int16_t* dst, float* scales) {
+  const int64_t G = w.group, ng = w.groups(), z = w.zero;
+  const uint8_t* row = w.q + n * w.row_bytes();
+  std::memcpy(scales, w.scales + n * ng, ng * sizeof(float));
+  if (w.bits == 8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(row);
+    for (int64_t k = 0; k < w.K; ++k) dst[k] = static_cast<int16_t>(q[k] - z);
+    return;
+  }
+  for (int64_t g = 0; g < ng; ++g) {  // byte i of a group: element i low, element i + G/2 high
+    const uint8_t* q = row + g * (G / 2);
+    int16_t* o = dst + g * G;
+    for (int64_t i = 0; i < G / 2; ++i) {
+      o[i] = static_cast<int16_t>((q[i] & 0x0F) - z);
+      o[G / 2 + i] = static_cast<int16_t>((q[i] >> 4) - z);
     }
   }
 }
@@ -405,7 +426,16 @@ at::Tensor quant_linear_interleaved(const at::Tensor& x_in, const at::Tensor& qw
   at::Tensor out = at::empty({M, N}, x.options());
   const bool half = scales.scalar_type() == at::kHalf;
   const int8_t* q = static_cast<const int8_t*>(qweight.const_data_ptr());
-  if (M > kMaxDirectRows ||
+  if (M > kMaxDirectRows && pagoda_cpu::int16_gemm_applies(act, K, 32)) {  // prefill: the int16 GEMM
+    const at::Tensor sf = scales.to(at::kFloat);
+    const float* s = sf.const_data_ptr<float>();
+    pagoda_cpu::int16_gemm(x.const_data_ptr<float>(), M, K, N, 32, [&](int64_t n, int16_t* dst, float* sc) {
+      const int8_t* qg = q + (n / 16) * 16 * K + 2 * (n % 16);  // as the widening below
+      const float* sg = s + (n / 16) * nb * 16 + n % 16;
+      for (int64_t k = 0; k < K; k += 2) dst[k] = qg[16 * k], dst[k + 1] = qg[16 * k + 1];
+      for (int64_t b = 0; b < nb; ++b) sc[b] = sg[b * 16];
+    }, nullptr, bp, out.data_ptr<float>());
+  } else if (M > kMaxDirectRows ||
       !pagoda_cpu::int16_dot_linear_interleaved(act, x.const_data_ptr<float>(), M, K, q,
                                                 half ? nullptr : scales.const_data_ptr<float>(),
                                                 half ? reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>()) : nullptr,
@@ -435,7 +465,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const
                         int64_t group, int64_t bits, int64_t zero, int64_t act) {
   TORCH_CHECK(act == 0 || act == 8 || act == 16 || act == 32, "pagoda_cpu.quant_linear: act must be 0, 8, 16 or 32, got ", act);
   if (qweight.dim() == 3) return quant_linear_interleaved(x_in, qweight, scales, mins, bias, group, bits, act);
-  if (bits == 5 || bits == 6) return quant_linear_lowbit(x_in, qweight, scales, mins, bias, group, bits, zero);
+  if (bits == 5 || bits == 6) return quant_linear_lowbit(x_in, qweight, scales, mins, bias, group, bits, zero, act);
   TORCH_CHECK(bits == 8 || bits == 4, "pagoda_cpu.quant_linear: bits must be 8, 6, 5 or 4, got ", bits);
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
@@ -474,6 +504,10 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const
               has_min ? mins->const_data_ptr<float>() : nullptr, N, K, group, bits, zero};
   if (M <= kMaxDirectRows) {
     direct(w, x.const_data_ptr<float>(), M, out.data_ptr<float>(), has_bias ? b.const_data_ptr<float>() : nullptr, act);
+  } else if (pagoda_cpu::int16_gemm_applies(act, K, group)) {  // prefill on AVX512-VNNI: the int16 GEMM
+    pagoda_cpu::int16_gemm(x.const_data_ptr<float>(), M, K, N, group,
+                           [&w](int64_t n, int16_t* dst, float* sc) { code_row(w, n, dst, sc); }, w.mins,
+                           has_bias ? b.const_data_ptr<float>() : nullptr, out.data_ptr<float>());
   } else {
     pagoda_cpu::blocked_quant_matmul(w.N, w.K, x, out, has_bias ? b.const_data_ptr<float>() : nullptr,
                                      [&w](int64_t n, float* dst) { dequant_row(w, n, dst); });

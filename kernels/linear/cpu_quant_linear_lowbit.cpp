@@ -26,6 +26,7 @@
 #include <ATen/ops/mm.h>
 
 #include "cpu_quant_blocked.h"
+#include "cpu_quant_gemm16.h"
 #include "cpu_quant_int8dot.h"
 #include "cpu_quant_linear_lowbit.h"
 
@@ -284,7 +285,7 @@ namespace pagoda_cpu {
 
 at::Tensor quant_linear_lowbit(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                                const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
-                               int64_t group, int64_t bits, int64_t zero) {
+                               int64_t group, int64_t bits, int64_t zero, int64_t act) {
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
               "pagoda_cpu.quant_linear: activations must be float32 or bfloat16, got ", x_in.scalar_type());
@@ -296,6 +297,14 @@ at::Tensor quant_linear_lowbit(const at::Tensor& x_in, const at::Tensor& qweight
   const at::Tensor x = x_in.to(at::kFloat).contiguous();  // bf16: widened once (M x K, small)
   at::Tensor out = at::empty({M, w.N}, x.options());
   if (M <= kMaxDirectRows) direct(w, x.const_data_ptr<float>(), M, out.data_ptr<float>(), bp);
+  else if (pagoda_cpu::int16_gemm_applies(act, K, group))  // prefill on AVX512-VNNI (cpu_quant_gemm16.h)
+    pagoda_cpu::int16_gemm(x.const_data_ptr<float>(), M, K, w.N, group, [&w](int64_t n, int16_t* dst, float* sc) {
+      const int64_t ng = w.groups(), bb = w.block_bytes();
+      const uint8_t* row = w.q + n * w.row_bytes();
+      std::memcpy(sc, w.scales + n * ng, ng * sizeof(float));
+      for (int64_t k = 0; k < w.K; ++k)
+        dst[k] = static_cast<int16_t>(code(row + (k / kBlock) * bb, w.bits, static_cast<int>(k % kBlock)) - w.zero);
+    }, w.mins, bp, out.data_ptr<float>());
   else pagoda_cpu::blocked_quant_matmul(w.N, w.K, x, out, bp, [&w](int64_t n, float* dst) { dequant_row(w, n, dst); });
   return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 }

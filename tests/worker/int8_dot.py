@@ -22,6 +22,9 @@ def activation_bits(weight: QuantizedWeight, m: int, act: int = 0) -> int:
     ops = _ops()
     mode, _, default = ops.quant_int8_dot() if ops is not None and hasattr(ops, "quant_int8_dot") else (0, 0, 32)
     k, group = weight.shape[1], weight.group
+    if m > 32:  # prefill rows: the int16 GEMM (cpu_quant_gemm16.cpp) on AVX512-VNNI, any storage, unless fp32 asked
+        fits = k % BLOCK == 0 and (group == 16 or group % BLOCK == 0)
+        return 16 if mode == 1 and (act or default) != 32 and fits else 32
     if weight.interleaved:  # only the AVX512-VNNI int16 kernel reads them; every other call widens rows
         return 16 if mode == 1 and m <= 32 and (act or default) == 16 else 32
     if weight.bits in (4, 5, 6):  # packed codes: the AVX512-VNNI kernel, int16 by default only

@@ -107,7 +107,10 @@ CASES = [  # (dtype, quantization, activations of 8-bit codes (0: the default), 
     pytest.param(torch.float32, "int8", 16, 1e-3, id="int8-fp32-int16act"),
     pytest.param(torch.float32, "int4", 32, 1e-5, id="int4-fp32"),
     pytest.param(torch.float32, "int4", 16, 1e-3, id="int4-fp32-int16act"),  # packed codes too, as above
-    pytest.param(torch.bfloat16, "int8", 0, 0.0, id="int8-bf16"),  # the same bits in: the same bits out
+    # bf16: the same linears and attention, but RMSNorm's fp32 sum in another order can round one element
+    # to the neighbouring bf16 value, which moves its block's int16 activations: the logits then differ
+    # by a bf16 ulp here and there (1 of 16 data seeds with fp32 prefill rows, 3 of 16 with int16 ones)
+    pytest.param(torch.bfloat16, "int8", 0, 2.0**-7, id="int8-bf16"),
 ]
 
 

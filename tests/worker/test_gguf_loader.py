@@ -233,14 +233,15 @@ def test_missing_model_path_names_both_formats(tmp_path):
 
 
 def test_a_load_parses_the_file_once_and_lets_it_go(tmp_path, monkeypatch):
-    # Opening a GGUF parses all its metadata (seconds for a real vocabulary): config, the names kept
-    # quantized and the tensors share one reader, dropped when the model is loaded; outside a load
-    # no reader is kept.
+    # Opening a GGUF parses its header: config, the names kept quantized and the tensors share one
+    # reader (gguf_file.GGUFFile), dropped when the model is loaded; outside a load no reader is kept.
+    from worker_svc.model_loader import gguf_file
+
     types = {f"model.layers.{i}.mlp.down_proj.weight": Q.Q8_0 for i in range(2)}
     _, path = hf_to_gguf("mistral", tmp_path, types)
     opened = []
-    real = gguf.GGUFReader
-    monkeypatch.setattr(gguf, "GGUFReader", lambda p, *a, **k: opened.append(p) or real(p, *a, **k))
+    real = gguf_file.GGUFFile
+    monkeypatch.setattr(gguf_file, "GGUFFile", lambda p, *a, **k: opened.append(p) or real(p, *a, **k))
     gguf_loader._cached_config.cache_clear()
     load_model(path, torch.float32, "cpu", quantization="gguf")
     assert opened == [str(path.resolve())]

@@ -57,7 +57,7 @@ def test_gguf_linears_are_served_as_stored(type_name, tied, tmp_path):
         if isinstance(module, torch.nn.Linear):  # every projection and the head: quantized, same weights
             assert isinstance(modules[name], QuantLinear), name
             assert torch.equal(modules[name].dequantized_weight(), module.weight), name
-    assert isinstance(quant.model.embed_tokens, QuantEmbedding) == tied
+    assert isinstance(quant.model.embed_tokens, QuantEmbedding)  # untied: its own quantized table (issue 47)
     ids = torch.tensor([5, 200, 17, 255])
     assert torch.equal(quant.model.embed_tokens(ids), dense.model.embed_tokens(ids))
     # stored bytes: the file's, fp32 scales instead of fp16 ones (nothing widened to fp32 weights)
@@ -110,7 +110,8 @@ def test_float_parts_stay_float(tmp_path):
                           quantization="gguf")
     assert isinstance(quant.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)  # one part F16
     assert isinstance(quant.model.layers[1].self_attn.qkv_proj, QuantLinear)
-    assert isinstance(quant.lm_head, torch.nn.Linear) and isinstance(quant.model.embed_tokens, torch.nn.Embedding)
+    assert isinstance(quant.lm_head, torch.nn.Linear)
+    assert isinstance(quant.model.embed_tokens, QuantEmbedding)  # the Q8_0 token_embd stays quantized
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -153,6 +153,11 @@ def swap_quantized_linears(model: torch.nn.Module, kept: set[str]) -> int:
         swapped += 1
     if tied and isinstance(model.lm_head, QuantLinear):
         model.model.embed_tokens = QuantEmbedding(model.lm_head, model.model.embed_tokens.weight.dtype)
+    embed = model.model.embed_tokens
+    if not tied and type(embed) is torch.nn.Embedding and "model.embed_tokens.weight" in kept:
+        # an untied quantized token_embd stays quantized too (its tokens' rows widened per step)
+        table = QuantLinear(embed.embedding_dim, embed.num_embeddings)
+        model.model.embed_tokens = QuantEmbedding(table, embed.weight.dtype, own=True)
     return swapped
 
 
@@ -202,7 +207,8 @@ TensorReader = Callable[[], torch.Tensor]
 
 def _quant_slots(model: LlamaForCausalLM) -> dict[str, QuantLinear]:
     """Weight name -> the QuantLinear it fills (a tied quantized lm_head: the embedding's name)."""
-    slots = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    slots = {(f"{name}.weight" if not name.endswith("embed_tokens.table") else "model.embed_tokens.weight"): m
+             for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     if model.config.tie_word_embeddings and isinstance(model.lm_head, QuantLinear):
         slots = {("model.embed_tokens.weight" if k == "lm_head.weight" else k): m for k, m in slots.items()}
     return slots

@@ -129,11 +129,15 @@ class QuantLinear(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """The token embedding read from the same quantized rows as a tied lm_head: each step widens
-    only its tokens' rows (a few KB), where an fp32 table of SmolLM2 would hold 113 MB."""
+    only its tokens' rows (a few KB), where an fp32 table of SmolLM2 would hold 113 MB. An untied
+    GGUF's own quantized token_embd (own=True: a QuantLinear of [vocab, hidden] that only this
+    reads) likewise: Qwen2.5-0.5B's Q5_0 table was widened at load to 545 MB of fp32."""
 
-    def __init__(self, lm_head: QuantLinear, dtype: torch.dtype) -> None:
+    def __init__(self, lm_head: QuantLinear, dtype: torch.dtype, own: bool = False) -> None:
         super().__init__()
-        self.head = [lm_head]  # a list: not a submodule, so the weights are not counted twice
+        if own:
+            self.table = lm_head  # a submodule: its buffers are this model's (loaded, counted, moved)
+        self.head = [lm_head]  # a list: a tied head's weights are not counted twice
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = lm_head.out_features, lm_head.in_features
 
