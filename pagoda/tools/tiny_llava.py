@@ -15,8 +15,6 @@ vision_feature_select_strategy "default", as LLaVA-1.5). The siglip-qwen2 varian
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -29,6 +27,7 @@ from pagoda.tools.tiny_model import (
     QK_ELEMENT_STD,
     SPECIAL_TOKENS,
     VOCAB_SIZE,
+    staged_dir,
     tokenizer_config,
     train_tokenizer,
 )
@@ -130,16 +129,11 @@ def write_model(out: Path, force: bool = False, variant: str = "clip-llama") -> 
     out = Path(out)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file() and not force:
         return False
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
-        tmp_dir = Path(tmp) / "model"
+    with staged_dir(out) as tmp_dir:
         build_model(variant).save_pretrained(tmp_dir)
         processor = build_processor(variant)
         processor.save_pretrained(tmp_dir)
         processor.tokenizer.save_pretrained(tmp_dir)  # tokenizer_config.json holds the template too
-        if out.exists():
-            shutil.rmtree(out)
-        tmp_dir.rename(out)
     return True
 
 

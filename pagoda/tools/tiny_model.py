@@ -11,9 +11,11 @@ The output of special tokens is damped in the LM head so greedy decoding does no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,17 +160,27 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+@contextlib.contextmanager
+def staged_dir(out: Path) -> Iterator[Path]:
+    """An empty sibling temp dir to build a model in, renamed to `out` (replacing it) when the
+    block ends without error: an interrupted run never leaves a half model behind."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
+        tmp_dir = Path(tmp) / "model"
+        tmp_dir.mkdir()
+        yield tmp_dir
+        if out.exists():
+            shutil.rmtree(out)
+        tmp_dir.rename(out)
+
+
 def write_model(out: Path, preset_name: str = "tiny", force: bool = False) -> bool:
     """Write the model into `out`; False (and nothing written) if it is already there."""
     out = Path(out)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file() and not force:
         return False
     preset = PRESETS[preset_name]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a sibling temp dir and rename: an interrupted run never leaves a half model behind.
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
-        tmp_dir = Path(tmp) / "model"
-        tmp_dir.mkdir()
+    with staged_dir(out) as tmp_dir:
         train_tokenizer().save(str(tmp_dir / "tokenizer.json"))
         _write_json(tmp_dir / "tokenizer_config.json", tokenizer_config(preset))
         _write_json(tmp_dir / "special_tokens_map.json",
@@ -179,9 +191,6 @@ def write_model(out: Path, preset_name: str = "tiny", force: bool = False) -> bo
         save_file(random_weights(preset), str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
         for file in tmp_dir.iterdir():
             file.chmod(0o644)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp_dir.rename(out)
     return True
 
 

@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pagoda.contract.ids import RequestId
-from pagoda.contract.params import FinishReason, SamplingParams
+from pagoda.contract.params import SamplingParams
 from scheduler_svc.core import EngineRequest, SchedulerConfig
 from scheduler_svc.core.config import SpeculativeConfig
-from tests.unit.test_fake_worker_property import expected, traces
-from tests.unit.test_spec_decode import samplable, small_vocab_run
+from tests.unit.test_fake_worker_property import traces
+from tests.unit.test_spec_decode import assert_streams, samplable, small_vocab_run
 
 DRAFT = SpeculativeConfig(num_speculative_tokens=4, method="draft_model", model="draft")
 
@@ -35,18 +35,6 @@ def test_a_model_key_means_a_draft_model_as_vllm_infers_it() -> None:
         SpeculativeConfig.parse({"method": "draft_model"})
 
 
-def _assert_streams(run, requests) -> None:
-    for _, request in requests:
-        for index in range(request.sampling.n):
-            key = (request.request_id, index)
-            assert key in run.ended, f"{key} never ended"
-            got, want = run.streams.get(key, []), expected(run.sampler, request, index)
-            if run.ended[key] in (FinishReason.ABORT, FinishReason.ERROR):
-                assert got == want[:len(got)], f"{key}: {got} is not a prefix of {want}"
-            else:
-                assert got == want, f"{key}: got {got}, expected {want}"
-
-
 def test_draft_blocks_are_allocated_rolled_back_and_freed() -> None:
     config = SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8,
                              max_num_batched_tokens=64, speculative=DRAFT)
@@ -55,7 +43,7 @@ def test_draft_blocks_are_allocated_rolled_back_and_freed() -> None:
                                   SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)))
                 for i in range(3)]
     run.go(requests)
-    _assert_streams(run, requests)
+    assert_streams(run, requests)
     core = run.scheduler
     assert 0 < core.spec_num_accepted_tokens < core.spec_num_draft_tokens  # both kinds happen
     drafted = [d for plan, _, _ in run.steps for d in plan.model_drafts]
@@ -81,7 +69,7 @@ def test_random_traces_with_a_draft_model_keep_invariants_and_streams(trace, voc
 
     run = small_vocab_run(config, loses_worker, vocab, eos_probability)
     run.go(requests, [(at, requests[i][1].request_id) for at, i in aborts])
-    _assert_streams(run, requests)
+    assert_streams(run, requests)
     stats = run.scheduler.stats()
     assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
 
@@ -103,7 +91,7 @@ def test_a_thousand_requests_with_aborts_in_a_cramped_pool_leak_no_block() -> No
             aborts.append((i // 4 + rng.randint(0, 6), f"r{i}"))
     run = small_vocab_run(config, lambda plan, result: False, 5)
     run.go(requests, aborts, max_steps=20000)
-    _assert_streams(run, requests)
+    assert_streams(run, requests)
     core = run.scheduler
     stats = core.stats()
     assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
@@ -122,7 +110,7 @@ def test_no_drafts_in_a_step_running_more_than_disable_by_batch_size() -> None:
                                   SamplingParams(temperature=0.0, max_tokens=8 + 12 * i, ignore_eos=True)))
                 for i in range(3)]
     run.go(requests)
-    _assert_streams(run, requests)
+    assert_streams(run, requests)
     # all three arrive at once: a step samples for every running sequence
     running = [len(set(result.request_ids)) for _, result, _ in run.steps]
     drafted = [bool(plan.model_drafts) for plan, _, _ in run.steps]

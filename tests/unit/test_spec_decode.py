@@ -128,15 +128,7 @@ def test_random_traces_with_speculation_keep_invariants_and_streams(method, trac
 
     run = small_vocab_run(config, loses_worker, vocab, eos_probability)
     run.go(requests, [(at, requests[i][1].request_id) for at, i in aborts])
-    for _, request in requests:
-        for index in range(request.sampling.n):
-            key = (request.request_id, index)
-            assert key in run.ended, f"{key} never ended"
-            got, want = run.streams.get(key, []), expected(run.sampler, request, index)
-            if run.ended[key] in (FinishReason.ABORT, FinishReason.ERROR):
-                assert got == want[:len(got)], f"{key}: {got} is not a prefix of {want}"
-            else:
-                assert got == want, f"{key}: got {got}, expected {want}"
+    assert_streams(run, requests)
     stats = run.scheduler.stats()
     assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
     if method == "suffix":  # every sequence's own tree dropped; the cache within its bound
@@ -236,3 +228,17 @@ def test_ngram_drafts_are_cut_to_their_match_unless_the_sequence_runs_alone() ->
     tokens = [5, 1, 2, 7, 7, 1, 2]  # [1, 2] matched: prompt lookup drafts 4, the match earns 2
     assert speculator.propose([_decoding("a", tokens)]) == {"a": [7, 7, 1, 2]}
     assert speculator.propose([_decoding("a", tokens), _decoding("b", [1, 2, 3])]) == {"a": [7, 7]}
+
+
+def assert_streams(run, requests) -> None:
+    """Every sequence ended; what it streamed is the fake model's sequence (a prefix of it when
+    aborted or failed): speculation, aborts and losses changed no token."""
+    for _, request in requests:
+        for index in range(request.sampling.n):
+            key = (request.request_id, index)
+            assert key in run.ended, f"{key} never ended"
+            got, want = run.streams.get(key, []), expected(run.sampler, request, index)
+            if run.ended[key] in (FinishReason.ABORT, FinishReason.ERROR):
+                assert got == want[:len(got)], f"{key}: {got} is not a prefix of {want}"
+            else:
+                assert got == want, f"{key}: got {got}, expected {want}"
