@@ -36,6 +36,9 @@ async def test_the_budget_cuts_the_thinking(make_gateway, upstream, tokenizer):
     ids = tokenizer.encode(QWEN3_TEXT, add_special_tokens=False)
     assert len(tokenizer.encode(THOUGHT, add_special_tokens=False)) > 6
     script(upstream, tokenizer, QWEN3_TEXT)
+    # The engine holds its last response until the caller leaves: otherwise, on a loaded machine,
+    # it may have sent the whole script before the gateway cut, and nothing would be cancelled.
+    upstream.engine.hold_final_response = True
     gateway = await make_gateway(reasoning_parser="qwen3")
     reply = await gateway.http.post("/v1/messages", json=thinking(6))
     assert reply.status_code == 200, reply.text
