@@ -21,7 +21,7 @@ from pagoda.contract.params import SamplingParams
 from scheduler_svc.core import EngineRequest, SchedulerConfig
 from scheduler_svc.core.config import SpeculativeConfig
 from tests.unit.test_fake_worker_property import traces
-from tests.unit.test_spec_decode import assert_streams, samplable, small_vocab_run
+from tests.unit.test_spec_decode import assert_streams, run_trace, samplable, small_vocab_run
 
 DRAFT = SpeculativeConfig(num_speculative_tokens=4, method="draft_model", model="draft")
 
@@ -56,22 +56,10 @@ def test_draft_blocks_are_allocated_rolled_back_and_freed() -> None:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), st.sampled_from([3, 5, 40]), st.integers(1, 4))
 def test_random_traces_with_a_draft_model_keep_invariants_and_streams(trace, vocab, k) -> None:
-    config, requests, aborts, eos_probability, worker_loss_step = trace
+    config, requests, *_ = trace
     assume(all(samplable(request.sampling, vocab) for _, request in requests))
     config = dataclasses.replace(config, speculative=dataclasses.replace(DRAFT, num_speculative_tokens=k))
-    lost = []
-
-    def loses_worker(plan, result):  # a worker loss (as a failed step) once, mid-trace
-        if worker_loss_step is not None and plan.step_id == worker_loss_step and not lost:
-            lost.append(plan.step_id)
-            return True
-        return False
-
-    run = small_vocab_run(config, loses_worker, vocab, eos_probability)
-    run.go(requests, [(at, requests[i][1].request_id) for at, i in aborts])
-    assert_streams(run, requests)
-    stats = run.scheduler.stats()
-    assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
+    run_trace(config, trace, vocab)
 
 
 def test_a_thousand_requests_with_aborts_in_a_cramped_pool_leak_no_block() -> None:

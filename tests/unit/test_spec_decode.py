@@ -109,28 +109,18 @@ def test_drafts_are_accepted_on_a_small_vocabulary_and_streams_stay_exact() -> N
 @given(traces(), st.sampled_from([3, 5, 40]), st.integers(1, 4),
        st.sampled_from([(0.0, 0.0), (0.05, 0.0001), (0.01, 0.002), (0.001, 0.01)]))
 def test_random_traces_with_speculation_keep_invariants_and_streams(method, trace, vocab, k, step_cost) -> None:
-    config, requests, aborts, eos_probability, worker_loss_step = trace
+    config, requests, *_ = trace
     assume(all(samplable(request.sampling, vocab) for _, request in requests))
     # suffix: a shallow tree and a small cache, so that eviction and depth cuts take part too
     spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3, prompt_lookup_min=1, method=method,
                              suffix_decoding_max_tree_depth=6, suffix_decoding_max_cached_tokens=40)
     config = dataclasses.replace(config, speculative=spec)
-    lost = []
 
-    def loses_worker(plan, result):  # a worker loss (as a failed step) once, mid-trace
-        # step times a + b * tokens, so that the draft-length policy (spec_policy.py) takes part
+    def timed(plan, result):  # step times a + b * tokens, so that the draft-length policy (spec_policy.py) takes part
         tokens = len(result.request_ids) + sum(map(len, plan.draft_token_ids.values()))
         result.forward_seconds = step_cost[0] + step_cost[1] * tokens
-        if worker_loss_step is not None and plan.step_id == worker_loss_step and not lost:
-            lost.append(plan.step_id)
-            return True
-        return False
 
-    run = small_vocab_run(config, loses_worker, vocab, eos_probability)
-    run.go(requests, [(at, requests[i][1].request_id) for at, i in aborts])
-    assert_streams(run, requests)
-    stats = run.scheduler.stats()
-    assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
+    run = run_trace(config, trace, vocab, timed)
     if method == "suffix":  # every sequence's own tree dropped; the cache within its bound
         suffix = run.scheduler._spec
         assert suffix.num_tracked == 0 and suffix.cache.num_tokens <= 40  # type: ignore[union-attr]
@@ -228,6 +218,29 @@ def test_ngram_drafts_are_cut_to_their_match_unless_the_sequence_runs_alone() ->
     tokens = [5, 1, 2, 7, 7, 1, 2]  # [1, 2] matched: prompt lookup drafts 4, the match earns 2
     assert speculator.propose([_decoding("a", tokens)]) == {"a": [7, 7, 1, 2]}
     assert speculator.propose([_decoding("a", tokens), _decoding("b", [1, 2, 3])]) == {"a": [7, 7]}
+
+
+def run_trace(config, trace, vocab: int, on_step=None):
+    """Run a hypothesis trace on the small-vocabulary fake worker under `config`: its aborts at
+    their steps, a worker loss (as a failed step) once at its step, `on_step(plan, result)` on
+    every step. Every stream must be the fake model's and the pool must end empty. The run."""
+    _, requests, aborts, eos_probability, worker_loss_step = trace
+    lost = []
+
+    def loses_worker(plan, result):
+        if on_step is not None:
+            on_step(plan, result)
+        if worker_loss_step is not None and plan.step_id == worker_loss_step and not lost:
+            lost.append(plan.step_id)
+            return True
+        return False
+
+    run = small_vocab_run(config, loses_worker, vocab, eos_probability)
+    run.go(requests, [(at, requests[i][1].request_id) for at, i in aborts])
+    assert_streams(run, requests)
+    stats = run.scheduler.stats()
+    assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
+    return run
 
 
 def assert_streams(run, requests) -> None:
